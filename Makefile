@@ -1,0 +1,40 @@
+# The two commands of the quick start:
+#   make train   set up .venv if needed and run the default SFT recipe through accelerate launch
+#   make test    set up .venv (with the dev extras) and run the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+ARGS ?=
+
+.PHONY: train test lint format clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# torch first, and only if the environment has none: an existing torch (a CUDA build, say) is kept, and pip
+# never resolves a bare `torch` requirement to a multi-GB build on its own.
+$(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
+	touch $@
+
+train: $(VENV)/.installed
+	@cfg=$$($(BIN)/python -c "import torch; print('single_gpu' if torch.cuda.is_available() else 'cpu')"); \
+	echo "accelerate config: accelerate_configs/$$cfg.yaml"; \
+	$(BIN)/accelerate launch --quiet --config_file accelerate_configs/$$cfg.yaml recipes/sft.py $(ARGS)
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest tests $(ARGS)
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check src recipes tests
+	$(BIN)/ruff format --check src recipes tests
+
+format: $(VENV)/.installed
+	$(BIN)/ruff format src recipes tests
+	$(BIN)/ruff check --fix src recipes tests
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache

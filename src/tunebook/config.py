@@ -1,0 +1,289 @@
+"""Typed, strict recipe configs: one dataclass per recipe, loaded from YAML and `--key value` overrides.
+
+Precedence: dataclass defaults < `--config FILE.yaml` < command-line overrides. Every key is checked against
+the dataclass: an unknown key names the closest valid one, and every value is coerced to the field's type or
+rejected with the key and the value. Defaults live only in the dataclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union
+
+import yaml
+
+from .errors import ConfigError, install_excepthook
+
+__all__ = ["TrainConfig", "config_to_dict", "load_config", "parse_config", "save_config"]
+
+C = TypeVar("C")
+
+
+def _help(text: str, default: Any = dataclasses.MISSING, **kwargs) -> Any:
+    if default is dataclasses.MISSING and "default_factory" not in kwargs:
+        raise TypeError("config fields need a default")
+    return field(default=default, metadata={"help": text}, **kwargs)
+
+
+@dataclass
+class TrainConfig:
+    """Fields every recipe shares. Names follow transformers' `TrainingArguments` where the concept is the same."""
+
+    # --- outputs
+    output_dir: str = _help("Where the model, checkpoints, metrics.jsonl and summary.json go.", "outputs/run")
+    cache_dir: str | None = _help(
+        "Cache for tokenised data and generated assets (default: $TUNEBOOK_CACHE or ~/.cache/tunebook).", None
+    )
+    # --- optimisation
+    learning_rate: float = _help("Peak AdamW learning rate.", 5e-5)
+    weight_decay: float = _help("AdamW weight decay (not applied to biases and norm weights).", 0.0)
+    adam_beta1: float = _help("AdamW beta1.", 0.9)
+    adam_beta2: float = _help("AdamW beta2.", 0.999)
+    adam_epsilon: float = _help("AdamW epsilon.", 1e-8)
+    max_grad_norm: float = _help("Clip the global gradient norm to this (0 disables clipping).", 1.0)
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = _help(
+        "Learning-rate schedule after warmup.", "linear"
+    )
+    warmup_ratio: float = _help("Fraction of the optimizer steps spent warming up linearly from 0.", 0.0)
+    # --- batching and length of training
+    per_device_train_batch_size: int = _help("Micro-batch size per process.", 8)
+    per_device_eval_batch_size: int = _help("Evaluation batch size per process.", 8)
+    gradient_accumulation_steps: int = _help("Micro-batches per optimizer step.", 1)
+    num_train_epochs: float = _help("Epochs to train when max_steps is -1.", 1.0)
+    max_steps: int = _help("Optimizer steps to train; -1 uses num_train_epochs, 0 only evaluates.", -1)
+    gradient_checkpointing: bool = _help("Recompute activations in backward to save memory.", False)
+    # --- logging, evaluation, checkpoints
+    logging_steps: int = _help("Log train metrics every N optimizer steps.", 10)
+    eval_steps: int = _help("Evaluate every N optimizer steps (0: only at the end).", 0)
+    save_steps: int = _help("Save a resumable checkpoint every N optimizer steps (0: none).", 0)
+    save_total_limit: int = _help("Keep at most this many step checkpoints (0: keep all).", 2)
+    disable_tqdm: bool = _help("Turn off progress bars.", False)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = _help("Log level of the main process.", "INFO")
+    seed: int = _help("Seed for model init, data order and dropout.", 42)
+    # --- data loading
+    dataloader_num_workers: int = _help("DataLoader worker processes (0: load in the main process).", 0)
+    dataloader_pin_memory: bool = _help("Pin host memory for faster copies when training on CUDA.", True)
+
+    def validate(self) -> None:
+        """Reject impossible settings with the key and value at fault."""
+        positive = ["per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"]
+        for key in positive:
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+        for key in ["logging_steps"]:
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+        for key in ["eval_steps", "save_steps", "save_total_limit", "dataloader_num_workers", "max_grad_norm"]:
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
+        if self.learning_rate < 0:
+            raise ConfigError(f"learning_rate must be >= 0, got {self.learning_rate}")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.max_steps < -1:
+            raise ConfigError(f"max_steps must be -1 (use epochs), 0 (evaluate only) or positive, got {self.max_steps}")
+        if self.max_steps == -1 and self.num_train_epochs <= 0:
+            raise ConfigError(f"num_train_epochs must be > 0 when max_steps is -1, got {self.num_train_epochs}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(cls: type[C], argv: list[str] | None = None) -> C:
+    """Build `cls` from `--config FILE` and `--key value` / `--key=value` arguments (default: `sys.argv[1:]`).
+
+    Also installs the excepthook that prints Tunebook's user errors without a traceback, since this is the
+    first thing a recipe's `__main__` block calls.
+    """
+    install_excepthook()
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print(config_help(cls))
+        raise SystemExit(0)
+    config_file, overrides = _split_argv(argv)
+    return parse_config(cls, config_file=config_file, overrides=overrides)
+
+
+def parse_config(cls: type[C], config_file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> C:
+    """Defaults < YAML file < overrides. Override values may be strings (from a command line) or Python values."""
+    values: dict[str, Any] = {}
+    if config_file is not None:
+        values.update(_read_yaml(Path(config_file)))
+        source = str(config_file)
+        values = {k: _coerce_field(cls, k, v, source) for k, v in values.items()}
+    for key, value in (overrides or {}).items():
+        values[key] = _coerce_field(cls, key, value, "command line")
+    config = cls(**values)
+    config.validate()
+    return config
+
+
+def _split_argv(argv: list[str]) -> tuple[str | None, dict[str, str]]:
+    config_file = None
+    overrides: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"unexpected argument {arg!r}: use --config FILE.yaml and --key value")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise ConfigError(f"--{key} needs a value (--{key} VALUE or --{key}=VALUE)")
+            value = argv[i + 1]
+            i += 1
+        key = key.replace("-", "_")
+        if key == "config":
+            config_file = value
+        else:
+            overrides[key] = value
+        i += 1
+    return config_file, overrides
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f", line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}{where}: not valid YAML: {getattr(e, 'problem', e)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a config file must be a mapping of keys to values, got {type(data).__name__}")
+    return data
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Type coercion
+
+
+def _coerce_field(cls: type, key: str, value: Any, source: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if key not in fields:
+        close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.5)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"unknown config key '{key}' (in {source}){hint}")
+    hint = typing.get_type_hints(cls)[key]
+    try:
+        return _coerce(hint, value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config key '{key}' (in {source}): {e}") from None
+
+
+_NULLS = {"null", "none", "~", ""}
+_TRUE = {"true", "yes", "1", "on"}
+_FALSE = {"false", "no", "0", "off"}
+
+
+def _coerce(hint: Any, value: Any) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.strip().lower() in _NULLS and type(None) in args):
+            if type(None) in args:
+                return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value)
+            except (TypeError, ValueError) as e:
+                errors.append(str(e))
+        raise ValueError(" or ".join(dict.fromkeys(errors)))
+    if origin is Literal:
+        if value not in args:
+            raise ValueError(f"{value!r} is not one of {', '.join(map(repr, args))}")
+        return value
+    if hint is Any:
+        return value
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+            return value.strip().lower() in _TRUE
+        raise ValueError(f"expected true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, bool):
+            raise ValueError(f"expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                pass
+        raise ValueError(f"expected an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, bool):
+            raise ValueError(f"expected a number, got {value!r}")
+        if isinstance(value, int | float):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+            try:
+                return float(value.strip())
+            except ValueError:
+                pass
+        raise ValueError(f"expected a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)
+        raise ValueError(f"expected a string, got {value!r}")
+    if origin in (list, dict) or hint in (list, dict):
+        target = origin or hint
+        if isinstance(value, str):  # from a command line: parse as YAML, e.g. --train_data '[a.jsonl, b.jsonl]'
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError:
+                raise ValueError(f"expected a {target.__name__} in YAML syntax, got {value!r}") from None
+        if not isinstance(value, target):
+            raise ValueError(f"expected a {target.__name__}, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config field type {hint!r}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Output
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def save_config(config: Any, path: str | Path) -> None:
+    """Write the resolved config as YAML, loadable again with `--config`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    tmp.replace(path)
+
+
+def config_help(cls: type) -> str:
+    hints = typing.get_type_hints(cls)
+    lines = [f"{cls.__name__} keys (use --config FILE.yaml and/or --key value):"]
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"  --{f.name} ({_type_name(hints[f.name])}, default {default!r})\n      {f.metadata.get('help', '')}")
+    return "\n".join(lines)
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) is Literal:
+        return "|".join(map(str, typing.get_args(hint)))
+    return getattr(hint, "__name__", str(hint).replace("typing.", ""))

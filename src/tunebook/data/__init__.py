@@ -1,0 +1,34 @@
+"""The data path: sources -> formats -> tokenisation and loss masks -> cache -> collators and loaders."""
+
+from .cache import cached_dataset, default_cache_dir, fingerprint, tokenizer_fingerprint
+from .collate import PadCollator
+from .formats import FORMAT_COLUMNS, detect_format, to_messages
+from .loaders import build_loader
+from .pipeline import conversation_texts, load_conversations, prepare_sft_dataset
+from .sources import DataSource, fingerprint_sources, load_source, parse_sources
+from .synthetic import write_synthetic_task
+from .tokenize import IGNORE_INDEX, assistant_spans, format_loss_mask, tokenize_conversations
+
+__all__ = [
+    "FORMAT_COLUMNS",
+    "IGNORE_INDEX",
+    "DataSource",
+    "PadCollator",
+    "assistant_spans",
+    "build_loader",
+    "cached_dataset",
+    "conversation_texts",
+    "default_cache_dir",
+    "detect_format",
+    "fingerprint",
+    "fingerprint_sources",
+    "format_loss_mask",
+    "load_conversations",
+    "load_source",
+    "parse_sources",
+    "prepare_sft_dataset",
+    "to_messages",
+    "tokenize_conversations",
+    "tokenizer_fingerprint",
+    "write_synthetic_task",
+]

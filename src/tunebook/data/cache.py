@@ -1,0 +1,73 @@
+"""Fingerprinted, memory-mapped Arrow caches of prepared data sets.
+
+A prepared data set is saved under `<cache_dir>/prepared/<fingerprint>/` and loaded back memory-mapped, so
+a second run with the same inputs does no tokenisation. The fingerprint covers everything the result depends
+on (data file contents, tokenizer files, template, lengths, preprocessing version), so changing any of them
+builds a new entry. Entries are written to a temporary folder and renamed into place when complete: a run
+killed mid-build never leaves an entry that looks finished.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import datasets
+from transformers import PreTrainedTokenizerBase
+
+__all__ = ["PREPROCESSING_VERSION", "cached_dataset", "default_cache_dir", "fingerprint", "tokenizer_fingerprint"]
+
+# Bump when tokenisation or masking changes what it produces, so old caches are not reused.
+PREPROCESSING_VERSION = "1"
+STATS_FILE = "tunebook_stats.json"
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("TUNEBOOK_CACHE", Path.home() / ".cache" / "tunebook")).expanduser()
+
+
+def fingerprint(parts: dict[str, Any]) -> str:
+    blob = json.dumps(parts, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:24]
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """Hash of the files `save_pretrained` writes: vocabulary, merges, special tokens and chat template."""
+    h = hashlib.sha256()
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        for path in sorted(Path(tmp).rglob("*")):
+            if path.is_file():
+                h.update(path.name.encode())
+                h.update(path.read_bytes())
+    h.update(str(tokenizer.chat_template).encode())
+    return h.hexdigest()
+
+
+def cached_dataset(
+    cache_dir: str | Path, key: str, build: Callable[[], tuple[datasets.Dataset, dict[str, Any]]]
+) -> tuple[datasets.Dataset, dict[str, Any], bool]:
+    """Load the entry `key`, or build, save and load it. Returns (dataset, stats, was_cached).
+
+    In multi-process runs call this inside `accelerator.main_process_first()`: the main process builds, the
+    others then find the finished entry and only map its files.
+    """
+    entry = Path(cache_dir) / "prepared" / key
+    if (entry / STATS_FILE).is_file():
+        return datasets.load_from_disk(str(entry)), json.loads((entry / STATS_FILE).read_text()), True
+    dataset, stats = build()
+    tmp = entry.with_name(f"{entry.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    dataset.save_to_disk(str(tmp))
+    (tmp / STATS_FILE).write_text(json.dumps(stats, indent=2))
+    try:
+        tmp.rename(entry)
+    except OSError:  # built concurrently by another run: theirs is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    return datasets.load_from_disk(str(entry)), stats, False

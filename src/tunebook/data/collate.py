@@ -1,0 +1,38 @@
+"""Collators: pad a list of tokenised examples into a batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .tokenize import IGNORE_INDEX
+
+__all__ = ["PadCollator"]
+
+
+class PadCollator:
+    """Right-pad `input_ids`/`labels` to the longest example in the batch (rounded up to a multiple).
+
+    Padding positions get attention_mask 0 and label IGNORE_INDEX, so they change neither the loss nor,
+    through the causal mask, any real token's output. A class rather than a closure so DataLoader workers
+    can pickle it.
+    """
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None):
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        longest = max(len(f["input_ids"]) for f in features)
+        if self.pad_to_multiple_of:
+            longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        input_ids = torch.full((len(features), longest), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((len(features), longest), IGNORE_INDEX, dtype=torch.long)
+        attention_mask = torch.zeros((len(features), longest), dtype=torch.long)
+        for i, f in enumerate(features):
+            n = len(f["input_ids"])
+            input_ids[i, :n] = torch.as_tensor(f["input_ids"])
+            labels[i, :n] = torch.as_tensor(f["labels"])
+            attention_mask[i, :n] = 1
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}

@@ -1,0 +1,118 @@
+"""From data sources to a tokenised, loss-masked, cached `datasets.Dataset` of conversations."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from ..errors import DataError
+from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
+from .formats import detect_format, to_messages
+from .sources import DataSource, fingerprint_sources, load_source
+from .tokenize import tokenize_conversations
+
+__all__ = ["conversation_texts", "load_conversations", "prepare_sft_dataset"]
+
+
+def load_conversations(
+    sources: list[DataSource], data_format: str, cache_dir: str | Path, seed: int, num_proc: int | None = None
+) -> datasets.Dataset:
+    """All sources, weighted and converted to a single `messages` column."""
+    parts = []
+    for source in sources:
+        raw = load_source(source, cache_dir, seed)
+        fmt = detect_format(raw.column_names, data_format, source.path)
+        parts.append(
+            raw.map(
+                to_messages,
+                batched=True,
+                fn_kwargs={"data_format": fmt, "where": source.path},
+                remove_columns=raw.column_names,
+                num_proc=num_proc,
+                desc=f"Reading {Path(source.path).name} ({fmt})",
+            )
+        )
+    dataset = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+    if len(dataset) == 0:
+        raise DataError(f"no examples in {', '.join(s.path for s in sources)}")
+    return dataset
+
+
+def conversation_texts(conversations: datasets.Dataset) -> Iterator[str]:
+    """Plain text of every message with its role, e.g. to train a tokenizer on."""
+    for messages in conversations["messages"]:
+        for m in messages:
+            yield f"{m['role']}\n{m['content']}"
+
+
+def prepare_sft_dataset(
+    sources: list[DataSource],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    data_format: str,
+    max_seq_length: int,
+    overlong: str,
+    assistant_only_loss: bool,
+    cache_dir: str | Path,
+    seed: int,
+    num_proc: int | None = None,
+) -> tuple[datasets.Dataset, dict[str, Any], bool]:
+    """Tokenise and mask `sources`, cached by a fingerprint of every input. Returns (dataset, stats, was_cached).
+
+    The dataset has columns `input_ids`, `labels`, `prompt_length`; stats count the examples read, truncated
+    and dropped.
+    """
+    key = fingerprint(
+        {
+            "sources": fingerprint_sources(sources),
+            "tokenizer": tokenizer_fingerprint(tokenizer),
+            "data_format": data_format,
+            "max_seq_length": max_seq_length,
+            "overlong": overlong,
+            "assistant_only_loss": assistant_only_loss,
+            "seed": seed if any(s.weight != 1.0 for s in sources) else None,
+            "version": PREPROCESSING_VERSION,
+        }
+    )
+
+    def build() -> tuple[datasets.Dataset, dict[str, Any]]:
+        conversations = load_conversations(sources, data_format, cache_dir, seed, num_proc)
+        tokenised = conversations.map(
+            tokenize_conversations,
+            batched=True,
+            fn_kwargs={
+                "tokenizer": tokenizer,
+                "max_seq_length": max_seq_length,
+                "overlong": overlong,
+                "assistant_only_loss": assistant_only_loss,
+            },
+            remove_columns=["messages"],
+            num_proc=num_proc,
+            desc="Tokenising",
+        )
+        keep = np.asarray(tokenised["keep"], dtype=bool)
+        truncated = np.asarray(tokenised["truncated"], dtype=bool)
+        dropped_overlong = int((truncated & ~keep).sum()) if overlong == "drop" else 0
+        stats = {
+            "examples_read": len(tokenised),
+            "truncated": int(truncated.sum()) if overlong == "truncate" else 0,
+            "dropped_overlong": dropped_overlong,
+            "dropped_no_loss_tokens": int((~keep).sum()) - dropped_overlong,
+        }
+        kept = tokenised.select(np.flatnonzero(keep)).remove_columns(["keep", "truncated"])
+        if len(kept) == 0:
+            raise DataError(
+                f"no examples left to train on from {', '.join(s.path for s in sources)}: "
+                f"{stats['dropped_overlong']} longer than max_seq_length={max_seq_length} were dropped and "
+                f"{stats['dropped_no_loss_tokens']} had no loss-bearing tokens left (answer truncated away, or the "
+                "chat template hides the assistant turn); raise max_seq_length or check the data"
+            )
+        stats["examples_kept"] = len(kept)
+        return kept.flatten_indices(), stats
+
+    return cached_dataset(cache_dir, key, build)

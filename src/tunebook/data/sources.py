@@ -1,0 +1,152 @@
+"""Load training data from local json/jsonl/csv/parquet files or folders, or Hub data set names.
+
+A source spec is a path or name string, or a list of such strings or of `{path: ..., weight: ...}` mappings.
+A weight is the fraction of that source's rows to use: 0.5 takes a seeded half, 2.0 repeats it twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+import datasets
+
+from ..errors import DataError, first_line
+
+__all__ = ["DataSource", "fingerprint_sources", "load_source", "parse_sources"]
+
+EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+@dataclass(frozen=True)
+class DataSource:
+    path: str
+    weight: float = 1.0
+
+    @property
+    def is_local(self) -> bool:
+        return Path(self.path).expanduser().exists() or self.path.startswith((".", "/", "~")) or (
+            Path(self.path).suffix in EXTENSIONS
+        )
+
+
+def parse_sources(spec: str | list | None, key: str) -> list[DataSource]:
+    """Turn a config value into sources; `key` names the config key in errors."""
+    if spec is None:
+        return []
+    items = spec if isinstance(spec, list) else [spec]
+    if not items:
+        raise DataError(f"{key} is an empty list")
+    sources = []
+    for item in items:
+        if isinstance(item, str):
+            sources.append(DataSource(item))
+        elif isinstance(item, dict) and set(item) <= {"path", "weight"} and "path" in item:
+            weight = float(item.get("weight", 1.0))
+            if weight <= 0:
+                raise DataError(f"{key}: weight of '{item['path']}' must be > 0, got {weight}")
+            sources.append(DataSource(str(item["path"]), weight))
+        else:
+            raise DataError(f"{key}: each entry must be a path or {{path: ..., weight: ...}}, got {item!r}")
+    return sources
+
+
+def _local_files(source: DataSource) -> list[Path]:
+    path = Path(source.path).expanduser()
+    if not path.exists():
+        raise DataError(f"data file or folder not found: {source.path}")
+    if path.is_file():
+        if path.suffix not in EXTENSIONS:
+            raise DataError(f"{path}: unsupported data file type '{path.suffix}' (use {', '.join(EXTENSIONS)})")
+        return [path]
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in EXTENSIONS)
+    if not files:
+        raise DataError(f"data folder {path} has no {'/'.join(EXTENSIONS)} files")
+    kinds = {EXTENSIONS[p.suffix] for p in files}
+    if len(kinds) > 1:
+        raise DataError(f"data folder {path} mixes file types ({', '.join(sorted(kinds))}); use one type per folder")
+    return files
+
+
+def fingerprint_sources(sources: list[DataSource]) -> str:
+    """Hash of the local files' contents (and Hub names) and weights: what tokenised caches depend on."""
+    h = hashlib.sha256()
+    for source in sources:
+        h.update(f"{source.path}|{source.weight}\n".encode())
+        if source.is_local:
+            for path in _local_files(source):
+                with open(path, "rb") as f:
+                    for chunk in iter(lambda: f.read(1 << 22), b""):
+                        h.update(chunk)
+    return h.hexdigest()
+
+
+def load_source(source: DataSource, cache_dir: str | Path, seed: int) -> datasets.Dataset:
+    """Load one source as a memory-mapped `datasets.Dataset` and apply its weight."""
+    if source.is_local:
+        files = _local_files(source)
+        builder = EXTENSIONS[files[0].suffix]
+        try:
+            dataset = datasets.load_dataset(
+                builder, data_files=[str(p) for p in files], split="train", cache_dir=str(Path(cache_dir) / "raw")
+            )
+        except Exception as e:  # datasets wraps parser errors; find the file and line ourselves
+            for path in files:
+                _raise_if_malformed(path)
+            raise DataError(f"could not read {source.path}: {first_line(e)}") from None
+    else:
+        try:
+            dataset = datasets.load_dataset(source.path, split="train", cache_dir=str(Path(cache_dir) / "raw"))
+        except Exception as e:
+            raise DataError(
+                f"data set '{source.path}' is not a local file or folder and could not be loaded from the Hub: "
+                f"{first_line(e)}"
+            ) from None
+    return _apply_weight(dataset, source.weight, seed)
+
+
+def _apply_weight(dataset: datasets.Dataset, weight: float, seed: int) -> datasets.Dataset:
+    if weight == 1.0:
+        return dataset
+    whole, frac = int(math.floor(weight)), weight - math.floor(weight)
+    parts = [dataset] * whole
+    if frac > 0:
+        parts.append(dataset.shuffle(seed=seed).select(range(int(round(frac * len(dataset))))))
+    return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+
+
+def _raise_if_malformed(path: Path) -> None:
+    """Raise a DataError naming the file and line of the first syntax error, if there is one."""
+    if path.suffix == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}, line {lineno}: malformed JSON: {e.msg}") from None
+                if not isinstance(row, dict):
+                    raise DataError(f"{path}, line {lineno}: each line must be a JSON object, got {type(row).__name__}")
+    elif path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}, line {e.lineno}: malformed JSON: {e.msg}") from None
+        if not isinstance(data, list | dict):
+            raise DataError(f"{path}: expected a JSON array of objects, got {type(data).__name__}")
+    elif path.suffix == ".csv":
+        import csv
+
+        with open(path, encoding="utf-8", newline="") as f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            if header is None:
+                raise DataError(f"{path}: empty CSV file")
+            for row in reader:
+                if row and len(row) != len(header):
+                    raise DataError(
+                        f"{path}, line {reader.line_num}: {len(row)} fields where the header has {len(header)}"
+                    )

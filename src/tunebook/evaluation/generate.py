@@ -1,0 +1,94 @@
+"""Batched greedy generation against reference answers (exact match), split across processes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+from transformers import PreTrainedTokenizerBase
+
+from ..data.tokenize import IGNORE_INDEX
+
+__all__ = ["PromptCollator", "generation_exact_match"]
+
+
+class PromptCollator:
+    """Left-pad the prompts (everything before the last assistant turn) and keep the reference answers' ids."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        prompts = [f["input_ids"][: f["prompt_length"]] for f in features]
+        longest = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), longest), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            input_ids[i, longest - len(p) :] = torch.as_tensor(p)
+            attention_mask[i, longest - len(p) :] = 1
+        references = [
+            [t for t, label in zip(f["input_ids"][f["prompt_length"] :], f["labels"][f["prompt_length"] :]) if label != IGNORE_INDEX]
+            for f in features
+        ]
+        width = max(len(r) for r in references)
+        ref_ids = torch.full((len(references), max(width, 1)), -1, dtype=torch.long)
+        for i, r in enumerate(references):
+            ref_ids[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "reference_ids": ref_ids}
+
+
+def _decode(tokenizer: PreTrainedTokenizerBase, ids: torch.Tensor) -> str:
+    return tokenizer.decode([int(t) for t in ids if t >= 0], skip_special_tokens=True).strip()
+
+
+@torch.no_grad()
+def generation_exact_match(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    dataset,
+    accelerator: Accelerator,
+    *,
+    batch_size: int,
+    max_new_tokens: int,
+    max_samples: int | None = None,
+    disable_tqdm: bool = True,
+) -> tuple[dict[str, float], list[dict[str, str]]]:
+    """Exact match of greedy generations against the last assistant turn of each example.
+
+    Both sides are decoded without special tokens and stripped of surrounding whitespace. Returns the metrics
+    and a few (prediction, reference) samples from the main process for the log.
+    """
+    from tqdm.auto import tqdm
+
+    if max_samples:
+        dataset = dataset.select(range(min(max_samples, len(dataset))))
+    dataset = dataset.select_columns(["input_ids", "labels", "prompt_length"])
+    loader = accelerator.prepare_data_loader(
+        DataLoader(dataset, batch_size=batch_size, collate_fn=PromptCollator(tokenizer.pad_token_id))
+    )
+    unwrapped = accelerator.unwrap_model(model)
+    was_training = unwrapped.training
+    unwrapped.eval()
+    correct, samples = [], []
+    for batch in tqdm(loader, desc="Generating", disable=disable_tqdm or not accelerator.is_main_process, leave=False):
+        out = unwrapped.generate(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        generated = out[:, batch["input_ids"].shape[1] :]
+        hits = []
+        for gen, ref in zip(generated, batch["reference_ids"]):
+            prediction, reference = _decode(tokenizer, gen), _decode(tokenizer, ref)
+            hits.append(float(prediction == reference))
+            if len(samples) < 5:
+                samples.append({"prediction": prediction, "reference": reference})
+        correct.append(accelerator.gather_for_metrics(torch.tensor(hits, device=accelerator.device)).cpu())
+    unwrapped.train(was_training)
+    correct_all = torch.cat(correct) if correct else torch.zeros(0)
+    return {"eval_exact_match": correct_all.mean().item() if len(correct_all) else 0.0}, samples

@@ -1,0 +1,36 @@
+"""Token-weighted evaluation loss, exact on any number of processes."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from accelerate import Accelerator
+
+from ..training.loss import per_example_token_loss
+
+__all__ = ["evaluate_loss"]
+
+
+@torch.no_grad()
+def evaluate_loss(model: torch.nn.Module, loader, accelerator: Accelerator, disable_tqdm: bool = True) -> dict:
+    """Mean next-token loss over all loss-bearing tokens of the eval set, and its perplexity.
+
+    Per-example sums and counts go through `gather_for_metrics`, which drops the duplicates Accelerate adds to
+    even out the last batch, so the result does not depend on the number of processes.
+    """
+    from tqdm.auto import tqdm
+
+    was_training = model.training
+    model.eval()
+    total_loss = torch.zeros((), dtype=torch.float64)
+    total_tokens = torch.zeros((), dtype=torch.float64)
+    for batch in tqdm(loader, desc="Evaluating", disable=disable_tqdm or not accelerator.is_main_process, leave=False):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        loss_sums, counts = per_example_token_loss(logits, batch["labels"])
+        loss_sums, counts = accelerator.gather_for_metrics((loss_sums, counts))
+        total_loss += loss_sums.double().sum().cpu()
+        total_tokens += counts.double().sum().cpu()
+    model.train(was_training)
+    loss = (total_loss / total_tokens.clamp(min=1)).item()
+    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": int(total_tokens.item())}

@@ -1,0 +1,77 @@
+"""Build a causal LM: `from_pretrained` a local directory or Hub name, or a fresh model from a config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+from ..errors import ConfigError, ModelError, first_line
+from .tokenizer import looks_like_local_path
+
+__all__ = ["build_causal_lm", "read_model_config"]
+
+
+def read_model_config(model_config: dict[str, Any] | str) -> dict[str, Any]:
+    """A config dict, or the path of a JSON/YAML file holding one (e.g. a model directory's config.json)."""
+    if isinstance(model_config, dict):
+        return dict(model_config)
+    path = Path(model_config).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"model_config file not found: {model_config}")
+    try:
+        data = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"model_config {path}: cannot parse: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"model_config {path}: expected a mapping, got {type(data).__name__}")
+    return data
+
+
+def build_causal_lm(
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    model_name_or_path: str | None = None,
+    model_config: dict[str, Any] | str | None = None,
+    attn_implementation: str | None = None,
+    gradient_checkpointing: bool = False,
+) -> PreTrainedModel:
+    """Load or build the model and make its embeddings and special token ids agree with `tokenizer`."""
+    if model_name_or_path and model_config:
+        raise ConfigError("give either model_name_or_path (load weights) or model_config (fresh model), not both")
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    if model_name_or_path:
+        if looks_like_local_path(model_name_or_path) and not Path(model_name_or_path).expanduser().exists():
+            raise ModelError(f"model path not found: {model_name_or_path}")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype="auto", **kwargs)
+        except (OSError, ValueError) as e:
+            raise ModelError(f"could not load a causal LM from '{model_name_or_path}': {first_line(e)}") from None
+    else:
+        values = read_model_config(model_config or {})
+        model_type = values.pop("model_type", None)
+        if model_type is None:
+            raise ConfigError("model_config needs a 'model_type' (e.g. llama)")
+        values.setdefault("vocab_size", len(tokenizer))
+        try:
+            config = AutoConfig.for_model(model_type, **values)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"model_config: {first_line(e)}") from None
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=8)
+    # generate() and padding-aware code read these from the model's configs.
+    for cfg in (model.config, model.generation_config):
+        cfg.pad_token_id = tokenizer.pad_token_id
+        cfg.eos_token_id = tokenizer.eos_token_id
+        if tokenizer.bos_token_id is not None or model_name_or_path is None:
+            cfg.bos_token_id = tokenizer.bos_token_id
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model

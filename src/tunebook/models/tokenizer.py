@@ -1,0 +1,99 @@
+"""Load a tokenizer, or train a small byte-level BPE tokenizer locally with a ChatML chat template.
+
+The local tokenizer lets the default recipe and the tests run with no Hub access. Digits are split one per
+token so digit-manipulation tasks are learnable by tiny models.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from ..errors import ModelError, first_line
+
+__all__ = ["CHATML_TEMPLATE", "load_tokenizer", "train_chat_tokenizer"]
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOKENIZER_VERSION = "1"  # bump when train_chat_tokenizer changes what it produces
+
+
+def train_chat_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on `texts` and wrap it with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<|pad|>",
+        eos_token="<|im_end|>",
+        bos_token=None,
+        unk_token=None,
+        additional_special_tokens=["<|endoftext|>", "<|im_start|>"],
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def trained_tokenizer_dir(cache_dir: str | Path, data_fingerprint: str, vocab_size: int) -> Path:
+    key = hashlib.sha256(f"{data_fingerprint}|{vocab_size}|{TOKENIZER_VERSION}".encode()).hexdigest()[:16]
+    return Path(cache_dir) / "tokenizers" / key
+
+
+def load_or_train_tokenizer(
+    cache_dir: str | Path, data_fingerprint: str, texts: Callable[[], Iterable[str]], vocab_size: int
+) -> tuple[PreTrainedTokenizerFast, bool]:
+    """Train on `texts()` on first use, cached by the data's fingerprint; returns (tokenizer, was_trained)."""
+    directory = trained_tokenizer_dir(cache_dir, data_fingerprint, vocab_size)
+    if (directory / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(directory), False
+    tokenizer = train_chat_tokenizer(texts(), vocab_size)
+    tmp = directory.with_name(f"{directory.name}.tmp{os.getpid()}")
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(directory)
+    except OSError:  # another process finished first; its files are identical
+        pass
+    return AutoTokenizer.from_pretrained(directory), True
+
+
+def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+    """`AutoTokenizer.from_pretrained` with a readable error for a missing path or an offline Hub name."""
+    if looks_like_local_path(name_or_path) and not Path(name_or_path).expanduser().exists():
+        raise ModelError(f"tokenizer path not found: {name_or_path}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    except (OSError, ValueError) as e:
+        kind = "directory" if looks_like_local_path(name_or_path) else "Hub name"
+        raise ModelError(f"could not load a tokenizer from {kind} '{name_or_path}': {first_line(e)}") from None
+    if tokenizer.pad_token is None:
+        # Padding positions are masked out of attention and loss, so any existing token serves.
+        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def looks_like_local_path(name: str) -> bool:
+    # Hub names are "name" or "org/name"; anything else (./x, /abs, a/b/c, ~/x) can only be a path.
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.path.exists(name)

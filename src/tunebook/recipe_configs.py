@@ -1,0 +1,86 @@
+"""The config dataclass of each recipe. Defaults are the recipe's embedded default run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .config import TrainConfig, _help
+from .errors import ConfigError
+
+__all__ = ["SFTConfig"]
+
+
+@dataclass
+class SFTConfig(TrainConfig):
+    """Supervised fine-tuning of a causal LM on instruction or chat data.
+
+    The defaults are the embedded offline run: a synthetic digit task, a locally trained tokenizer and a tiny
+    Llama built from config. Hyperparameters such as `learning_rate` are tuned for that tiny model; configs for
+    real models set their own (see recipes/configs/sft/).
+    """
+
+    # --- model and tokenizer
+    model_name_or_path: str | None = _help("Local HF causal-LM directory or Hub name to fine-tune.", None)
+    model_config: dict | str | None = _help(
+        "Build a fresh model from this config dict (or JSON/YAML file) instead of loading weights; "
+        "with neither this nor model_name_or_path, a tiny Llama (tunebook.models.TINY_LLAMA).",
+        None,
+    )
+    tokenizer_name_or_path: str | None = _help(
+        "Tokenizer to load (default: the model's); with no model either, one is trained locally on train_data.",
+        None,
+    )
+    tokenizer_vocab_size: int = _help("Vocabulary size of a locally trained tokenizer.", 512)
+    attn_implementation: str | None = _help("Attention kernel: sdpa, eager, flash_attention_2 (None: model default).", "sdpa")
+    # --- data
+    train_data: str | list | None = _help(
+        "Local json/jsonl/csv/parquet file or folder, Hub data set name, or a list of them (entries may be "
+        "{path, weight}). None: generate the synthetic digit task.",
+        None,
+    )
+    eval_data: str | list | None = _help("Evaluation data, same forms as train_data.", None)
+    data_format: Literal["auto", "alpaca", "chat", "sharegpt", "prompt_completion"] = _help(
+        "Data format; auto detects it from the columns.", "auto"
+    )
+    eval_split_ratio: float = _help("Hold out this fraction of train_data for evaluation when eval_data is unset (0: no split).", 0.0)
+    max_seq_length: int = _help("Longest tokenised example; longer ones are handled by overlong_examples.", 1024)
+    overlong_examples: Literal["truncate", "drop"] = _help("Truncate or drop examples longer than max_seq_length.", "truncate")
+    assistant_only_loss: bool = _help("Compute the loss on assistant/completion tokens only.", True)
+    dataset_num_proc: int | None = _help("Processes for tokenisation (None: one).", None)
+    pad_to_multiple_of: int | None = _help("Round padded batch lengths up to a multiple of this (tensor-core friendly).", 8)
+    synthetic_train_size: int = _help("Training examples of the synthetic task (when train_data is None).", 8000)
+    synthetic_eval_size: int = _help("Held-out examples of the synthetic task (when train_data is None).", 200)
+    # --- evaluation
+    eval_on_start: bool = _help("Also evaluate before the first step, to compare with the trained model.", True)
+    generation_eval: bool = _help("Score greedy generations against the reference answers (exact match).", True)
+    generation_max_new_tokens: int = _help("Tokens to generate per eval prompt.", 32)
+    generation_eval_max_samples: int = _help("Generate for at most this many eval examples (0: all).", 0)
+
+    # The embedded default run (see the class docstring).
+    output_dir: str = _help("Where the model, checkpoints, metrics.jsonl and summary.json go.", "outputs/sft-default")
+    learning_rate: float = _help("Peak AdamW learning rate.", 3e-3)
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = _help(
+        "Learning-rate schedule after warmup.", "cosine"
+    )
+    warmup_ratio: float = _help("Fraction of the optimizer steps spent warming up linearly from 0.", 0.05)
+    per_device_train_batch_size: int = _help("Micro-batch size per process.", 32)
+    per_device_eval_batch_size: int = _help("Evaluation batch size per process.", 100)
+    num_train_epochs: float = _help("Epochs to train when max_steps is -1.", 2.0)
+    logging_steps: int = _help("Log train metrics every N optimizer steps.", 25)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.max_seq_length < 2:
+            raise ConfigError(f"max_seq_length must be >= 2, got {self.max_seq_length}")
+        if not 0.0 <= self.eval_split_ratio < 1.0:
+            raise ConfigError(f"eval_split_ratio must be in [0, 1), got {self.eval_split_ratio}")
+        if self.eval_split_ratio > 0 and self.eval_data is not None:
+            raise ConfigError("set eval_data or eval_split_ratio, not both")
+        if self.model_name_or_path and self.model_config:
+            raise ConfigError("set model_name_or_path (load weights) or model_config (fresh model), not both")
+        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
+            raise ConfigError(f"pad_to_multiple_of must be >= 1 or null, got {self.pad_to_multiple_of}")
+        for key in ("synthetic_train_size", "synthetic_eval_size", "generation_max_new_tokens", "tokenizer_vocab_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")

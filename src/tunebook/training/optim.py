@@ -1,0 +1,28 @@
+"""AdamW with decay only on matrices, and warmup schedules."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import get_scheduler
+
+__all__ = ["build_optimizer", "build_scheduler"]
+
+
+def build_optimizer(
+    model: torch.nn.Module, learning_rate: float, weight_decay: float, betas: tuple[float, float], eps: float
+) -> torch.optim.AdamW:
+    """AdamW; biases and norm weights (1-D parameters) get no weight decay, as is standard for transformers."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps)
+
+
+def build_scheduler(name: str, optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float):
+    """A schedule over `total_steps` optimizer steps with `ceil(warmup_ratio * total_steps)` warmup steps."""
+    warmup = math.ceil(warmup_ratio * total_steps)
+    return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=max(total_steps, 1))

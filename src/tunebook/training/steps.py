@@ -1,0 +1,40 @@
+"""Step arithmetic: how many optimizer steps a run takes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+__all__ = ["accumulation_windows", "total_optimizer_steps"]
+
+
+def total_optimizer_steps(
+    max_steps: int, num_train_epochs: float, batches_per_epoch: int, gradient_accumulation_steps: int
+) -> tuple[int, int]:
+    """Return (total optimizer steps, optimizer steps per epoch).
+
+    `batches_per_epoch` is per process (the prepared loader's length). The last, partial accumulation window of
+    an epoch still makes an optimizer step. `max_steps` > 0 wins over epochs; 0 means evaluate only.
+    """
+    steps_per_epoch = max(math.ceil(batches_per_epoch / gradient_accumulation_steps), 1)
+    if max_steps >= 0:
+        return max_steps, steps_per_epoch
+    return math.ceil(num_train_epochs * steps_per_epoch), steps_per_epoch
+
+
+def accumulation_windows(loader: Iterable[Any], gradient_accumulation_steps: int) -> Iterator[list[Any]]:
+    """Group an epoch's micro-batches into the windows of one optimizer step each (the last may be shorter).
+
+    Fetching a whole window first lets the loss be normalised by the loss tokens of the entire step before the
+    first backward. Accelerate marks the end of the loader when the last batch is fetched, so its `accumulate`
+    syncs gradients at the end of the final, shorter window too.
+    """
+    window: list[Any] = []
+    for batch in loader:
+        window.append(batch)
+        if len(window) == gradient_accumulation_steps:
+            yield window
+            window = []
+    if window:
+        yield window
