@@ -193,6 +193,8 @@ def _coerce(hint: Any, value: Any) -> Any:
         if value is None or (isinstance(value, str) and value.strip().lower() in _NULLS and type(None) in args):
             if type(None) in args:
                 return None
+        if isinstance(value, str) and value.lstrip()[:1] in ("[", "{"):  # --train_data '[a.jsonl, b.jsonl]'
+            args = sorted(args, key=lambda a: (typing.get_origin(a) or a) not in (list, dict))
         errors = []
         for arg in args:
             if arg is type(None):

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from .config import TrainConfig, _help
 from .errors import ConfigError
+from .models.tokenizer import looks_like_local_path
 
 __all__ = ["SFTConfig"]
 
@@ -79,6 +81,10 @@ class SFTConfig(TrainConfig):
             raise ConfigError("set eval_data or eval_split_ratio, not both")
         if self.model_name_or_path and self.model_config:
             raise ConfigError("set model_name_or_path (load weights) or model_config (fresh model), not both")
+        for key, what in (("model_name_or_path", "model"), ("tokenizer_name_or_path", "tokenizer")):
+            value = getattr(self, key)
+            if value and looks_like_local_path(value) and not Path(value).expanduser().exists():
+                raise ConfigError(f"{what} path not found: {value} ({key})")
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
             raise ConfigError(f"pad_to_multiple_of must be >= 1 or null, got {self.pad_to_multiple_of}")
         for key in ("synthetic_train_size", "synthetic_eval_size", "generation_max_new_tokens", "tokenizer_vocab_size"):

@@ -27,14 +27,15 @@ def accumulation_windows(loader: Iterable[Any], gradient_accumulation_steps: int
     """Group an epoch's micro-batches into the windows of one optimizer step each (the last may be shorter).
 
     Fetching a whole window first lets the loss be normalised by the loss tokens of the entire step before the
-    first backward. Accelerate marks the end of the loader when the last batch is fetched, so its `accumulate`
-    syncs gradients at the end of the final, shorter window too.
+    first backward. The last window is yielded while the loader is still suspended on its final batch: an
+    Accelerate loader then still reports `end_of_dataloader`, which `accelerator.accumulate` needs to sync
+    gradients at the end of a shorter final window (once the loader is exhausted, it no longer does).
     """
     window: list[Any] = []
     for batch in loader:
         window.append(batch)
-        if len(window) == gradient_accumulation_steps:
+        if len(window) == gradient_accumulation_steps or getattr(loader, "end_of_dataloader", False):
             yield window
             window = []
-    if window:
+    if window:  # plain DataLoaders, which do not announce their last batch
         yield window

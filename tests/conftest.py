@@ -1,0 +1,80 @@
+"""Offline, tiny, fast: shared fixtures and guards for the whole suite."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# Set before transformers/datasets are imported anywhere in the test session.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[1]
+ASSETS = Path(__file__).parent / "assets"
+
+_real_connect = socket.socket.connect
+
+
+def _guarded_connect(self, address):
+    host = address[0] if isinstance(address, tuple) else address
+    if isinstance(host, str) and not (host.startswith("127.") or host in ("localhost", "::1") or host.startswith("/")):
+        raise RuntimeError(f"test tried to open a network connection to {address!r}")
+    return _real_connect(self, address)
+
+
+@pytest.fixture(autouse=True)
+def no_network(monkeypatch, tmp_path_factory):
+    monkeypatch.setattr(socket.socket, "connect", _guarded_connect)
+    # Each test session gets its own cache so results never depend on an earlier run's files.
+    monkeypatch.setenv("TUNEBOOK_CACHE", str(tmp_path_factory.getbasetemp() / "tunebook-cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    from tunebook.data.synthetic import SYNTHETIC_TASKS
+    from tunebook.models import train_chat_tokenizer
+
+    texts = [f"system\nuser\nassistant\n{t}\n0123456789 hello world, what is two plus two? four." for t in SYNTHETIC_TASKS]
+    return train_chat_tokenizer(texts * 20, vocab_size=300)
+
+
+TINY_TEST_MODEL = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
+
+
+@pytest.fixture
+def tiny_model_config() -> dict:
+    return dict(TINY_TEST_MODEL)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(script: str, args: list[str], accelerate_config: str = "cpu.yaml", timeout: int = 300, env=None):
+    """Run `accelerate launch --config_file accelerate_configs/<cfg> <script> <args>`; returns CompletedProcess."""
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--quiet",
+        "--config_file", str(ROOT / "accelerate_configs" / accelerate_config),
+        "--main_process_port", str(free_port()),
+        str(ROOT / script), *args,
+    ]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)

@@ -1,0 +1,129 @@
+"""End-to-end runs of recipes/sft.py through `accelerate launch`, shrunk by overrides."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import ASSETS, ROOT, TINY_TEST_MODEL, launch
+
+pytestmark = pytest.mark.slow
+TINY = ["--model_config", json.dumps(TINY_TEST_MODEL), "--disable_tqdm", "true"]
+SMALL = [*TINY, "--synthetic_train_size", "300", "--synthetic_eval_size", "20", "--max_steps", "6",
+         "--logging_steps", "2", "--per_device_train_batch_size", "8", "--generation_max_new_tokens", "8"]
+
+
+def _ok(result):
+    assert result.returncode == 0, f"exit {result.returncode}\nSTDOUT:\n{result.stdout[-4000:]}\nSTDERR:\n{result.stderr[-4000:]}"
+    return result
+
+
+def test_sft_writes_a_loadable_model_and_standard_outputs(tmp_path):
+    out = tmp_path / "run"
+    first = _ok(launch("recipes/sft.py", [*SMALL, "--output_dir", str(out), "--save_steps", "3"]))
+    assert "tokenised and cached" in first.stdout
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert (out / "model.safetensors").is_file() and model.config.num_hidden_layers == 2
+    assert tokenizer.chat_template and tokenizer.pad_token == "<|pad|>"
+    generator = pipeline("text-generation", model=str(out))
+    reply = generator([{"role": "user", "content": "Reverse the digits.\n123"}], max_new_tokens=4)
+    assert reply[0]["generated_text"][-1]["role"] == "assistant"
+
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ["recipe", "train_steps", "train_tokens", "train_runtime_seconds", "train_tokens_per_second",
+                "time_to_first_step_seconds", "final_train_loss", "eval", "padding_fraction", "peak_rss_mb",
+                "num_processes", "mixed_precision", "versions"]:
+        assert key in summary, key
+    assert summary["train_steps"] == 6 and summary["num_processes"] == 1 and summary["train_tokens"] > 0
+    assert 0 <= summary["padding_fraction"] < 1
+    assert {"eval_loss", "eval_perplexity", "eval_exact_match"} <= set(summary["eval"])
+    assert set(summary["versions"]) >= {"torch", "transformers", "accelerate", "datasets"}
+
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert resolved["max_steps"] == 6 and resolved["model_config"] == TINY_TEST_MODEL
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train_records = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train_records] == [2, 4, 6]
+    assert all({"learning_rate", "tokens_per_second", "grad_norm"} <= set(r) for r in train_records)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-3", "step-6"]
+
+    # Same inputs again: no tokenisation. Then continue from the saved model directory.
+    second = _ok(launch("recipes/sft.py", [*SMALL, "--output_dir", str(tmp_path / "again")]))
+    assert second.stdout.count("loaded from cache, no tokenisation") == 2
+    resumed = _ok(launch("recipes/sft.py", [*SMALL[2:], "--model_name_or_path", str(out), "--output_dir",
+                                            str(tmp_path / "continued"), "--disable_tqdm", "true"]))
+    assert "Reusing" not in resumed.stdout  # the tokenizer came with the model
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "continued").config.num_hidden_layers == 2
+
+
+def test_sft_on_user_files_with_a_weighted_mixture(tmp_path):
+    data = [{"path": str(ASSETS / "alpaca.json"), "weight": 3}, str(ASSETS / "chat.jsonl")]
+    out = tmp_path / "files"
+    _ok(launch("recipes/sft.py", [*TINY, "--train_data", json.dumps(data), "--eval_data", str(ASSETS / "chat.jsonl"),
+                                  "--max_steps", "2", "--output_dir", str(out), "--generation_eval", "false"]))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["data"]["examples_kept"] == 3 * 3 + 2
+    assert "eval_exact_match" not in summary["eval"] and summary["eval"]["eval_tokens"] > 0
+
+
+def test_max_steps_zero_only_evaluates(tmp_path):
+    out = tmp_path / "eval-only"
+    _ok(launch("recipes/sft.py", [*SMALL, "--max_steps", "0", "--output_dir", str(out)]))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["train_steps"] == 0 and summary["eval"]["eval_loss"] > 0
+    assert not (out / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--lerning_rate", "1e-4"], "unknown config key 'lerning_rate' (in command line); did you mean 'learning_rate'?"),
+        (["--train_data", str(ASSETS / "malformed.jsonl")], "malformed.jsonl, line 2: malformed JSON"),
+        (["--train_data", str(ASSETS / "missing_columns.jsonl")], "cannot tell the data format from columns"),
+        (["--model_name_or_path", "./no/such/model"], "model path not found: ./no/such/model"),
+        (["--model_config", "./no/such/config.json"], "model_config file not found: ./no/such/config.json"),
+    ],
+)
+def test_user_errors_are_one_readable_line(args, message, tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "recipes/sft.py"), *args, "--output_dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode != 0
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("tunebook: error: ")]
+    assert len(error_lines) == 1 and message in error_lines[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_user_error_under_accelerate_launch_has_no_traceback(tmp_path):
+    result = launch("recipes/sft.py", ["--max_stepz", "3", "--output_dir", str(tmp_path)])
+    assert result.returncode != 0
+    assert "tunebook: error: unknown config key 'max_stepz'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.multiprocess
+def test_two_process_gloo_launch(tmp_path):
+    out = tmp_path / "ddp"
+    result = _ok(launch("recipes/sft.py", [*SMALL, "--output_dir", str(out)], accelerate_config="multi_cpu.yaml"))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_processes"] == 2
+    assert "2 process(es)" in result.stdout
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(out)
+
+
+def test_default_recipe_learns_the_synthetic_task(tmp_path):
+    """The embedded default as `make train` runs it: exact match >= 0.8 after training, about 0 before."""
+    out = tmp_path / "default"
+    _ok(launch("recipes/sft.py", ["--output_dir", str(out), "--disable_tqdm", "true"], timeout=400))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval_before_training"]["eval_exact_match"] <= 0.05
+    assert summary["eval"]["eval_exact_match"] >= 0.8

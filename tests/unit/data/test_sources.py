@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from conftest import ASSETS
+from tunebook.data.pipeline import load_conversations
+from tunebook.data.sources import load_source, parse_sources
+from tunebook.errors import DataError
+
+
+def _load(spec, tmp_path):
+    return load_conversations(parse_sources(spec, "train_data"), "auto", tmp_path, seed=0)
+
+
+def test_loads_each_format(tmp_path):
+    assert len(_load(str(ASSETS / "alpaca.json"), tmp_path)) == 3
+    chat = _load(str(ASSETS / "chat.jsonl"), tmp_path)
+    assert chat[0]["messages"][0] == {"role": "system", "content": "You are terse."}
+    pc = _load(str(ASSETS / "prompt_completion.csv"), tmp_path)
+    assert pc[1]["messages"][1]["content"] == "Paris"
+
+
+def test_weighted_mixture(tmp_path):
+    spec = [{"path": str(ASSETS / "alpaca.json"), "weight": 2.0}, {"path": str(ASSETS / "chat.jsonl"), "weight": 0.5}]
+    assert len(_load(spec, tmp_path)) == 3 * 2 + 1
+
+
+def test_folder_source(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for i in range(2):
+        shutil.copy(ASSETS / "chat.jsonl", folder / f"part{i}.jsonl")
+    assert len(_load(str(folder), tmp_path / "cache")) == 4
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("malformed.jsonl", r"malformed.jsonl, line 2: malformed JSON"),
+        ("malformed.json", r"malformed.json, line 3: malformed JSON"),
+        ("bad_fields.csv", r"bad_fields.csv, line 3: 3 fields where the header has 2"),
+    ],
+)
+def test_malformed_files_name_file_and_line(name, message, tmp_path):
+    with pytest.raises(DataError, match=message):
+        load_source(parse_sources(str(ASSETS / name), "train_data")[0], tmp_path, seed=0)
+
+
+def test_missing_columns_lists_found_and_expected(tmp_path):
+    with pytest.raises(DataError, match=r"missing_columns.jsonl: cannot tell the data format from columns \['question', 'answer'\]"):
+        _load(str(ASSETS / "missing_columns.jsonl"), tmp_path)
+
+
+def test_missing_file_and_bad_spec(tmp_path):
+    with pytest.raises(DataError, match="data file or folder not found: nope/train.jsonl"):
+        _load("nope/train.jsonl", tmp_path)
+    with pytest.raises(DataError, match="weight of .* must be > 0"):
+        parse_sources([{"path": "a.jsonl", "weight": 0}], "train_data")
+    with pytest.raises(DataError, match=r"train_data: each entry must be a path or \{path: ..., weight: ...\}"):
+        parse_sources([{"file": "a.jsonl"}], "train_data")
+
+
+def test_empty_file_is_a_clear_error(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("")
+    with pytest.raises(DataError, match="empty.jsonl"):
+        _load(str(path), tmp_path / "cache")
+
+
+def test_hub_name_offline_is_a_clear_error(tmp_path):
+    with pytest.raises(DataError, match="not a local file or folder and could not be loaded from the Hub"):
+        _load("someone/some-dataset", tmp_path)
+
+
+def test_jsonl_with_non_object_line(tmp_path):
+    path = tmp_path / "list.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n[1, 2]\n")
+    with pytest.raises(DataError, match=r"list.jsonl, line 2"):
+        _load(str(path), tmp_path / "cache")

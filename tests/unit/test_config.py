@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from tunebook.config import load_config, parse_config, save_config
+from tunebook.errors import ConfigError
+from tunebook.recipe_configs import SFTConfig
+
+
+def test_defaults_are_the_embedded_run():
+    config = parse_config(SFTConfig)
+    assert config.train_data is None and config.model_name_or_path is None
+    assert config.generation_eval is True
+
+
+def test_file_then_overrides_in_both_syntaxes(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("learning_rate: 1e-4\nmax_steps: 7\nlogging_steps: 3\n")
+    config = load_config(SFTConfig, ["--config", str(path), "--max_steps", "9", "--gradient_checkpointing=true"])
+    assert config.learning_rate == pytest.approx(1e-4)  # YAML 1.1 reads 1e-4 as a string: coerced to float
+    assert config.max_steps == 9 and config.logging_steps == 3
+    assert config.gradient_checkpointing is True
+
+
+def test_structured_values_from_the_command_line():
+    config = load_config(
+        SFTConfig, ["--train_data", "[{path: a.jsonl, weight: 2}, b.jsonl]", "--model_config", "{model_type: llama}"]
+    )
+    assert config.train_data == [{"path": "a.jsonl", "weight": 2}, "b.jsonl"]
+    assert config.model_config == {"model_type": "llama"}
+    assert load_config(SFTConfig, ["--eval_data", "null"]).eval_data is None
+
+
+def test_unknown_key_names_the_closest(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown config key 'lerning_rate'.*did you mean 'learning_rate'"):
+        load_config(SFTConfig, ["--lerning_rate", "1"])
+    path = tmp_path / "c.yaml"
+    path.write_text("per_device_batch_size: 4\n")
+    with pytest.raises(ConfigError, match=rf"per_device_batch_size.*{path.name}.*did you mean 'per_device_(train|eval)_batch_size'"):
+        load_config(SFTConfig, ["--config", str(path)])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--max_steps", "ten"], r"max_steps.*expected an integer, got 'ten'"),
+        (["--gradient_checkpointing", "maybe"], r"gradient_checkpointing.*expected true or false"),
+        (["--lr_scheduler_type", "exponential"], r"lr_scheduler_type.*not one of"),
+        (["--per_device_train_batch_size", "0"], r"per_device_train_batch_size must be >= 1"),
+        (["--warmup_ratio", "1.5"], r"warmup_ratio must be in \[0, 1\)"),
+        (["--eval_split_ratio", "0.1", "--eval_data", "x.jsonl"], r"eval_data or eval_split_ratio"),
+        (["--max_steps"], r"--max_steps needs a value"),
+        (["positional"], r"unexpected argument 'positional'"),
+        (["--config", "/nonexistent/config.yaml"], r"config file not found: /nonexistent/config.yaml"),
+    ],
+)
+def test_bad_values_are_rejected_with_key_and_value(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(SFTConfig, argv)
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("learning_rate: 1e-4\nmax_steps: [1, 2\nseed: 3\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml, line \d+: not valid YAML"):
+        load_config(SFTConfig, ["--config", str(path)])
+
+
+def test_resolved_config_round_trips(tmp_path):
+    config = load_config(SFTConfig, ["--max_steps", "5", "--train_data", "[a.jsonl, b.jsonl]"])
+    save_config(config, tmp_path / "config.yaml")
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["max_steps"] == 5
+    assert load_config(SFTConfig, ["--config", str(tmp_path / "config.yaml")]) == config
+
+
+def test_help_lists_every_key(capsys):
+    with pytest.raises(SystemExit) as e:
+        load_config(SFTConfig, ["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--learning_rate" in out and "--train_data" in out and "Peak AdamW learning rate" in out
