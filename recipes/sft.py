@@ -73,7 +73,9 @@ def build_datasets(config: SFTConfig, cache_dir: Path, log):
             lambda: conversation_texts(load_conversations(train_sources, config.data_format, cache_dir, config.seed)),
             config.tokenizer_vocab_size,
         )
-        log.info("%s a %d-token BPE tokenizer on the training data", "Trained" if trained else "Reusing", len(tokenizer))
+        log.info(
+            "%s a %d-token BPE tokenizer on the training data", "Trained" if trained else "Reusing", len(tokenizer)
+        )
 
     def prepare(sources, name):
         dataset, stats, cached = prepare_sft_dataset(
@@ -89,6 +91,16 @@ def build_datasets(config: SFTConfig, cache_dir: Path, log):
         )
         how = "loaded from cache, no tokenisation" if cached else "tokenised and cached"
         log.info("%s data: %d examples (%s); %s", name, len(dataset), how, stats)
+        if stats["truncated"] or stats["dropped_overlong"] or stats["dropped_no_loss_tokens"]:
+            log.warning(
+                "%s data: %d truncated and %d dropped at max_seq_length=%d, %d dropped with no loss-bearing "
+                "token left",
+                name,
+                stats["truncated"],
+                stats["dropped_overlong"],
+                config.max_seq_length,
+                stats["dropped_no_loss_tokens"],
+            )
         return dataset, stats
 
     train_set, stats = prepare(train_sources, "train")
@@ -101,13 +113,21 @@ def build_datasets(config: SFTConfig, cache_dir: Path, log):
 
 def build_dataloaders(config: SFTConfig, tokenizer, train_set, eval_set):
     collate = PadCollator(tokenizer.pad_token_id, config.pad_to_multiple_of)
-    common = {"collate_fn": collate, "seed": config.seed, "num_workers": config.dataloader_num_workers,
-              "pin_memory": config.dataloader_pin_memory}
+    common = {
+        "collate_fn": collate,
+        "seed": config.seed,
+        "num_workers": config.dataloader_num_workers,
+        "pin_memory": config.dataloader_pin_memory,
+    }
     columns = ["input_ids", "labels"]
-    train_loader = build_loader(train_set.select_columns(columns), config.per_device_train_batch_size, shuffle=True, **common)
+    train_loader = build_loader(
+        train_set.select_columns(columns), config.per_device_train_batch_size, shuffle=True, **common
+    )
     eval_loader = None
     if eval_set is not None:
-        eval_loader = build_loader(eval_set.select_columns(columns), config.per_device_eval_batch_size, shuffle=False, **common)
+        eval_loader = build_loader(
+            eval_set.select_columns(columns), config.per_device_eval_batch_size, shuffle=False, **common
+        )
     return train_loader, eval_loader
 
 
@@ -115,7 +135,10 @@ def evaluate(config: SFTConfig, model, tokenizer, eval_loader, eval_set, acceler
     metrics = evaluate_loss(model, eval_loader, accelerator, disable_tqdm=config.disable_tqdm)
     if config.generation_eval:
         scores, samples = generation_exact_match(
-            model, tokenizer, eval_set, accelerator,
+            model,
+            tokenizer,
+            eval_set,
+            accelerator,
             batch_size=config.per_device_eval_batch_size,
             max_new_tokens=config.generation_max_new_tokens,
             max_samples=config.generation_eval_max_samples or None,
@@ -137,14 +160,20 @@ def main(config: SFTConfig) -> dict:
     if accelerator.is_main_process:
         save_config(config, output_dir / "config.yaml")
     log.info("Resolved config:\n%s", "\n".join(f"  {k}: {v!r}" for k, v in config_to_dict(config).items()))
-    log.info("%d process(es), device %s, mixed precision %s", accelerator.num_processes, accelerator.device,
-             accelerator.mixed_precision)
+    log.info(
+        "%d process(es), device %s, mixed precision %s",
+        accelerator.num_processes,
+        accelerator.device,
+        accelerator.mixed_precision,
+    )
 
     # --- data: the main process tokenises into the cache, the others then map the same files
     with accelerator.main_process_first():
         tokenizer, train_set, eval_set, data_stats = build_datasets(config, cache_dir, log)
-    log.info("One training example, loss-bearing text in [[...]]:\n%s",
-             format_loss_mask(tokenizer, train_set[0]["input_ids"], train_set[0]["labels"]))
+    log.info(
+        "One training example, loss-bearing text in [[...]]:\n%s",
+        format_loss_mask(tokenizer, train_set[0]["input_ids"], train_set[0]["labels"]),
+    )
 
     # --- model, optimizer, loaders
     model = build_causal_lm(
@@ -155,15 +184,26 @@ def main(config: SFTConfig) -> dict:
         gradient_checkpointing=config.gradient_checkpointing,
     )
     log.info("Model: %s, %.2fM parameters", type(model).__name__, sum(p.numel() for p in model.parameters()) / 1e6)
-    optimizer = build_optimizer(model, config.learning_rate, config.weight_decay,
-                                (config.adam_beta1, config.adam_beta2), config.adam_epsilon)
+    optimizer = build_optimizer(
+        model, config.learning_rate, config.weight_decay, (config.adam_beta1, config.adam_beta2), config.adam_epsilon
+    )
     train_loader, eval_loader = build_dataloaders(config, tokenizer, train_set, eval_set)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     k = config.gradient_accumulation_steps
-    total_steps, steps_per_epoch = total_optimizer_steps(config.max_steps, config.num_train_epochs, len(train_loader), k)
-    lr_scheduler = accelerator.prepare(build_scheduler(config.lr_scheduler_type, optimizer, total_steps, config.warmup_ratio))
-    log.info("Training %d optimizer steps (%d per epoch) of %d x %d micro-batches x %d process(es)", total_steps,
-             steps_per_epoch, k, config.per_device_train_batch_size, accelerator.num_processes)
+    total_steps, steps_per_epoch = total_optimizer_steps(
+        config.max_steps, config.num_train_epochs, len(train_loader), k
+    )
+    lr_scheduler = accelerator.prepare(
+        build_scheduler(config.lr_scheduler_type, optimizer, total_steps, config.warmup_ratio)
+    )
+    log.info(
+        "Training %d optimizer steps (%d per epoch) of %d x %d micro-batches x %d process(es)",
+        total_steps,
+        steps_per_epoch,
+        k,
+        config.per_device_train_batch_size,
+        accelerator.num_processes,
+    )
 
     metrics_log = MetricsWriter(output_dir / "metrics.jsonl", accelerator.is_main_process)
     eval_history = {}
@@ -210,21 +250,41 @@ def main(config: SFTConfig) -> dict:
                 loss_total, loss_tokens = accelerator.reduce(torch.stack([window_loss, window_tokens]), "sum").tolist()
                 all_tokens = int(accelerator.reduce(tokens_seen, "sum"))
                 final_train_loss = loss_total / max(loss_tokens, 1)
-                record = {"step": global_step, "epoch": round(global_step / steps_per_epoch, 3), "loss": final_train_loss,
-                          "learning_rate": lr_scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
-                          "tokens_per_second": timer.rate_since_mark(all_tokens), "train_tokens": all_tokens}
+                record = {
+                    "step": global_step,
+                    "epoch": round(global_step / steps_per_epoch, 3),
+                    "loss": final_train_loss,
+                    "learning_rate": lr_scheduler.get_last_lr()[0],
+                    "grad_norm": float(grad_norm),
+                    "tokens_per_second": timer.rate_since_mark(all_tokens),
+                    "train_tokens": all_tokens,
+                }
                 metrics_log.write(record)
-                progress.set_postfix(loss=f"{final_train_loss:.4f}", lr=f"{record['learning_rate']:.2e}",
-                                     tok_s=f"{record['tokens_per_second']:.0f}")
+                progress.set_postfix(
+                    loss=f"{final_train_loss:.4f}",
+                    lr=f"{record['learning_rate']:.2e}",
+                    tok_s=f"{record['tokens_per_second']:.0f}",
+                )
                 window_loss.zero_()
                 window_tokens.zero_()
-            if eval_loader is not None and config.eval_steps and global_step % config.eval_steps == 0 and global_step < total_steps:
+            if (
+                eval_loader is not None
+                and config.eval_steps
+                and global_step % config.eval_steps == 0
+                and global_step < total_steps
+            ):
                 eval_history[global_step] = evaluate(config, model, tokenizer, eval_loader, eval_set, accelerator, log)
                 log.info("Step %d: %s", global_step, eval_history[global_step])
                 metrics_log.write({"step": global_step, **eval_history[global_step]})
             if config.save_steps and global_step % config.save_steps == 0:
-                save_checkpoint(accelerator, output_dir, global_step, config,
-                                {"epoch": epoch, "tokens_seen": int(tokens_seen)}, config.save_total_limit)
+                save_checkpoint(
+                    accelerator,
+                    output_dir,
+                    global_step,
+                    config,
+                    {"epoch": epoch, "tokens_seen": int(tokens_seen)},
+                    config.save_total_limit,
+                )
             if global_step >= total_steps:
                 break
         epoch += 1
@@ -263,8 +323,11 @@ def main(config: SFTConfig) -> dict:
         log.info("Summary: %s", output_dir / "summary.json")
         if "eval_exact_match" in final_eval:
             before = summary["eval_before_training"].get("eval_exact_match")
-            log.info("Eval exact match: %s before training -> %.3f after",
-                     "n/a" if before is None else f"{before:.3f}", final_eval["eval_exact_match"])
+            log.info(
+                "Eval exact match: %s before training -> %.3f after",
+                "n/a" if before is None else f"{before:.3f}",
+                final_eval["eval_exact_match"],
+            )
     accelerator.end_training()
     return summary
 

@@ -41,7 +41,9 @@ def tiny_tokenizer():
     from tunebook.data.synthetic import SYNTHETIC_TASKS
     from tunebook.models import train_chat_tokenizer
 
-    texts = [f"system\nuser\nassistant\n{t}\n0123456789 hello world, what is two plus two? four." for t in SYNTHETIC_TASKS]
+    texts = [
+        f"system\nuser\nassistant\n{t}\n0123456789 hello world, what is two plus two? four." for t in SYNTHETIC_TASKS
+    ]
     return train_chat_tokenizer(texts * 20, vocab_size=300)
 
 
@@ -71,10 +73,16 @@ def free_port() -> int:
 def launch(script: str, args: list[str], accelerate_config: str = "cpu.yaml", timeout: int = 300, env=None):
     """Run `accelerate launch --config_file accelerate_configs/<cfg> <script> <args>`; returns CompletedProcess."""
     cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--quiet",
-        "--config_file", str(ROOT / "accelerate_configs" / accelerate_config),
-        "--main_process_port", str(free_port()),
-        str(ROOT / script), *args,
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--quiet",
+        "--config_file",
+        str(ROOT / "accelerate_configs" / accelerate_config),
+        "--main_process_port",
+        str(free_port()),
+        str(ROOT / script),
+        *args,
     ]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)

@@ -87,7 +87,9 @@ class TrainConfig:
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.max_steps < -1:
-            raise ConfigError(f"max_steps must be -1 (use epochs), 0 (evaluate only) or positive, got {self.max_steps}")
+            raise ConfigError(
+                f"max_steps must be -1 (use epochs), 0 (evaluate only) or positive, got {self.max_steps}"
+            )
         if self.max_steps == -1 and self.num_train_epochs <= 0:
             raise ConfigError(f"num_train_epochs must be > 0 when max_steps is -1, got {self.num_train_epochs}")
 
@@ -115,9 +117,8 @@ def parse_config(cls: type[C], config_file: str | Path | None = None, overrides:
     """Defaults < YAML file < overrides. Override values may be strings (from a command line) or Python values."""
     values: dict[str, Any] = {}
     if config_file is not None:
-        values.update(_read_yaml(Path(config_file)))
-        source = str(config_file)
-        values = {k: _coerce_field(cls, k, v, source) for k, v in values.items()}
+        data, lines = _read_yaml(Path(config_file))
+        values = {k: _coerce_field(cls, k, v, f"{config_file}, line {lines[k]}") for k, v in data.items()}
     for key, value in (overrides or {}).items():
         values[key] = _coerce_field(cls, key, value, "command line")
     config = cls(**values)
@@ -148,20 +149,24 @@ def _split_argv(argv: list[str]) -> tuple[str | None, dict[str, str]]:
     return config_file, overrides
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
+    """The file's mapping and the line of each top-level key, so errors can point at the line."""
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
+    text = path.read_text()
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(text)
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f", line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"{path}{where}: not valid YAML: {getattr(e, 'problem', e)}") from None
     if data is None:
-        return {}
+        return {}, {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a config file must be a mapping of keys to values, got {type(data).__name__}")
-    return data
+    lines = {key.value: key.start_mark.line + 1 for key, _ in root.value if isinstance(key, yaml.ScalarNode)}
+    return data, lines
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -281,7 +286,9 @@ def config_help(cls: type) -> str:
     lines = [f"{cls.__name__} keys (use --config FILE.yaml and/or --key value):"]
     for f in dataclasses.fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        lines.append(f"  --{f.name} ({_type_name(hints[f.name])}, default {default!r})\n      {f.metadata.get('help', '')}")
+        lines.append(
+            f"  --{f.name} ({_type_name(hints[f.name])}, default {default!r})\n      {f.metadata.get('help', '')}"
+        )
     return "\n".join(lines)
 
 

@@ -34,7 +34,9 @@ class SFTConfig(TrainConfig):
         None,
     )
     tokenizer_vocab_size: int = _help("Vocabulary size of a locally trained tokenizer.", 512)
-    attn_implementation: str | None = _help("Attention kernel: sdpa, eager, flash_attention_2 (None: model default).", "sdpa")
+    attn_implementation: str | None = _help(
+        "Attention kernel: sdpa, eager, flash_attention_2 (None: model default).", "sdpa"
+    )
     # --- data
     train_data: str | list | None = _help(
         "Local json/jsonl/csv/parquet file or folder, Hub data set name, or a list of them (entries may be "
@@ -45,12 +47,18 @@ class SFTConfig(TrainConfig):
     data_format: Literal["auto", "alpaca", "chat", "sharegpt", "prompt_completion"] = _help(
         "Data format; auto detects it from the columns.", "auto"
     )
-    eval_split_ratio: float = _help("Hold out this fraction of train_data for evaluation when eval_data is unset (0: no split).", 0.0)
+    eval_split_ratio: float = _help(
+        "Hold out this fraction of train_data for evaluation when eval_data is unset (0: no split).", 0.0
+    )
     max_seq_length: int = _help("Longest tokenised example; longer ones are handled by overlong_examples.", 1024)
-    overlong_examples: Literal["truncate", "drop"] = _help("Truncate or drop examples longer than max_seq_length.", "truncate")
+    overlong_examples: Literal["truncate", "drop"] = _help(
+        "Truncate or drop examples longer than max_seq_length.", "truncate"
+    )
     assistant_only_loss: bool = _help("Compute the loss on assistant/completion tokens only.", True)
     dataset_num_proc: int | None = _help("Processes for tokenisation (None: one).", None)
-    pad_to_multiple_of: int | None = _help("Round padded batch lengths up to a multiple of this (tensor-core friendly).", 8)
+    pad_to_multiple_of: int | None = _help(
+        "Round padded batch lengths up to a multiple of this (tensor-core friendly).", 8
+    )
     synthetic_train_size: int = _help("Training examples of the synthetic task (when train_data is None).", 8000)
     synthetic_eval_size: int = _help("Held-out examples of the synthetic task (when train_data is None).", 200)
     # --- evaluation
@@ -87,6 +95,11 @@ class SFTConfig(TrainConfig):
                 raise ConfigError(f"{what} path not found: {value} ({key})")
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
             raise ConfigError(f"pad_to_multiple_of must be >= 1 or null, got {self.pad_to_multiple_of}")
-        for key in ("synthetic_train_size", "synthetic_eval_size", "generation_max_new_tokens", "tokenizer_vocab_size"):
+        for key in (
+            "synthetic_train_size",
+            "synthetic_eval_size",
+            "generation_max_new_tokens",
+            "tokenizer_vocab_size",
+        ):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
+
 from tunebook.config import parse_config
 from tunebook.recipe_configs import SFTConfig
 

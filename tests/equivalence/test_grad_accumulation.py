@@ -50,7 +50,9 @@ def _reference_step(model, rows, collate):
 
 
 @pytest.mark.parametrize("k, batch_size", [(3, 2), (2, 1), (4, 2)])
-def test_accumulated_steps_equal_union_batches(k, batch_size, tiny_tokenizer, tiny_model_config, fresh_accelerate_state):
+def test_accumulated_steps_equal_union_batches(
+    k, batch_size, tiny_tokenizer, tiny_model_config, fresh_accelerate_state
+):
     torch.manual_seed(0)
     model = build_causal_lm(tiny_tokenizer, model_config=tiny_model_config, attn_implementation="eager")
     reference = copy.deepcopy(model)
@@ -64,7 +66,7 @@ def test_accumulated_steps_equal_union_batches(k, batch_size, tiny_tokenizer, ti
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
     steps, offset = 0, 0
-    for epoch in range(2):  # the second epoch checks the accumulation counter restarts cleanly
+    for _epoch in range(2):  # the second epoch checks the accumulation counter restarts cleanly
         for window in accumulation_windows(loader, k):
             local_tokens = sum(count_loss_tokens(b["labels"]) for b in window)
             scale = step_loss_scale(accelerator.reduce(local_tokens, "sum"), accelerator.num_processes, k)

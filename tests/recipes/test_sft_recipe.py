@@ -8,17 +8,31 @@ import sys
 
 import pytest
 import yaml
-
 from conftest import ASSETS, ROOT, TINY_TEST_MODEL, launch
 
 pytestmark = pytest.mark.slow
 TINY = ["--model_config", json.dumps(TINY_TEST_MODEL), "--disable_tqdm", "true"]
-SMALL = [*TINY, "--synthetic_train_size", "300", "--synthetic_eval_size", "20", "--max_steps", "6",
-         "--logging_steps", "2", "--per_device_train_batch_size", "8", "--generation_max_new_tokens", "8"]
+SMALL = [
+    *TINY,
+    "--synthetic_train_size",
+    "300",
+    "--synthetic_eval_size",
+    "20",
+    "--max_steps",
+    "6",
+    "--logging_steps",
+    "2",
+    "--per_device_train_batch_size",
+    "8",
+    "--generation_max_new_tokens",
+    "8",
+]
 
 
 def _ok(result):
-    assert result.returncode == 0, f"exit {result.returncode}\nSTDOUT:\n{result.stdout[-4000:]}\nSTDERR:\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\nSTDOUT:\n{result.stdout[-4000:]}\nSTDERR:\n{result.stderr[-4000:]}"
+    )
     return result
 
 
@@ -38,9 +52,21 @@ def test_sft_writes_a_loadable_model_and_standard_outputs(tmp_path):
     assert reply[0]["generated_text"][-1]["role"] == "assistant"
 
     summary = json.loads((out / "summary.json").read_text())
-    for key in ["recipe", "train_steps", "train_tokens", "train_runtime_seconds", "train_tokens_per_second",
-                "time_to_first_step_seconds", "final_train_loss", "eval", "padding_fraction", "peak_rss_mb",
-                "num_processes", "mixed_precision", "versions"]:
+    for key in [
+        "recipe",
+        "train_steps",
+        "train_tokens",
+        "train_runtime_seconds",
+        "train_tokens_per_second",
+        "time_to_first_step_seconds",
+        "final_train_loss",
+        "eval",
+        "padding_fraction",
+        "peak_rss_mb",
+        "num_processes",
+        "mixed_precision",
+        "versions",
+    ]:
         assert key in summary, key
     assert summary["train_steps"] == 6 and summary["num_processes"] == 1 and summary["train_tokens"] > 0
     assert 0 <= summary["padding_fraction"] < 1
@@ -58,8 +84,20 @@ def test_sft_writes_a_loadable_model_and_standard_outputs(tmp_path):
     # Same inputs again: no tokenisation. Then continue from the saved model directory.
     second = _ok(launch("recipes/sft.py", [*SMALL, "--output_dir", str(tmp_path / "again")]))
     assert second.stdout.count("loaded from cache, no tokenisation") == 2
-    resumed = _ok(launch("recipes/sft.py", [*SMALL[2:], "--model_name_or_path", str(out), "--output_dir",
-                                            str(tmp_path / "continued"), "--disable_tqdm", "true"]))
+    resumed = _ok(
+        launch(
+            "recipes/sft.py",
+            [
+                *SMALL[2:],
+                "--model_name_or_path",
+                str(out),
+                "--output_dir",
+                str(tmp_path / "continued"),
+                "--disable_tqdm",
+                "true",
+            ],
+        )
+    )
     assert "Reusing" not in resumed.stdout  # the tokenizer came with the model
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "continued").config.num_hidden_layers == 2
 
@@ -67,8 +105,24 @@ def test_sft_writes_a_loadable_model_and_standard_outputs(tmp_path):
 def test_sft_on_user_files_with_a_weighted_mixture(tmp_path):
     data = [{"path": str(ASSETS / "alpaca.json"), "weight": 3}, str(ASSETS / "chat.jsonl")]
     out = tmp_path / "files"
-    _ok(launch("recipes/sft.py", [*TINY, "--train_data", json.dumps(data), "--eval_data", str(ASSETS / "chat.jsonl"),
-                                  "--max_steps", "2", "--output_dir", str(out), "--generation_eval", "false"]))
+    _ok(
+        launch(
+            "recipes/sft.py",
+            [
+                *TINY,
+                "--train_data",
+                json.dumps(data),
+                "--eval_data",
+                str(ASSETS / "chat.jsonl"),
+                "--max_steps",
+                "2",
+                "--output_dir",
+                str(out),
+                "--generation_eval",
+                "false",
+            ],
+        )
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert summary["data"]["examples_kept"] == 3 * 3 + 2
     assert "eval_exact_match" not in summary["eval"] and summary["eval"]["eval_tokens"] > 0
@@ -85,7 +139,10 @@ def test_max_steps_zero_only_evaluates(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--lerning_rate", "1e-4"], "unknown config key 'lerning_rate' (in command line); did you mean 'learning_rate'?"),
+        (
+            ["--lerning_rate", "1e-4"],
+            "unknown config key 'lerning_rate' (in command line); did you mean 'learning_rate'?",
+        ),
         (["--train_data", str(ASSETS / "malformed.jsonl")], "malformed.jsonl, line 2: malformed JSON"),
         (["--train_data", str(ASSETS / "missing_columns.jsonl")], "cannot tell the data format from columns"),
         (["--model_name_or_path", "./no/such/model"], "model path not found: ./no/such/model"),
@@ -93,8 +150,13 @@ def test_max_steps_zero_only_evaluates(tmp_path):
     ],
 )
 def test_user_errors_are_one_readable_line(args, message, tmp_path):
-    result = subprocess.run([sys.executable, str(ROOT / "recipes/sft.py"), *args, "--output_dir", str(tmp_path)],
-                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "recipes/sft.py"), *args, "--output_dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert result.returncode != 0
     error_lines = [line for line in result.stderr.splitlines() if line.startswith("tunebook: error: ")]
     assert len(error_lines) == 1 and message in error_lines[0], result.stderr[-2000:]
@@ -127,3 +189,43 @@ def test_default_recipe_learns_the_synthetic_task(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_before_training"]["eval_exact_match"] <= 0.05
     assert summary["eval"]["eval_exact_match"] >= 0.8
+
+
+def test_overlong_examples_are_dropped_with_a_warning_and_counted(tmp_path, tiny_tokenizer):
+    from tunebook.data import load_conversations, parse_sources, tokenize_conversations
+
+    tokenizer_dir = tmp_path / "tokenizer"
+    tiny_tokenizer.save_pretrained(tokenizer_dir)
+    sources = parse_sources(str(ASSETS / "chat.jsonl"), "train_data")
+    conversations = load_conversations(sources, "auto", tmp_path / "cache", seed=0)
+    lengths = sorted(
+        len(ids)
+        for ids in tokenize_conversations(
+            {"messages": conversations["messages"]}, tiny_tokenizer, 10_000, "truncate", True
+        )["input_ids"]
+    )
+    out = tmp_path / "drop"
+    result = _ok(
+        launch(
+            "recipes/sft.py",
+            [
+                *TINY,
+                "--train_data",
+                str(ASSETS / "chat.jsonl"),
+                "--max_steps",
+                "1",
+                "--tokenizer_name_or_path",
+                str(tokenizer_dir),
+                "--overlong_examples",
+                "drop",
+                "--max_seq_length",
+                str(lengths[0]),
+                "--output_dir",
+                str(out),
+            ],
+        )
+    )
+    assert f"0 truncated and 1 dropped at max_seq_length={lengths[0]}" in result.stdout
+    assert "WARNING" in result.stdout
+    stats = json.loads((out / "summary.json").read_text())["data"]
+    assert stats["dropped_overlong"] == 1 and stats["examples_kept"] == 1

@@ -36,8 +36,11 @@ def test_unknown_key_names_the_closest(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown config key 'lerning_rate'.*did you mean 'learning_rate'"):
         load_config(SFTConfig, ["--lerning_rate", "1"])
     path = tmp_path / "c.yaml"
-    path.write_text("per_device_batch_size: 4\n")
-    with pytest.raises(ConfigError, match=rf"per_device_batch_size.*{path.name}.*did you mean 'per_device_(train|eval)_batch_size'"):
+    path.write_text("# a comment\nlearning_rate: 1.0e-4\nper_device_batch_size: 4\n")
+    with pytest.raises(
+        ConfigError,
+        match=rf"per_device_batch_size.*{path.name}, line 3\).*did you mean 'per_device_(train|eval)_batch_size'",
+    ):
         load_config(SFTConfig, ["--config", str(path)])
 
 

@@ -55,7 +55,10 @@ def to_messages(batch: dict[str, list[Any]], data_format: str, where: str) -> di
             extra = _text(batch["input"][i]) if "input" in batch else ""
             if extra:
                 prompt = f"{prompt}\n{extra}"
-            messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": _text(batch["output"][i])}]
+            messages = [
+                {"role": "user", "content": prompt},
+                {"role": "assistant", "content": _text(batch["output"][i])},
+            ]
         elif data_format == "prompt_completion":
             messages = [
                 {"role": "user", "content": _text(batch["prompt"][i])},

@@ -11,6 +11,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+
 import datasets
 
 from ..errors import DataError, first_line
@@ -27,8 +28,10 @@ class DataSource:
 
     @property
     def is_local(self) -> bool:
-        return Path(self.path).expanduser().exists() or self.path.startswith((".", "/", "~")) or (
-            Path(self.path).suffix in EXTENSIONS
+        return (
+            Path(self.path).expanduser().exists()
+            or self.path.startswith((".", "/", "~"))
+            or (Path(self.path).suffix in EXTENSIONS)
         )
 
 
@@ -129,7 +132,9 @@ def _raise_if_malformed(path: Path) -> None:
                 except json.JSONDecodeError as e:
                     raise DataError(f"{path}, line {lineno}: malformed JSON: {e.msg}") from None
                 if not isinstance(row, dict):
-                    raise DataError(f"{path}, line {lineno}: each line must be a JSON object, got {type(row).__name__}")
+                    raise DataError(
+                        f"{path}, line {lineno}: each line must be a JSON object, got {type(row).__name__}"
+                    )
     elif path.suffix == ".json":
         try:
             data = json.loads(path.read_text(encoding="utf-8"))

@@ -20,7 +20,9 @@ __all__ = ["IGNORE_INDEX", "assistant_spans", "format_loss_mask", "tokenize_conv
 IGNORE_INDEX = -100
 
 
-def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]
+) -> tuple[str, list[tuple[int, int]]]:
     """Return the rendered text and the character spans of its assistant turns."""
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     spans = []

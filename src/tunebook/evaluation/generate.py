@@ -29,7 +29,11 @@ class PromptCollator:
             input_ids[i, longest - len(p) :] = torch.as_tensor(p)
             attention_mask[i, longest - len(p) :] = 1
         references = [
-            [t for t, label in zip(f["input_ids"][f["prompt_length"] :], f["labels"][f["prompt_length"] :]) if label != IGNORE_INDEX]
+            [
+                t
+                for t, label in zip(f["input_ids"][f["prompt_length"] :], f["labels"][f["prompt_length"] :])
+                if label != IGNORE_INDEX
+            ]
             for f in features
         ]
         width = max(len(r) for r in references)

@@ -72,6 +72,11 @@ def build_causal_lm(
         if tokenizer.bos_token_id is not None or model_name_or_path is None:
             cfg.bos_token_id = tokenizer.bos_token_id
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # Non-reentrant checkpointing works with frozen inputs (LoRA) and with DDP's unused-parameter checks.
+        checkpoint_kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x renamed it
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
         model.config.use_cache = False
     return model

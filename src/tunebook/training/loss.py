@@ -39,9 +39,7 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return per_example_token_loss(logits, labels)[0].sum()
 
 
-def step_loss_scale(
-    step_tokens: torch.Tensor, num_processes: int, gradient_accumulation_steps: int
-) -> torch.Tensor:
+def step_loss_scale(step_tokens: torch.Tensor, num_processes: int, gradient_accumulation_steps: int) -> torch.Tensor:
     """Factor turning a micro-batch's summed loss into its share of the step's token-mean loss.
 
     `step_tokens` is the loss-token count of the whole optimizer step, summed over micro-batches and processes.

@@ -4,16 +4,17 @@ import copy
 import shutil
 
 import pytest
-
 from conftest import ASSETS
+
 from tunebook.data.pipeline import prepare_sft_dataset
 from tunebook.data.sources import parse_sources
 from tunebook.errors import DataError
 
 
 def _prepare(path, tokenizer, cache, **overrides):
-    kwargs = dict(data_format="auto", max_seq_length=256, overlong="truncate", assistant_only_loss=True,
-                  cache_dir=cache, seed=0)
+    kwargs = dict(
+        data_format="auto", max_seq_length=256, overlong="truncate", assistant_only_loss=True, cache_dir=cache, seed=0
+    )
     kwargs.update(overrides)
     return prepare_sft_dataset(parse_sources(str(path), "train_data"), tokenizer, **kwargs)
 

@@ -4,8 +4,8 @@ import json
 import shutil
 
 import pytest
-
 from conftest import ASSETS
+
 from tunebook.data.pipeline import load_conversations
 from tunebook.data.sources import load_source, parse_sources
 from tunebook.errors import DataError
@@ -50,7 +50,9 @@ def test_malformed_files_name_file_and_line(name, message, tmp_path):
 
 
 def test_missing_columns_lists_found_and_expected(tmp_path):
-    with pytest.raises(DataError, match=r"missing_columns.jsonl: cannot tell the data format from columns \['question', 'answer'\]"):
+    with pytest.raises(
+        DataError, match=r"missing_columns.jsonl: cannot tell the data format from columns \['question', 'answer'\]"
+    ):
         _load(str(ASSETS / "missing_columns.jsonl"), tmp_path)
 
 
