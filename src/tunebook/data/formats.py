@@ -41,15 +41,22 @@ def detect_format(columns: list[str], data_format: str, where: str) -> str:
     raise DataError(f"{where}: cannot tell the data format from columns {columns}; expected one of {expected}")
 
 
-def to_messages(batch: dict[str, list[Any]], data_format: str, where: str) -> dict[str, list[Any]]:
-    """Batched `datasets.map` function: any supported format -> {"messages": [...]}."""
+def to_messages(
+    batch: dict[str, list[Any]], indices: list[int] | None = None, *, data_format: str, where: str
+) -> dict[str, list[Any]]:
+    """Batched `datasets.map` function: any supported format -> {"messages": [...]}.
+
+    With `with_indices=True` the 0-based row numbers arrive as `indices`, and errors name the row (1-based,
+    which is the line of a JSONL file without blank lines).
+    """
     n = len(next(iter(batch.values())))
     out = []
     for i in range(n):
+        where_row = where if indices is None else f"{where}, row {indices[i] + 1}"
         if data_format == "chat":
-            messages = _check_chat(batch["messages"][i], where)
+            messages = _check_chat(batch["messages"][i], where_row)
         elif data_format == "sharegpt":
-            messages = _from_sharegpt(batch["conversations"][i], where)
+            messages = _from_sharegpt(batch["conversations"][i], where_row)
         elif data_format == "alpaca":
             prompt = _text(batch["instruction"][i])
             extra = _text(batch["input"][i]) if "input" in batch else ""

@@ -31,6 +31,7 @@ def load_conversations(
             raw.map(
                 to_messages,
                 batched=True,
+                with_indices=True,
                 fn_kwargs={"data_format": fmt, "where": source.path},
                 remove_columns=raw.column_names,
                 num_proc=num_proc,
