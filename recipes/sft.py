@@ -328,6 +328,9 @@ def main(config: SFTConfig) -> dict:
                 "n/a" if before is None else f"{before:.3f}",
                 final_eval["eval_exact_match"],
             )
+    # Free the DDP model while the process group still exists: if the model outlives it, gloo's destructor runs
+    # inside the model's and can deadlock on the GIL at exit (pytorch#56297).
+    model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)
     accelerator.end_training()
     return summary
 

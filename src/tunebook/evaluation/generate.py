@@ -89,10 +89,10 @@ def generation_exact_match(
         hits = []
         for gen, ref in zip(generated, batch["reference_ids"]):
             prediction, reference = _decode(tokenizer, gen), _decode(tokenizer, ref)
-            hits.append(float(prediction == reference))
+            hits.append(int(prediction == reference))
             if len(samples) < 5:
                 samples.append({"prediction": prediction, "reference": reference})
-        correct.append(accelerator.gather_for_metrics(torch.tensor(hits, device=accelerator.device)).cpu())
+        correct.append(accelerator.gather_for_metrics(torch.tensor(hits, dtype=torch.long, device=accelerator.device)).cpu())
     unwrapped.train(was_training)
     correct_all = torch.cat(correct) if correct else torch.zeros(0)
-    return {"eval_exact_match": correct_all.mean().item() if len(correct_all) else 0.0}, samples
+    return {"eval_exact_match": correct_all.sum().item() / len(correct_all) if len(correct_all) else 0.0}, samples
