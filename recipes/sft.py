@@ -26,20 +26,20 @@ from tqdm.auto import tqdm
 from tunebook.checkpoint import save_checkpoint, save_final_model
 from tunebook.config import config_to_dict, load_config, save_config
 from tunebook.data import (
+    PackedCollator,
     PadCollator,
+    SFTData,
+    attention_inputs,
     build_loader,
-    conversation_texts,
     default_cache_dir,
-    fingerprint_sources,
+    example_lengths,
     format_loss_mask,
-    load_conversations,
-    parse_sources,
-    prepare_sft_dataset,
-    write_synthetic_task,
+    packing_mechanism,
+    prepare_sft_data,
 )
 from tunebook.evaluation import evaluate_loss, generation_exact_match
 from tunebook.logging import MetricsWriter, RunTimer, peak_rss_mb, setup_logging, versions, write_summary
-from tunebook.models import TINY_LLAMA, build_causal_lm, load_or_train_tokenizer, load_tokenizer
+from tunebook.models import TINY_LLAMA, build_causal_lm
 from tunebook.recipe_configs import SFTConfig
 from tunebook.training import (
     accumulation_windows,
@@ -53,91 +53,44 @@ from tunebook.training import (
 )
 
 
-def build_datasets(config: SFTConfig, cache_dir: Path, log):
-    """Tokenizer, tokenised train set and eval set (or None), from the cache when nothing changed."""
-    train_sources = parse_sources(config.train_data, "train_data")
-    eval_sources = parse_sources(config.eval_data, "eval_data")
-    if not train_sources:  # the embedded default: generate the synthetic task
-        train_path, eval_path = write_synthetic_task(
-            cache_dir / "synthetic", config.synthetic_train_size, config.synthetic_eval_size, config.seed
-        )
-        train_sources = parse_sources(str(train_path), "train_data")
-        eval_sources = eval_sources or parse_sources(str(eval_path), "eval_data")
-
-    if config.tokenizer_name_or_path or config.model_name_or_path:
-        tokenizer = load_tokenizer(config.tokenizer_name_or_path or config.model_name_or_path)
-    else:
-        tokenizer, trained = load_or_train_tokenizer(
-            cache_dir,
-            fingerprint_sources(train_sources),
-            lambda: conversation_texts(load_conversations(train_sources, config.data_format, cache_dir, config.seed)),
-            config.tokenizer_vocab_size,
-        )
-        log.info(
-            "%s a %d-token BPE tokenizer on the training data", "Trained" if trained else "Reusing", len(tokenizer)
-        )
-
-    def prepare(sources, name):
-        dataset, stats, cached = prepare_sft_dataset(
-            sources,
-            tokenizer,
-            data_format=config.data_format,
-            max_seq_length=config.max_seq_length,
-            overlong=config.overlong_examples,
-            assistant_only_loss=config.assistant_only_loss,
-            cache_dir=cache_dir,
-            seed=config.seed,
-            num_proc=config.dataset_num_proc,
-        )
-        how = "loaded from cache, no tokenisation" if cached else "tokenised and cached"
-        log.info("%s data: %d examples (%s); %s", name, len(dataset), how, stats)
-        if stats["truncated"] or stats["dropped_overlong"] or stats["dropped_no_loss_tokens"]:
-            log.warning(
-                "%s data: %d truncated and %d dropped at max_seq_length=%d, %d dropped with no loss-bearing "
-                "token left",
-                name,
-                stats["truncated"],
-                stats["dropped_overlong"],
-                config.max_seq_length,
-                stats["dropped_no_loss_tokens"],
-            )
-        return dataset, stats
-
-    train_set, stats = prepare(train_sources, "train")
-    eval_set = prepare(eval_sources, "eval")[0] if eval_sources else None
-    if eval_set is None and config.eval_split_ratio > 0:
-        split = train_set.train_test_split(test_size=config.eval_split_ratio, seed=config.seed)
-        train_set, eval_set = split["train"], split["test"]
-    return tokenizer, train_set, eval_set, stats
-
-
-def build_dataloaders(config: SFTConfig, tokenizer, train_set, eval_set):
-    collate = PadCollator(tokenizer.pad_token_id, config.pad_to_multiple_of)
+def build_dataloaders(config: SFTConfig, data: SFTData, num_processes: int):
+    """Packed rows, or examples batched by similar length; workers collate in the background."""
+    pad_id, multiple = data.tokenizer.pad_token_id, config.pad_to_multiple_of
+    collate = PackedCollator(pad_id, multiple) if config.packing else PadCollator(pad_id, multiple)
+    columns = ["input_ids", "labels", "seq_lengths"] if config.packing else ["input_ids", "labels"]
     common = {
         "collate_fn": collate,
         "seed": config.seed,
         "num_workers": config.dataloader_num_workers,
         "pin_memory": config.dataloader_pin_memory,
+        "prefetch_factor": config.dataloader_prefetch_factor,
     }
-    columns = ["input_ids", "labels"]
+    # Packed rows are all about max_seq_length long: grouping by length only matters for padded batches.
+    lengths = example_lengths(data.train) if config.group_by_length and not config.packing else None
+    global_batch = config.per_device_train_batch_size * num_processes * config.gradient_accumulation_steps
     train_loader = build_loader(
-        train_set.select_columns(columns), config.per_device_train_batch_size, shuffle=True, **common
+        data.train.select_columns(columns),
+        config.per_device_train_batch_size,
+        shuffle=True,
+        lengths=lengths,
+        group_size=global_batch,
+        **common,
     )
     eval_loader = None
-    if eval_set is not None:
+    if data.eval is not None:
         eval_loader = build_loader(
-            eval_set.select_columns(columns), config.per_device_eval_batch_size, shuffle=False, **common
+            data.eval.select_columns(columns), config.per_device_eval_batch_size, shuffle=False, **common
         )
     return train_loader, eval_loader
 
 
-def evaluate(config: SFTConfig, model, tokenizer, eval_loader, eval_set, accelerator, log) -> dict:
-    metrics = evaluate_loss(model, eval_loader, accelerator, disable_tqdm=config.disable_tqdm)
+def evaluate(config: SFTConfig, model, data: SFTData, eval_loader, attn: str, accelerator, log) -> dict:
+    metrics = evaluate_loss(model, eval_loader, accelerator, attn, disable_tqdm=config.disable_tqdm)
     if config.generation_eval:
         scores, samples = generation_exact_match(
             model,
-            tokenizer,
-            eval_set,
+            data.tokenizer,
+            data.eval_examples,
             accelerator,
             batch_size=config.per_device_eval_batch_size,
             max_new_tokens=config.generation_max_new_tokens,
@@ -152,7 +105,7 @@ def evaluate(config: SFTConfig, model, tokenizer, eval_loader, eval_set, acceler
 
 def main(config: SFTConfig) -> dict:
     timer = RunTimer()
-    accelerator = build_accelerator(config.gradient_accumulation_steps)
+    accelerator = build_accelerator(config.gradient_accumulation_steps, non_blocking=config.dataloader_non_blocking)
     log = setup_logging(accelerator.is_main_process, config.log_level)
     set_seed(config.seed)
     output_dir = Path(config.output_dir)
@@ -167,12 +120,17 @@ def main(config: SFTConfig) -> dict:
         accelerator.mixed_precision,
     )
 
-    # --- data: the main process tokenises into the cache, the others then map the same files
+    # --- data: the main process tokenises (and packs) into the cache, the others then map the same files
     with accelerator.main_process_first():
-        tokenizer, train_set, eval_set, data_stats = build_datasets(config, cache_dir, log)
+        data = prepare_sft_data(config, cache_dir, log)
+    tokenizer = data.tokenizer
     log.info(
-        "One training example, loss-bearing text in [[...]]:\n%s",
-        format_loss_mask(tokenizer, train_set[0]["input_ids"], train_set[0]["labels"]),
+        "Data ready in %.1f s (%s)", data.seconds, "built: " + ", ".join(data.built) if data.built else "all cached"
+    )
+    log.info(
+        "One training %s, loss-bearing text in [[...]]:\n%s",
+        "row" if config.packing else "example",
+        format_loss_mask(tokenizer, data.train[0]["input_ids"], data.train[0]["labels"]),
     )
 
     # --- model, optimizer, loaders
@@ -184,10 +142,13 @@ def main(config: SFTConfig) -> dict:
         gradient_checkpointing=config.gradient_checkpointing,
     )
     log.info("Model: %s, %.2fM parameters", type(model).__name__, sum(p.numel() for p in model.parameters()) / 1e6)
+    attn, dtype = model.config._attn_implementation, model.dtype
+    if config.packing:
+        log.info("Packing with %s attention: %s", attn, packing_mechanism(attn))
     optimizer = build_optimizer(
         model, config.learning_rate, config.weight_decay, (config.adam_beta1, config.adam_beta2), config.adam_epsilon
     )
-    train_loader, eval_loader = build_dataloaders(config, tokenizer, train_set, eval_set)
+    train_loader, eval_loader = build_dataloaders(config, data, accelerator.num_processes)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     k = config.gradient_accumulation_steps
     total_steps, steps_per_epoch = total_optimizer_steps(
@@ -208,7 +169,7 @@ def main(config: SFTConfig) -> dict:
     metrics_log = MetricsWriter(output_dir / "metrics.jsonl", accelerator.is_main_process)
     eval_history = {}
     if eval_loader is not None and config.eval_on_start:
-        eval_history[0] = evaluate(config, model, tokenizer, eval_loader, eval_set, accelerator, log)
+        eval_history[0] = evaluate(config, model, data, eval_loader, attn, accelerator, log)
         log.info("Before training: %s", eval_history[0])
         metrics_log.write({"step": 0, **eval_history[0]})
 
@@ -225,13 +186,13 @@ def main(config: SFTConfig) -> dict:
     timer.start_training()
     while global_step < total_steps:
         train_loader.set_epoch(epoch)
-        for window in accumulation_windows(train_loader, k):
+        for window in accumulation_windows(train_loader, k, timer):
             # Normalise by the loss tokens of the whole step (all micro-batches, all processes), not per micro-batch.
             local_tokens = sum(count_loss_tokens(b["labels"]) for b in window)
             scale = step_loss_scale(accelerator.reduce(local_tokens, "sum"), accelerator.num_processes, k)
             for batch in window:
                 with accelerator.accumulate(model):
-                    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                    logits = model(**attention_inputs(batch, attn, dtype)).logits
                     loss_sum = token_loss_sum(logits, batch["labels"])
                     accelerator.backward(loss_sum * scale)
                 window_loss += loss_sum.detach().double()
@@ -256,7 +217,7 @@ def main(config: SFTConfig) -> dict:
                     "loss": final_train_loss,
                     "learning_rate": lr_scheduler.get_last_lr()[0],
                     "grad_norm": float(grad_norm),
-                    "tokens_per_second": timer.rate_since_mark(all_tokens),
+                    **timer.window(all_tokens),  # tokens_per_second, data_wait_fraction
                     "train_tokens": all_tokens,
                 }
                 metrics_log.write(record)
@@ -273,18 +234,20 @@ def main(config: SFTConfig) -> dict:
                 and global_step % config.eval_steps == 0
                 and global_step < total_steps
             ):
-                eval_history[global_step] = evaluate(config, model, tokenizer, eval_loader, eval_set, accelerator, log)
+                with timer.paused():
+                    eval_history[global_step] = evaluate(config, model, data, eval_loader, attn, accelerator, log)
                 log.info("Step %d: %s", global_step, eval_history[global_step])
                 metrics_log.write({"step": global_step, **eval_history[global_step]})
             if config.save_steps and global_step % config.save_steps == 0:
-                save_checkpoint(
-                    accelerator,
-                    output_dir,
-                    global_step,
-                    config,
-                    {"epoch": epoch, "tokens_seen": int(tokens_seen)},
-                    config.save_total_limit,
-                )
+                with timer.paused():
+                    save_checkpoint(
+                        accelerator,
+                        output_dir,
+                        global_step,
+                        config,
+                        {"epoch": epoch, "tokens_seen": int(tokens_seen)},
+                        config.save_total_limit,
+                    )
             if global_step >= total_steps:
                 break
         epoch += 1
@@ -294,11 +257,20 @@ def main(config: SFTConfig) -> dict:
     # --- final evaluation and outputs
     final_eval = {}
     if eval_loader is not None:
-        final_eval = evaluate(config, model, tokenizer, eval_loader, eval_set, accelerator, log)
+        final_eval = evaluate(config, model, data, eval_loader, attn, accelerator, log)
         metrics_log.write({"step": global_step, **final_eval})
     if total_steps > 0:
         save_final_model(accelerator, model, tokenizer, output_dir)
     counts = accelerator.reduce(torch.stack([tokens_seen, fed_tokens]), "sum").tolist()
+    data_wait = accelerator.reduce(torch.tensor(timer.data_wait_fraction(), device=accelerator.device), "mean").item()
+    if data_wait > 0.05:
+        log.warning(
+            "The training loop waited for data %.0f%% of the time: raise dataloader_num_workers (now %d) or "
+            "dataloader_prefetch_factor (now %d), and prepare the data ahead with `tunebook prepare`",
+            100 * data_wait,
+            config.dataloader_num_workers,
+            config.dataloader_prefetch_factor,
+        )
     summary = {
         "recipe": "sft",
         "train_steps": global_step,
@@ -306,11 +278,14 @@ def main(config: SFTConfig) -> dict:
         "train_runtime_seconds": train_runtime,
         "train_tokens_per_second": counts[0] / train_runtime if train_runtime > 0 else 0.0,
         "time_to_first_step_seconds": timer.time_to_first_step,
+        "data_prep_seconds": data.seconds,
+        "data_wait_fraction": data_wait,
         "final_train_loss": final_train_loss,
         "eval": final_eval,
         "eval_before_training": eval_history.get(0, {}),
         "padding_fraction": 1 - counts[0] / counts[1] if counts[1] else 0.0,
-        "data": data_stats,
+        "packing_efficiency": counts[0] / counts[1] if config.packing and counts[1] else None,
+        "data": data.stats,
         "peak_rss_mb": peak_rss_mb(),
         "num_processes": accelerator.num_processes,
         "mixed_precision": accelerator.mixed_precision,

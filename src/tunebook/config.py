@@ -67,8 +67,14 @@ class TrainConfig:
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = _help("Log level of the main process.", "INFO")
     seed: int = _help("Seed for model init, data order and dropout.", 42)
     # --- data loading
-    dataloader_num_workers: int = _help("DataLoader worker processes (0: load in the main process).", 0)
+    dataloader_num_workers: int = _help(
+        "DataLoader worker processes that collate batches in the background (0: collate in the training loop).", 2
+    )
+    dataloader_prefetch_factor: int = _help("Batches each worker prepares ahead.", 2)
     dataloader_pin_memory: bool = _help("Pin host memory for faster copies when training on CUDA.", True)
+    dataloader_non_blocking: bool = _help(
+        "Copy batches to the device asynchronously (with pinned memory), overlapping the copy with compute.", True
+    )
 
     def validate(self) -> None:
         """Reject impossible settings with the key and value at fault."""
@@ -76,7 +82,7 @@ class TrainConfig:
         for key in positive:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
-        for key in ["logging_steps"]:
+        for key in ["logging_steps", "dataloader_prefetch_factor"]:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
         for key in ["eval_steps", "save_steps", "save_total_limit", "dataloader_num_workers", "max_grad_norm"]:

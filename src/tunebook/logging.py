@@ -10,6 +10,7 @@ import platform
 import resource
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -51,36 +52,64 @@ class MetricsWriter:
 
 
 class RunTimer:
-    """Wall-clock bookkeeping: time since process start, first step, and tokens/s between log points."""
+    """Wall-clock bookkeeping of a training run.
+
+    Time since process start to the first optimizer step; training time that excludes evaluation and
+    checkpointing inside the loop (`paused()`); the time the loop waited for its next batch (`add_data_wait`);
+    and, per logging window, tokens/s and the share of the window spent waiting for data.
+    """
 
     def __init__(self):
         self.process_start = _process_start_time()
         self.train_start: float | None = None
         self.first_step_done: float | None = None
-        self._mark_time = time.perf_counter()
-        self._mark_tokens = 0
+        self.paused_seconds = 0.0
+        self.data_wait_seconds = 0.0
+        self._mark = (time.perf_counter(), 0, 0.0, 0.0)  # time, tokens, paused, data wait at the last window
 
     def start_training(self) -> None:
-        self.train_start = time.time()
-        self._mark_time = time.perf_counter()
+        self.train_start = time.perf_counter()
+        self._mark = (self.train_start, 0, self.paused_seconds, self.data_wait_seconds)
 
     def step_done(self) -> None:
         if self.first_step_done is None:
             self.first_step_done = time.time()
 
-    def rate_since_mark(self, tokens_total: int) -> float:
-        """Tokens/s since the previous call (or the start of training)."""
+    def add_data_wait(self, seconds: float) -> None:
+        self.data_wait_seconds += seconds
+
+    @contextmanager
+    def paused(self):
+        """Time inside this block (evaluation, checkpoint saves) does not count as training time."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_seconds += time.perf_counter() - start
+
+    def window(self, tokens_total: int) -> dict[str, float]:
+        """`tokens_per_second` and `data_wait_fraction` since the previous call (or the start of training)."""
         now = time.perf_counter()
-        rate = (tokens_total - self._mark_tokens) / max(now - self._mark_time, 1e-9)
-        self._mark_time, self._mark_tokens = now, tokens_total
-        return rate
+        then, tokens, paused, waited = self._mark
+        busy = max(now - then - (self.paused_seconds - paused), 1e-9)
+        self._mark = (now, tokens_total, self.paused_seconds, self.data_wait_seconds)
+        return {
+            "tokens_per_second": (tokens_total - tokens) / busy,
+            "data_wait_fraction": min((self.data_wait_seconds - waited) / busy, 1.0),
+        }
 
     @property
     def time_to_first_step(self) -> float | None:
         return None if self.first_step_done is None else self.first_step_done - self.process_start
 
     def train_runtime(self) -> float:
-        return 0.0 if self.train_start is None else time.time() - self.train_start
+        if self.train_start is None:
+            return 0.0
+        return time.perf_counter() - self.train_start - self.paused_seconds
+
+    def data_wait_fraction(self) -> float:
+        runtime = self.train_runtime()
+        return min(self.data_wait_seconds / runtime, 1.0) if runtime > 0 else 0.0
 
 
 def _process_start_time() -> float:

@@ -55,6 +55,17 @@ class SFTConfig(TrainConfig):
         "Truncate or drop examples longer than max_seq_length.", "truncate"
     )
     assistant_only_loss: bool = _help("Compute the loss on assistant/completion tokens only.", True)
+    packing: bool = _help(
+        "Pack examples into rows of max_seq_length (best-fit decreasing) with attention kept inside each example; "
+        "removes nearly all padding.",
+        False,
+    )
+    group_by_length: bool = _help(
+        "Without packing: batch examples of similar length together, so a batch pads only to similar lengths. "
+        "Off by default (as in TrainingArguments): it makes batches less random, and where length correlates "
+        "with content it hurts; on the synthetic task it groups by task and the model stops learning.",
+        False,
+    )
     dataset_num_proc: int | None = _help("Processes for tokenisation (None: one).", None)
     pad_to_multiple_of: int | None = _help(
         "Round padded batch lengths up to a multiple of this (tensor-core friendly).", 8

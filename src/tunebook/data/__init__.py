@@ -3,8 +3,17 @@
 from .cache import cached_dataset, default_cache_dir, fingerprint, tokenizer_fingerprint
 from .collate import PadCollator
 from .formats import FORMAT_COLUMNS, detect_format, to_messages
-from .loaders import build_loader
-from .pipeline import conversation_texts, load_conversations, prepare_sft_dataset
+from .loaders import LengthGroupedSampler, build_loader
+from .packing import (
+    PackedCollator,
+    attention_inputs,
+    best_fit_decreasing,
+    example_lengths,
+    pack_dataset,
+    packing_mechanism,
+)
+from .pipeline import conversation_texts, load_conversations, prepare_sft_dataset, sft_cache_key
+from .prepare import SFTData, prepare_sft_data
 from .sources import DataSource, fingerprint_sources, load_source, parse_sources
 from .synthetic import write_synthetic_task
 from .tokenize import IGNORE_INDEX, assistant_spans, format_loss_mask, tokenize_conversations
@@ -13,7 +22,17 @@ __all__ = [
     "FORMAT_COLUMNS",
     "IGNORE_INDEX",
     "DataSource",
+    "LengthGroupedSampler",
+    "PackedCollator",
     "PadCollator",
+    "SFTData",
+    "attention_inputs",
+    "best_fit_decreasing",
+    "example_lengths",
+    "pack_dataset",
+    "packing_mechanism",
+    "prepare_sft_data",
+    "sft_cache_key",
     "assistant_spans",
     "build_loader",
     "cached_dataset",

@@ -1,13 +1,54 @@
-"""DataLoader construction: seeded shuffling, workers and pinned memory."""
+"""DataLoader construction: seeded order, length grouping, workers, pinned memory and prefetch."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
-__all__ = ["build_loader"]
+__all__ = ["LengthGroupedSampler", "build_loader"]
+
+
+class LengthGroupedSampler(Sampler[int]):
+    """A seeded random order in which each batch holds examples of similar length.
+
+    Shuffles all indices, cuts them into mega-batches of `group_batches` batches, and sorts each mega-batch by
+    length (longest first), so a batch pads only to lengths close to its own. The order depends only on the seed
+    and the epoch (`set_epoch`), never on the global RNG, so every process sees the same order and Accelerate can
+    hand consecutive batches to consecutive processes. The batch with the longest example goes first, so a run
+    that will run out of memory does so at its first step.
+
+    Pass the global batch (per-device batch x processes x accumulation steps) as `batch_size`: the order then
+    does not depend on how a step is split across processes and micro-batches, so 2 processes x batch 4 train
+    on exactly the examples of 1 process x batch 8.
+    """
+
+    def __init__(self, lengths: np.ndarray, batch_size: int, seed: int, group_batches: int = 50):
+        self.lengths = np.asarray(lengths)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.group = batch_size * group_batches
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __iter__(self) -> Iterator[int]:
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.lengths))
+        groups = [order[i : i + self.group] for i in range(0, len(order), self.group)]
+        groups = [g[np.argsort(-self.lengths[g], kind="stable")] for g in groups]
+        order = np.concatenate(groups) if groups else order
+        # Move the batch holding the longest example to the front.
+        first = int(np.argmax(self.lengths[order])) // self.batch_size * self.batch_size
+        if first:
+            head = order[first : first + self.batch_size].copy()
+            order = np.concatenate([head, np.delete(order, np.s_[first : first + self.batch_size])])
+        return iter(order.tolist())
 
 
 def build_loader(
@@ -17,23 +58,34 @@ def build_loader(
     *,
     shuffle: bool,
     seed: int,
+    lengths: np.ndarray | None = None,
+    group_size: int | None = None,
     num_workers: int = 0,
     pin_memory: bool = True,
+    prefetch_factor: int | None = 2,
 ) -> DataLoader:
     """A DataLoader whose order depends only on `seed` (its own generator, not the global RNG).
 
-    `pin_memory` is applied only when CUDA is available, where it enables asynchronous host-to-device copies.
+    With `lengths` (and `shuffle`), batches group examples of similar length (`LengthGroupedSampler` over
+    `group_size`, the global batch, defaulting to `batch_size`). Workers
+    collate in the background and stay alive across epochs; `pin_memory` applies only when CUDA is available,
+    where it lets host-to-device copies run asynchronously (Accelerate's `non_blocking`).
     """
     generator = torch.Generator()
     generator.manual_seed(seed)
+    sampler = None
+    if shuffle and lengths is not None:
+        sampler = LengthGroupedSampler(lengths, group_size or batch_size, seed)
     return DataLoader(
         dataset,
         batch_size=batch_size,
-        shuffle=shuffle,
+        shuffle=shuffle if sampler is None else False,
+        sampler=sampler,
         collate_fn=collate_fn,
         generator=generator,
         num_workers=num_workers,
         pin_memory=pin_memory and torch.cuda.is_available(),
         persistent_workers=num_workers > 0,
+        prefetch_factor=prefetch_factor if num_workers > 0 else None,
         drop_last=False,
     )

@@ -16,7 +16,7 @@ from .formats import detect_format, to_messages
 from .sources import DataSource, fingerprint_sources, load_source
 from .tokenize import tokenize_conversations
 
-__all__ = ["conversation_texts", "load_conversations", "prepare_sft_dataset"]
+__all__ = ["conversation_texts", "load_conversations", "prepare_sft_dataset", "sft_cache_key"]
 
 
 def load_conversations(
@@ -51,6 +51,30 @@ def conversation_texts(conversations: datasets.Dataset) -> Iterator[str]:
             yield f"{m['role']}\n{m['content']}"
 
 
+def sft_cache_key(
+    sources: list[DataSource],
+    tokenizer: PreTrainedTokenizerBase,
+    data_format: str,
+    max_seq_length: int,
+    overlong: str,
+    assistant_only_loss: bool,
+    seed: int,
+) -> str:
+    """Fingerprint of everything a tokenised data set depends on: the cache key of `prepare_sft_dataset`."""
+    return fingerprint(
+        {
+            "sources": fingerprint_sources(sources),
+            "tokenizer": tokenizer_fingerprint(tokenizer),
+            "data_format": data_format,
+            "max_seq_length": max_seq_length,
+            "overlong": overlong,
+            "assistant_only_loss": assistant_only_loss,
+            "seed": seed if any(s.weight != 1.0 or s.samples is not None for s in sources) else None,
+            "version": PREPROCESSING_VERSION,
+        }
+    )
+
+
 def prepare_sft_dataset(
     sources: list[DataSource],
     tokenizer: PreTrainedTokenizerBase,
@@ -62,24 +86,14 @@ def prepare_sft_dataset(
     cache_dir: str | Path,
     seed: int,
     num_proc: int | None = None,
+    key: str | None = None,
 ) -> tuple[datasets.Dataset, dict[str, Any], bool]:
     """Tokenise and mask `sources`, cached by a fingerprint of every input. Returns (dataset, stats, was_cached).
 
     The dataset has columns `input_ids`, `labels`, `prompt_length`; stats count the examples read, truncated
-    and dropped.
+    and dropped. `key` is `sft_cache_key(...)` of the same arguments, if the caller already computed it.
     """
-    key = fingerprint(
-        {
-            "sources": fingerprint_sources(sources),
-            "tokenizer": tokenizer_fingerprint(tokenizer),
-            "data_format": data_format,
-            "max_seq_length": max_seq_length,
-            "overlong": overlong,
-            "assistant_only_loss": assistant_only_loss,
-            "seed": seed if any(s.weight != 1.0 for s in sources) else None,
-            "version": PREPROCESSING_VERSION,
-        }
-    )
+    key = key or sft_cache_key(sources, tokenizer, data_format, max_seq_length, overlong, assistant_only_loss, seed)
 
     def build() -> tuple[datasets.Dataset, dict[str, Any]]:
         conversations = load_conversations(sources, data_format, cache_dir, seed, num_proc)

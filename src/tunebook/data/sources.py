@@ -1,14 +1,15 @@
 """Load training data from local json/jsonl/csv/parquet files or folders, or Hub data set names.
 
-A source spec is a path or name string, or a list of such strings or of `{path: ..., weight: ...}` mappings.
-A weight is the fraction of that source's rows to use: 0.5 takes a seeded half, 2.0 repeats it twice.
+A source spec is a path or name string, or a list of such strings or of `{path: ..., weight: ...}` /
+`{path: ..., samples: ...}` mappings. A weight is a multiple of that source's rows: 0.5 takes a seeded half,
+2.0 repeats it twice. `samples` is a count of rows instead: fewer than the source has takes a seeded subset,
+more repeats it whole and tops up with a seeded subset. Both are deterministic for a seed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,7 @@ EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "par
 class DataSource:
     path: str
     weight: float = 1.0
+    samples: int | None = None  # a row count; replaces weight when set
 
     @property
     def is_local(self) -> bool:
@@ -46,13 +48,24 @@ def parse_sources(spec: str | list | None, key: str) -> list[DataSource]:
     for item in items:
         if isinstance(item, str):
             sources.append(DataSource(item))
-        elif isinstance(item, dict) and set(item) <= {"path", "weight"} and "path" in item:
-            weight = float(item.get("weight", 1.0))
-            if weight <= 0:
-                raise DataError(f"{key}: weight of '{item['path']}' must be > 0, got {weight}")
-            sources.append(DataSource(str(item["path"]), weight))
+        elif isinstance(item, dict) and set(item) <= {"path", "weight", "samples"} and "path" in item:
+            if "weight" in item and "samples" in item:
+                raise DataError(f"{key}: give '{item['path']}' a weight or a samples count, not both")
+            try:
+                weight = float(item.get("weight", 1.0))
+                samples = None if item.get("samples") is None else int(item["samples"])
+            except (TypeError, ValueError):
+                raise DataError(
+                    f"{key}: weight and samples of '{item['path']}' must be numbers, got {item!r}"
+                ) from None
+            if weight <= 0 or (samples is not None and samples < 1):
+                raise DataError(f"{key}: weight/samples of '{item['path']}' must be > 0, got {item!r}")
+            sources.append(DataSource(str(item["path"]), weight, samples))
         else:
-            raise DataError(f"{key}: each entry must be a path or {{path: ..., weight: ...}}, got {item!r}")
+            raise DataError(
+                f"{key}: each entry must be a path, {{path: ..., weight: ...}} or {{path: ..., samples: ...}}, "
+                f"got {item!r}"
+            )
     return sources
 
 
@@ -77,7 +90,7 @@ def fingerprint_sources(sources: list[DataSource]) -> str:
     """Hash of the local files' contents (and Hub names) and weights: what tokenised caches depend on."""
     h = hashlib.sha256()
     for source in sources:
-        h.update(f"{source.path}|{source.weight}\n".encode())
+        h.update(f"{source.path}|{source.weight}|{source.samples}\n".encode())
         if source.is_local:
             for path in _local_files(source):
                 with open(path, "rb") as f:
@@ -107,16 +120,19 @@ def load_source(source: DataSource, cache_dir: str | Path, seed: int) -> dataset
                 f"data set '{source.path}' is not a local file or folder and could not be loaded from the Hub: "
                 f"{first_line(e)}"
             ) from None
-    return _apply_weight(dataset, source.weight, seed)
+    if source.samples is not None:
+        return _take_rows(dataset, source.samples, seed)
+    return _take_rows(dataset, int(round(source.weight * len(dataset))), seed)
 
 
-def _apply_weight(dataset: datasets.Dataset, weight: float, seed: int) -> datasets.Dataset:
-    if weight == 1.0:
+def _take_rows(dataset: datasets.Dataset, count: int, seed: int) -> datasets.Dataset:
+    """`count` rows: whole copies of the data set, then a seeded subset of it for the remainder."""
+    if count == len(dataset) or len(dataset) == 0:
         return dataset
-    whole, frac = int(math.floor(weight)), weight - math.floor(weight)
+    whole, rest = divmod(count, len(dataset))
     parts = [dataset] * whole
-    if frac > 0:
-        parts.append(dataset.shuffle(seed=seed).select(range(int(round(frac * len(dataset))))))
+    if rest:
+        parts.append(dataset.shuffle(seed=seed).select(range(rest)))
     return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
 
 

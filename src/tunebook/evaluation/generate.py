@@ -92,7 +92,9 @@ def generation_exact_match(
             hits.append(int(prediction == reference))
             if len(samples) < 5:
                 samples.append({"prediction": prediction, "reference": reference})
-        correct.append(accelerator.gather_for_metrics(torch.tensor(hits, dtype=torch.long, device=accelerator.device)).cpu())
+        correct.append(
+            accelerator.gather_for_metrics(torch.tensor(hits, dtype=torch.long, device=accelerator.device)).cpu()
+        )
     unwrapped.train(was_training)
     correct_all = torch.cat(correct) if correct else torch.zeros(0)
     return {"eval_exact_match": correct_all.sum().item() / len(correct_all) if len(correct_all) else 0.0}, samples

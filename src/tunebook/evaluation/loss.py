@@ -7,26 +7,35 @@ import math
 import torch
 from accelerate import Accelerator
 
+from ..data.packing import attention_inputs
 from ..training.loss import per_example_token_loss
 
 __all__ = ["evaluate_loss"]
 
 
 @torch.no_grad()
-def evaluate_loss(model: torch.nn.Module, loader, accelerator: Accelerator, disable_tqdm: bool = True) -> dict:
+def evaluate_loss(
+    model: torch.nn.Module,
+    loader,
+    accelerator: Accelerator,
+    attn_implementation: str = "sdpa",
+    disable_tqdm: bool = True,
+) -> dict:
     """Mean next-token loss over all loss-bearing tokens of the eval set, and its perplexity.
 
-    Per-example sums and counts go through `gather_for_metrics`, which drops the duplicates Accelerate adds to
+    Works on padded and on packed batches (`attention_inputs` keeps packed examples apart). Per-row sums and
+    counts go through `gather_for_metrics`, which drops the duplicates Accelerate adds to
     even out the last batch, so the result does not depend on the number of processes.
     """
     from tqdm.auto import tqdm
 
     was_training = model.training
+    dtype = next(model.parameters()).dtype
     model.eval()
     total_loss = torch.zeros((), dtype=torch.float64)
     total_tokens = torch.zeros((), dtype=torch.float64)
     for batch in tqdm(loader, desc="Evaluating", disable=disable_tqdm or not accelerator.is_main_process, leave=False):
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        logits = model(**attention_inputs(batch, attn_implementation, dtype)).logits
         loss_sums, counts = per_example_token_loss(logits, batch["labels"])
         loss_sums, counts = accelerator.gather_for_metrics((loss_sums, counts))
         total_loss += loss_sums.double().sum().cpu()

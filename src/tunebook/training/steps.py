@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -23,16 +24,27 @@ def total_optimizer_steps(
     return math.ceil(num_train_epochs * steps_per_epoch), steps_per_epoch
 
 
-def accumulation_windows(loader: Iterable[Any], gradient_accumulation_steps: int) -> Iterator[list[Any]]:
+def accumulation_windows(
+    loader: Iterable[Any], gradient_accumulation_steps: int, timer: Any = None
+) -> Iterator[list[Any]]:
     """Group an epoch's micro-batches into the windows of one optimizer step each (the last may be shorter).
 
     Fetching a whole window first lets the loss be normalised by the loss tokens of the entire step before the
     first backward. The last window is yielded while the loader is still suspended on its final batch: an
     Accelerate loader then still reports `end_of_dataloader`, which `accelerator.accumulate` needs to sync
     gradients at the end of a shorter final window (once the loader is exhausted, it no longer does).
+    With a `timer` (`tunebook.logging.RunTimer`), the time spent waiting for each batch is added to it.
     """
     window: list[Any] = []
-    for batch in loader:
+    batches = iter(loader)
+    while True:
+        start = time.perf_counter()
+        try:
+            batch = next(batches)
+        except StopIteration:
+            break
+        if timer is not None:
+            timer.add_data_wait(time.perf_counter() - start)
         window.append(batch)
         if len(window) == gradient_accumulation_steps or getattr(loader, "end_of_dataloader", False):
             yield window

@@ -59,9 +59,9 @@ def test_missing_columns_lists_found_and_expected(tmp_path):
 def test_missing_file_and_bad_spec(tmp_path):
     with pytest.raises(DataError, match="data file or folder not found: nope/train.jsonl"):
         _load("nope/train.jsonl", tmp_path)
-    with pytest.raises(DataError, match="weight of .* must be > 0"):
+    with pytest.raises(DataError, match="weight/samples of .* must be > 0"):
         parse_sources([{"path": "a.jsonl", "weight": 0}], "train_data")
-    with pytest.raises(DataError, match=r"train_data: each entry must be a path or \{path: ..., weight: ...\}"):
+    with pytest.raises(DataError, match=r"train_data: each entry must be a path, \{path: ..., weight: ...\} or"):
         parse_sources([{"file": "a.jsonl"}], "train_data")
 
 
@@ -82,3 +82,14 @@ def test_jsonl_with_non_object_line(tmp_path):
     path.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n[1, 2]\n")
     with pytest.raises(DataError, match=r"list.jsonl, line 2"):
         _load(str(path), tmp_path / "cache")
+
+
+def test_mixture_by_sample_counts_is_deterministic(tmp_path):
+    spec = [{"path": str(ASSETS / "alpaca.json"), "samples": 7}, {"path": str(ASSETS / "chat.jsonl"), "samples": 1}]
+    first = _load(spec, tmp_path)
+    assert len(first) == 7 + 1
+    assert _load(spec, tmp_path)["messages"] == first["messages"]
+    with pytest.raises(DataError, match="weight or a samples count, not both"):
+        parse_sources([{"path": "a.jsonl", "weight": 1, "samples": 3}], "train_data")
+    with pytest.raises(DataError, match="must be > 0"):
+        parse_sources([{"path": "a.jsonl", "samples": 0}], "train_data")

@@ -1,0 +1,237 @@
+"""Pack tokenised examples into rows of `max_seq_length` without letting them attend to each other.
+
+Rows are filled by best-fit decreasing: examples are taken longest first (ties in a seeded random order) and each
+goes into the open row it fills most tightly. On SFT data this wastes a few percent of a row where padding to the
+longest example of a batch wastes a third or more.
+
+Rows stay `max_seq_length` long instead of flattening a whole batch into one row: without a varlen kernel
+attention costs grow with the square of the row length. A packed row keeps the length of every example
+(`seq_lengths`), from which the collator derives position ids that restart at each example and segment ids, and
+`attention_inputs` builds, per attention backend, what keeps attention inside each example.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+from datasets.table import InMemoryTable
+
+from ..errors import ConfigError
+from .tokenize import IGNORE_INDEX
+
+__all__ = [
+    "PackedCollator",
+    "attention_inputs",
+    "best_fit_decreasing",
+    "example_lengths",
+    "pack_dataset",
+    "packing_mechanism",
+]
+
+
+def example_lengths(dataset: datasets.Dataset, column: str = "input_ids") -> np.ndarray:
+    """Token count of every row, read from the Arrow column without materialising the rows in Python."""
+    lengths = np.asarray(pc.list_value_length(dataset.data.column(column)), dtype=np.int64)
+    indices = dataset._indices  # a `select`ed view (e.g. a train/eval split) maps rows to the underlying table
+    if indices is not None:
+        lengths = lengths[np.asarray(indices.column(0), dtype=np.int64)]
+    return lengths
+
+
+def best_fit_decreasing(lengths: np.ndarray, capacity: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Assign items to bins of `capacity`; returns (item order, bin offsets) in CSR form.
+
+    Bin b holds items `order[offsets[b]:offsets[b + 1]]`. Deterministic for a seed. Runs in
+    O(n * capacity / SIMD width): the open bins are bucketed by remaining space, so finding the tightest bin
+    that fits is one vectorised scan of `capacity` flags per item.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if len(lengths) and (lengths.max() > capacity or lengths.min() < 1):
+        raise ValueError(f"every length must be in [1, {capacity}]")
+    rng = np.random.default_rng(seed)
+    order = np.lexsort((rng.permutation(len(lengths)), -lengths))  # longest first, ties shuffled by the seed
+    has_room = np.zeros(capacity + 1, dtype=bool)  # has_room[r]: some open bin has exactly r tokens free
+    bins_by_room: list[list[int]] = [[] for _ in range(capacity + 1)]
+    room: list[int] = []
+    bin_of = np.empty(len(lengths), dtype=np.int64)
+    for item in order:
+        size = int(lengths[item])
+        j = int(has_room[size:].argmax())
+        if has_room[size + j]:
+            r = size + j
+            b = bins_by_room[r].pop()
+            if not bins_by_room[r]:
+                has_room[r] = False
+        else:
+            b, r = len(room), capacity
+            room.append(capacity)
+        bin_of[item] = b
+        room[b] = r - size
+        bins_by_room[r - size].append(b)
+        has_room[r - size] = True
+    # Items grouped by bin, in the order they were placed (stable sort keeps the longest-first order).
+    placed = order[np.argsort(bin_of[order], kind="stable")]
+    counts = np.bincount(bin_of, minlength=len(room))
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    return placed, offsets
+
+
+def _gather_rows(batch: dict[str, list], source: datasets.Dataset) -> dict[str, list]:
+    """Batched `map` over bins: concatenate each bin's examples into one row."""
+    bins = batch["indices"]
+    flat = [i for b in bins for i in b]
+    examples = source[flat]
+    out: dict[str, list] = {"input_ids": [], "labels": [], "seq_lengths": []}
+    k = 0
+    for b in bins:
+        ids: list[int] = []
+        labels: list[int] = []
+        lengths = []
+        for _ in b:
+            ex_ids, ex_labels = examples["input_ids"][k], list(examples["labels"][k])
+            # The first token of an example is never predicted (on its own nothing precedes it), so the previous
+            # example's last token must not learn to predict it either.
+            ex_labels[0] = IGNORE_INDEX
+            ids.extend(ex_ids)
+            labels.extend(ex_labels)
+            lengths.append(len(ex_ids))
+            k += 1
+        out["input_ids"].append(ids)
+        out["labels"].append(labels)
+        out["seq_lengths"].append(lengths)
+    return out
+
+
+def pack_dataset(
+    dataset: datasets.Dataset,
+    max_seq_length: int,
+    seed: int,
+    num_proc: int | None = None,
+    cache_file_name: str | None = None,
+) -> tuple[datasets.Dataset, dict[str, Any]]:
+    """Pack `input_ids`/`labels` rows into rows of at most `max_seq_length` tokens.
+
+    Returns the packed dataset (columns `input_ids`, `labels`, `seq_lengths`) and stats: examples, rows, and
+    `packing_efficiency`, the share of the rows' `max_seq_length` slots that hold real tokens. Give
+    `cache_file_name` to write the rows to an Arrow file as they are made instead of holding them in memory.
+    """
+    lengths = example_lengths(dataset)
+    order, offsets = best_fit_decreasing(lengths, max_seq_length, seed)
+    # The bin table is built from numpy through Arrow, never as Python lists of every index.
+    bins = pa.ListArray.from_arrays(pa.array(offsets, pa.int64()), pa.array(order, pa.int64()))
+    table = datasets.Dataset(InMemoryTable(pa.table({"indices": bins})))
+    packed = table.map(
+        _gather_rows,
+        batched=True,
+        batch_size=256,
+        fn_kwargs={"source": dataset.select_columns(["input_ids", "labels"])},
+        remove_columns=["indices"],
+        num_proc=num_proc,
+        desc="Packing",
+        cache_file_name=cache_file_name,
+        new_fingerprint=f"tunebook-pack-{dataset._fingerprint}-{max_seq_length}-{seed}",
+    )
+    rows = len(offsets) - 1
+    stats = {
+        "examples_packed": len(lengths),
+        "packed_rows": rows,
+        "packing_efficiency": float(lengths.sum() / (rows * max_seq_length)) if rows else 0.0,
+    }
+    return packed, stats
+
+
+class PackedCollator:
+    """Batch packed rows: pad to the longest row (rounded up to a multiple), restart positions per example.
+
+    Returns `input_ids`, `labels`, `position_ids` and `seq_ids` (the example index of every token within its row;
+    the padding tail is a segment of its own, so no row of an attention mask is ever empty). `attention_inputs`
+    turns these into what the model's attention backend needs.
+    """
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None):
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        longest = max(len(f["input_ids"]) for f in features)
+        if self.pad_to_multiple_of:
+            longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        shape = (len(features), longest)
+        input_ids = torch.full(shape, self.pad_token_id, dtype=torch.long)
+        labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
+        position_ids = torch.zeros(shape, dtype=torch.long)
+        seq_ids = torch.zeros(shape, dtype=torch.long)
+        for i, f in enumerate(features):
+            n = len(f["input_ids"])
+            input_ids[i, :n] = torch.as_tensor(f["input_ids"])
+            labels[i, :n] = torch.as_tensor(f["labels"])
+            lengths = list(f["seq_lengths"]) + ([longest - n] if longest > n else [])
+            position_ids[i] = torch.cat([torch.arange(m) for m in lengths])
+            seq_ids[i] = torch.repeat_interleave(torch.arange(len(lengths)), torch.as_tensor(lengths))
+        # attention_mask marks real tokens for the token counters; the model gets attention_inputs() instead.
+        attention_mask = (
+            torch.arange(longest)[None, :] < torch.tensor([len(f["input_ids"]) for f in features])[:, None]
+        )
+        return {
+            "input_ids": input_ids,
+            "labels": labels,
+            "position_ids": position_ids,
+            "seq_ids": seq_ids,
+            "attention_mask": attention_mask.long(),
+        }
+
+
+# The kernels that take packed sequences as position ids (cumulative lengths), without a mask.
+VARLEN_BACKENDS = (
+    "flash_attention_2",
+    "flash_attention_3",
+    "kernels-community/flash-attn",
+    "kernels-community/flash-attn3",
+)
+
+
+def packing_mechanism(attn_implementation: str) -> str:
+    """How `attention_inputs` keeps packed examples apart for this backend (for the log)."""
+    if attn_implementation in VARLEN_BACKENDS:
+        return "varlen kernel: position ids restarting per example, no attention mask"
+    if attn_implementation == "sdpa":
+        return "explicit block-diagonal causal 4D boolean mask + position ids restarting per example"
+    if attn_implementation == "eager":
+        return "explicit block-diagonal causal 4D additive float mask + position ids restarting per example"
+    raise ConfigError(
+        f"packing does not know how to isolate examples with attn_implementation={attn_implementation!r}; "
+        "use sdpa, eager or flash_attention_2"
+    )
+
+
+def attention_inputs(batch: dict[str, torch.Tensor], attn_implementation: str, dtype: torch.dtype) -> dict[str, Any]:
+    """The keyword arguments for `model(...)`: input ids plus whatever keeps attention where it belongs.
+
+    Padded (unpacked) batches get their 2D `attention_mask`. Packed batches (with `seq_ids`) get restarting
+    `position_ids` and, except on varlen kernels, an explicit 4D block-diagonal causal mask, built on the device
+    from the small segment ids. We build the mask ourselves rather than rely on transformers deriving one from the
+    position ids: it does so only when no 2D mask and no KV cache are passed, and silently lets packed examples
+    attend to each other otherwise (evaluation with the default `use_cache=True`, for instance).
+    """
+    if "seq_ids" not in batch:
+        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+    if attn_implementation in VARLEN_BACKENDS:
+        return inputs
+    seq = batch["seq_ids"]
+    length = seq.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=seq.device).tril()
+    allowed = (seq[:, :, None] == seq[:, None, :]) & causal  # (batch, query, key)
+    if attn_implementation == "sdpa":
+        inputs["attention_mask"] = allowed[:, None]
+    elif attn_implementation == "eager":
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=seq.device)
+        inputs["attention_mask"] = mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+    else:
+        packing_mechanism(attn_implementation)  # raises with the list of supported backends
+    return inputs

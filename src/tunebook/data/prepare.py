@@ -1,0 +1,173 @@
+"""Everything between a recipe's config and its data loaders: sources, tokenizer, tokenised and packed caches.
+
+`prepare_sft_data` is what both `recipes/sft.py` and `tunebook prepare` call, so preparing ahead of time builds
+exactly the caches a training run with the same config looks up.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from ..errors import ConfigError
+from ..models.tokenizer import load_or_train_tokenizer, load_tokenizer
+from .cache import cached_dataset, fingerprint
+from .packing import example_lengths, pack_dataset
+from .pipeline import conversation_texts, load_conversations, prepare_sft_dataset, sft_cache_key
+from .sources import DataSource, fingerprint_sources, parse_sources
+from .synthetic import write_synthetic_task
+
+__all__ = ["SFTData", "prepare_sft_data"]
+
+PACKING_VERSION = "1"  # bump when packing changes what it produces
+
+
+@dataclass
+class SFTData:
+    """The prepared data of an SFT run."""
+
+    tokenizer: PreTrainedTokenizerBase
+    train: datasets.Dataset  # what the train loader reads: packed rows, or tokenised examples
+    eval: datasets.Dataset | None  # what the eval-loss loader reads (packed rows when packing)
+    eval_examples: datasets.Dataset | None  # unpacked eval examples, for generation eval
+    stats: dict[str, Any] = field(default_factory=dict)  # of the training data
+    built: list[str] = field(default_factory=list)  # what had to be built (empty: everything came from the cache)
+    seconds: float = 0.0
+
+
+def prepare_sft_data(config, cache_dir: Path, log: logging.Logger) -> SFTData:
+    """Sources -> tokenizer -> tokenised (and packed) train and eval sets, each from the cache when unchanged.
+
+    `config` is an `SFTConfig`. Call it inside `accelerator.main_process_first()` in multi-process runs: the
+    main process builds the caches, the others find them finished.
+    """
+    start = time.perf_counter()
+    built: list[str] = []
+    train_sources = parse_sources(config.train_data, "train_data")
+    eval_sources = parse_sources(config.eval_data, "eval_data")
+    if not train_sources:  # the embedded default: generate the synthetic task
+        train_path, eval_path = write_synthetic_task(
+            cache_dir / "synthetic", config.synthetic_train_size, config.synthetic_eval_size, config.seed
+        )
+        train_sources = parse_sources(str(train_path), "train_data")
+        eval_sources = eval_sources or parse_sources(str(eval_path), "eval_data")
+
+    if config.tokenizer_name_or_path or config.model_name_or_path:
+        tokenizer = load_tokenizer(config.tokenizer_name_or_path or config.model_name_or_path)
+    else:
+        tokenizer, trained = load_or_train_tokenizer(
+            cache_dir,
+            fingerprint_sources(train_sources),
+            lambda: conversation_texts(load_conversations(train_sources, config.data_format, cache_dir, config.seed)),
+            config.tokenizer_vocab_size,
+        )
+        if trained:
+            built.append("tokenizer")
+        log.info(
+            "%s a %d-token BPE tokenizer on the training data", "Trained" if trained else "Reusing", len(tokenizer)
+        )
+
+    train, train_key, stats = _tokenised(config, train_sources, tokenizer, cache_dir, "train", built, log)
+    eval_examples, eval_key = None, None
+    if eval_sources:
+        eval_examples, eval_key, _ = _tokenised(config, eval_sources, tokenizer, cache_dir, "eval", built, log)
+    split = None
+    if eval_examples is None and config.eval_split_ratio > 0:
+        train, eval_examples, split = _split(train, config.eval_split_ratio, config.seed)
+        eval_key = train_key
+        log.info("Held out %d of the training examples for evaluation (eval_split_ratio)", len(eval_examples))
+
+    train_rows, eval_rows = train, eval_examples
+    if config.packing:
+        train_rows, pack_stats = _packed(config, train, train_key, split and "train", cache_dir, "train", built, log)
+        stats.update(pack_stats)
+        if eval_examples is not None:
+            eval_rows, _ = _packed(config, eval_examples, eval_key, split and "eval", cache_dir, "eval", built, log)
+    stats["train_rows"] = len(train_rows)
+    stats["train_tokens_per_epoch"] = int(example_lengths(train_rows).sum())
+    return SFTData(tokenizer, train_rows, eval_rows, eval_examples, stats, built, time.perf_counter() - start)
+
+
+def _tokenised(config, sources: list[DataSource], tokenizer, cache_dir: Path, name: str, built: list, log):
+    args = (config.data_format, config.max_seq_length, config.overlong_examples, config.assistant_only_loss)
+    key = sft_cache_key(sources, tokenizer, *args, config.seed)
+    dataset, stats, cached = prepare_sft_dataset(
+        sources,
+        tokenizer,
+        data_format=config.data_format,
+        max_seq_length=config.max_seq_length,
+        overlong=config.overlong_examples,
+        assistant_only_loss=config.assistant_only_loss,
+        cache_dir=cache_dir,
+        seed=config.seed,
+        num_proc=config.dataset_num_proc,
+        key=key,
+    )
+    if not cached:
+        built.append(f"{name} tokenisation")
+    how = "loaded from cache, no tokenisation" if cached else "tokenised and cached"
+    log.info("%s data: %d examples (%s); %s", name, len(dataset), how, stats)
+    if stats["truncated"] or stats["dropped_overlong"] or stats["dropped_no_loss_tokens"]:
+        log.warning(
+            "%s data: %d truncated and %d dropped at max_seq_length=%d, %d dropped with no loss-bearing token left",
+            name,
+            stats["truncated"],
+            stats["dropped_overlong"],
+            config.max_seq_length,
+            stats["dropped_no_loss_tokens"],
+        )
+    return dataset, key, dict(stats)
+
+
+def _split(dataset: datasets.Dataset, ratio: float, seed: int):
+    """A seeded split of the examples (before any packing), as index views: nothing is copied."""
+    order = np.random.default_rng(seed).permutation(len(dataset))
+    n_eval = max(1, int(round(ratio * len(dataset))))
+    if n_eval >= len(dataset):
+        raise ConfigError(f"eval_split_ratio={ratio} leaves no training examples out of {len(dataset)}")
+    return dataset.select(np.sort(order[n_eval:])), dataset.select(np.sort(order[:n_eval])), (ratio, seed)
+
+
+def _packed(config, dataset, parent_key: str, part: str | None, cache_dir: Path, name: str, built: list, log):
+    key = fingerprint(
+        {
+            "parent": parent_key,
+            "split": [config.eval_split_ratio, config.seed, part] if part else None,
+            "max_seq_length": config.max_seq_length,
+            "seed": config.seed,
+            "version": PACKING_VERSION,
+        }
+    )
+    (cache_dir / "tmp").mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cache_dir / "tmp"))
+    try:  # rows are written to a temporary Arrow file as they are made, then moved into the cache entry
+        rows, stats, cached = cached_dataset(
+            cache_dir,
+            key,
+            lambda: pack_dataset(
+                dataset, config.max_seq_length, config.seed, config.dataset_num_proc, str(tmp / "rows.arrow")
+            ),
+        )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if not cached:
+        built.append(f"{name} packing")
+    log.info(
+        "%s data: packed %d examples into %d rows of %d tokens, packing efficiency %.4f (%s)",
+        name,
+        stats["examples_packed"],
+        stats["packed_rows"],
+        config.max_seq_length,
+        stats["packing_efficiency"],
+        "loaded from cache" if cached else "packed and cached",
+    )
+    return rows, stats
