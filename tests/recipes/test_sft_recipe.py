@@ -14,19 +14,9 @@ pytestmark = pytest.mark.slow
 TINY = ["--model_config", json.dumps(TINY_TEST_MODEL), "--disable_tqdm", "true"]
 SMALL = [
     *TINY,
-    "--synthetic_train_size",
-    "300",
-    "--synthetic_eval_size",
-    "20",
-    "--max_steps",
-    "6",
-    "--logging_steps",
-    "2",
-    "--per_device_train_batch_size",
-    "8",
-    "--generation_max_new_tokens",
-    "8",
-]
+    *"""--synthetic_train_size 300 --synthetic_eval_size 20 --max_steps 6 --logging_steps 2
+    --per_device_train_batch_size 8 --generation_max_new_tokens 8""".split(),
+]  # fmt: skip
 
 
 def _ok(result):
@@ -78,7 +68,11 @@ def test_sft_writes_a_loadable_model_and_standard_outputs(tmp_path):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train_records = [r for r in records if "loss" in r]
     assert [r["step"] for r in train_records] == [2, 4, 6]
-    assert all({"learning_rate", "tokens_per_second", "grad_norm"} <= set(r) for r in train_records)
+    assert all(
+        {"learning_rate", "tokens_per_second", "grad_norm", "data_wait_fraction"} <= set(r) for r in train_records
+    )
+    assert 0 <= summary["data_wait_fraction"] <= 1 and summary["data_prep_seconds"] > 0
+    assert summary["packing_efficiency"] is None  # not packed
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-3", "step-6"]
 
     # Same inputs again: no tokenisation. Then continue from the saved model directory.
@@ -128,12 +122,20 @@ def test_sft_on_user_files_with_a_weighted_mixture(tmp_path):
     assert "eval_exact_match" not in summary["eval"] and summary["eval"]["eval_tokens"] > 0
 
 
-def test_max_steps_zero_only_evaluates(tmp_path):
-    out = tmp_path / "eval-only"
-    _ok(launch("recipes/sft.py", [*SMALL, "--max_steps", "0", "--output_dir", str(out)]))
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["train_steps"] == 0 and summary["eval"]["eval_loss"] > 0
-    assert not (out / "model.safetensors").exists()
+def test_eval_only_loss_is_the_same_packed_and_padded(tmp_path):
+    """Evaluation only, on the same data and model, padded and packed: the packed examples must not see each other."""
+    summaries = {}
+    for packing in ("false", "true"):
+        out = tmp_path / f"eval-only-packing-{packing}"
+        args = [*SMALL, "--max_steps", "0", "--packing", packing, "--max_seq_length", "96", "--output_dir", str(out)]
+        result = _ok(launch("recipes/sft.py", [*args, "--generation_eval", "false"]))
+        summaries[packing] = json.loads((out / "summary.json").read_text())
+        assert summaries[packing]["train_steps"] == 0 and not (out / "model.safetensors").exists()
+    assert "explicit block-diagonal causal 4D boolean mask" in result.stdout
+    padded, packed = summaries["false"]["eval"], summaries["true"]["eval"]
+    assert packed["eval_tokens"] == padded["eval_tokens"] > 0
+    assert packed["eval_loss"] == pytest.approx(padded["eval_loss"], rel=1e-5)
+    assert summaries["true"]["data"]["packed_rows"] < summaries["true"]["data"]["examples_kept"]
 
 
 @pytest.mark.parametrize(
