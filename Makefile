@@ -29,8 +29,8 @@ test: $(VENV)/.installed
 	$(BIN)/python -m pytest tests $(ARGS)
 
 lint: $(VENV)/.installed
-	$(BIN)/ruff check src recipes tests
-	$(BIN)/ruff format --check src recipes tests
+	$(BIN)/ruff check src recipes tests benchmarks
+	$(BIN)/ruff format --check src recipes tests benchmarks
 
 format: $(VENV)/.installed
 	$(BIN)/ruff format src recipes tests

@@ -36,6 +36,7 @@ from tunebook.data import (
     format_loss_mask,
     packing_mechanism,
     prepare_sft_data,
+    use_packed_attention,
 )
 from tunebook.evaluation import evaluate_loss, generation_exact_match
 from tunebook.logging import MetricsWriter, RunTimer, peak_rss_mb, setup_logging, versions, write_summary
@@ -143,7 +144,8 @@ def main(config: SFTConfig) -> dict:
     )
     log.info("Model: %s, %.2fM parameters", type(model).__name__, sum(p.numel() for p in model.parameters()) / 1e6)
     attn, dtype = model.config._attn_implementation, model.dtype
-    if config.packing:
+    if config.packing:  # on a CPU, sdpa becomes our per-example (varlen) SDPA
+        attn = use_packed_attention(model, accelerator.device)
         log.info("Packing with %s attention: %s", attn, packing_mechanism(attn))
     optimizer = build_optimizer(
         model, config.learning_rate, config.weight_decay, (config.adam_beta1, config.adam_beta2), config.adam_epsilon

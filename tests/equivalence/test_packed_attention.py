@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tunebook.data.packing import PackedCollator, attention_inputs, pack_dataset
+from tunebook.data.packing import SEGMENT_SDPA, PackedCollator, attention_inputs, pack_dataset, use_packed_attention
 from tunebook.models import build_causal_lm
 
 TOL = 1e-5
@@ -20,7 +20,7 @@ LENGTHS = [9, 4, 13, 6, 3, 11, 7, 5]
 
 
 def _backends():
-    backends = ["sdpa", "eager"]
+    backends = ["sdpa", "eager", SEGMENT_SDPA]
     try:
         import flash_attn  # noqa: F401
 
@@ -67,7 +67,10 @@ def _packed_and_alone(model, tokenizer, attn, device="cpu"):
 def test_packed_token_losses_equal_losses_alone(attn, mode, tiny_tokenizer, tiny_model_config):
     device = "cuda" if attn.startswith("flash") else "cpu"
     torch.manual_seed(0)
-    model = build_causal_lm(tiny_tokenizer, model_config=tiny_model_config, attn_implementation=attn).to(device)
+    build_attn = "sdpa" if attn == SEGMENT_SDPA else attn
+    model = build_causal_lm(tiny_tokenizer, model_config=tiny_model_config, attn_implementation=build_attn).to(device)
+    if attn == SEGMENT_SDPA:
+        assert use_packed_attention(model, "cpu") == SEGMENT_SDPA
     if attn.startswith("flash"):
         model = model.to(torch.bfloat16)
     model.train(mode == "train")

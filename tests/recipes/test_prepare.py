@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, TINY_TEST_MODEL, launch
 
 pytestmark = pytest.mark.slow

@@ -11,6 +11,8 @@ from .packing import (
     example_lengths,
     pack_dataset,
     packing_mechanism,
+    segment_sdpa_attention,
+    use_packed_attention,
 )
 from .pipeline import conversation_texts, load_conversations, prepare_sft_dataset, sft_cache_key
 from .prepare import SFTData, prepare_sft_data
@@ -32,6 +34,8 @@ __all__ = [
     "pack_dataset",
     "packing_mechanism",
     "prepare_sft_data",
+    "segment_sdpa_attention",
+    "use_packed_attention",
     "sft_cache_key",
     "assistant_spans",
     "build_loader",

@@ -5,7 +5,15 @@ import numpy as np
 import pytest
 import torch
 
-from tunebook.data.packing import PackedCollator, best_fit_decreasing, example_lengths, pack_dataset
+from tunebook.data.packing import (
+    SEGMENT_SDPA,
+    PackedCollator,
+    attention_inputs,
+    best_fit_decreasing,
+    example_lengths,
+    pack_dataset,
+    segment_sdpa_attention,
+)
 from tunebook.data.tokenize import IGNORE_INDEX
 
 
@@ -86,3 +94,26 @@ def test_collator_restarts_positions_and_gives_padding_its_own_segment():
     assert (batch["labels"][:, 5:] == IGNORE_INDEX).all() and torch.equal(
         batch["input_ids"][1, 2:], torch.zeros(6).long()
     )
+
+
+def test_segment_attention_gets_example_boundaries_and_matches_masked_sdpa():
+    batch = PackedCollator(pad_token_id=0)(
+        [{"input_ids": list(range(1, 8)), "labels": list(range(1, 8)), "seq_lengths": [3, 4]},
+         {"input_ids": list(range(1, 6)), "labels": list(range(1, 6)), "seq_lengths": [5]}]
+    )  # fmt: skip
+    inputs = attention_inputs(batch, SEGMENT_SDPA, torch.float32)
+    assert inputs["cu_seq_lens_q"].tolist() == [0, 3, 7, 12, 14] and "attention_mask" not in inputs
+    assert inputs["max_length_q"] == 5
+
+    class Attn(torch.nn.Module):  # what transformers passes as `module`
+        training = False
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 7, 8, generator=g)
+    k, v = torch.randn(2, 2, 7, 8, generator=g), torch.randn(2, 2, 7, 8, generator=g)  # grouped-query heads
+    out, _ = segment_sdpa_attention(Attn(), q, k, v, None, scaling=0.3, cu_seq_lens_q=inputs["cu_seq_lens_q"])
+    mask = attention_inputs(batch, "sdpa", torch.float32)["attention_mask"]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask, scale=0.3
+    )
+    torch.testing.assert_close(out, ref.transpose(1, 2), atol=1e-6, rtol=1e-6)

@@ -1,0 +1,81 @@
+"""The transformers `Trainer` baseline: SFT with prompt masking and padding to the longest in each batch.
+
+Written the way the transformers docs and most user scripts do it: `datasets.map` tokenisation with the chat
+template, labels masked on the prompt, `DataCollatorForSeq2Seq(padding="longest")`.
+
+    python benchmarks/peers/trainer_sft.py DATA.json MODEL_DIR OUT_DIR RESULT.json [--bf16] [--batch 8] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import datasets
+from common import FirstStepClock, alpaca_messages, write_result
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DataCollatorForSeq2Seq,
+    Trainer,
+    TrainingArguments,
+)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    for name in ("data", "model", "output_dir", "result"):
+        parser.add_argument(name)
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--max_length", type=int, default=512)
+    parser.add_argument("--cache_dir", default=None)
+    args = parser.parse_args()
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    raw = datasets.load_dataset("json", data_files=args.data, split="train", cache_dir=args.cache_dir)
+
+    def tokenize(record):
+        messages = alpaca_messages(record)
+        prompt = tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False, truncation=True, max_length=args.max_length)["input_ids"]
+        n_prompt = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": [-100] * n_prompt + ids[n_prompt:]}
+
+    train = raw.map(tokenize, remove_columns=raw.column_names)
+    model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa")
+    clock = FirstStepClock()
+    trainer = Trainer(
+        model=model,
+        args=TrainingArguments(
+            output_dir=args.output_dir,
+            per_device_train_batch_size=args.batch,
+            learning_rate=args.lr,
+            num_train_epochs=1,
+            lr_scheduler_type="linear",
+            logging_steps=10,
+            save_strategy="no",
+            report_to="none",
+            bf16=args.bf16,
+            use_cpu=True,
+            seed=42,
+            disable_tqdm=True,
+        ),
+        train_dataset=train,
+        data_collator=DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=-100),
+        callbacks=[clock],
+    )
+    metrics = trainer.train().metrics
+    trainer.save_model()
+    write_result(
+        args.result,
+        tokens=int(sum(len(ids) for ids in train["input_ids"])),
+        train_seconds=metrics["train_runtime"],
+        time_to_first_step=clock.seconds,
+        final_train_loss=metrics["train_loss"],
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""Tunebook SFT against what users would pick instead, on the same model, tokenizer, data and settings.
+
+    python benchmarks/vs_peers.py [--examples 2000] [--repeats 3] [--precisions fp32,bf16]
+
+(a) Tunebook `recipes/sft.py` with packing, through `accelerate launch`;
+(b) transformers `Trainer`, prompt-masked, padding to the longest in each batch (benchmarks/peers/trainer_sft.py);
+(c) TRL `SFTTrainer` with packing (benchmarks/peers/trl_sft.py; `pip install -e ".[bench]"`).
+
+All three start from the same saved tiny Llama (4 layers, hidden 128) and the same BPE tokenizer trained on the
+data, and train one epoch of the same Code Alpaca subset at max_seq_length 512, batch 8, learning rate 5e-4,
+linear schedule, no evaluation, saving the final model. Runs alternate between the systems; each repeat runs
+every system with a cold data cache and then a warm one. Reported as medians: whole-process wall time, non-padding
+tokens trained per second of training, time from process start to the end of the first optimizer step, and peak
+RSS. The results go to benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from results import command, machine, versions, write_section
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data" / "code_alpaca_2k" / "code_alpaca_2k.json"
+SYSTEMS = ("tunebook", "trainer", "trl")
+BATCH, LR, MAX_LEN = 8, 5e-4, 512
+
+
+def prepare_assets(work: Path, examples: int) -> tuple[Path, Path]:
+    """The data subset, and one model directory (initial weights + tokenizer) that every system loads."""
+    sys.path.insert(0, str(ROOT / "src"))
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tunebook.data.formats import to_messages
+    from tunebook.models import TINY_LLAMA, train_chat_tokenizer
+
+    records = json.loads(DATA.read_text())[:examples]
+    data = work / "code_alpaca_subset.json"
+    data.write_text(json.dumps(records))
+    model_dir = work / "init_model"
+    if not (model_dir / "config.json").is_file():
+        batch = {k: [r.get(k, "") for r in records] for k in ("instruction", "input", "output")}
+        texts = [
+            f"{m['role']}\n{m['content']}"
+            for ms in to_messages(batch, data_format="alpaca", where="")["messages"]
+            for m in ms
+        ]
+        tokenizer = train_chat_tokenizer(texts, vocab_size=2048)
+        values = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
+        config = AutoConfig.for_model("llama", **values, vocab_size=len(tokenizer),
+                                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                      bos_token_id=None)  # fmt: skip
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+        model.save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+    return data, model_dir
+
+
+def run_one(system: str, precision: str, data: Path, model_dir: Path, work: Path, cold: bool) -> dict:
+    cache = work / f"cache-{system}"
+    if cold:
+        shutil.rmtree(cache, ignore_errors=True)
+    out = work / f"out-{system}"
+    shutil.rmtree(out, ignore_errors=True)
+    result = work / f"result-{system}.json"
+    result.unlink(missing_ok=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "HF_DATASETS_CACHE": str(cache / "hf"), "TUNEBOOK_CACHE": str(cache / "tunebook")}  # fmt: skip
+    bf16 = precision == "bf16"
+    if system == "tunebook":
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--quiet",
+               "--config_file", str(ROOT / "accelerate_configs" / "cpu.yaml"),
+               "--mixed_precision", "bf16" if bf16 else "no", str(ROOT / "recipes" / "sft.py"),
+               "--model_name_or_path", str(model_dir), "--train_data", str(data), "--packing", "true",
+               "--max_seq_length", str(MAX_LEN), "--num_train_epochs", "1", "--per_device_train_batch_size", str(BATCH),
+               "--learning_rate", str(LR), "--lr_scheduler_type", "linear", "--warmup_ratio", "0",
+               "--eval_on_start", "false", "--generation_eval", "false", "--logging_steps", "10",
+               "--disable_tqdm", "true", "--cache_dir", str(cache / "tunebook"), "--output_dir", str(out)]  # fmt: skip
+    else:
+        script = ROOT / "benchmarks" / "peers" / f"{system}_sft.py"
+        cmd = [sys.executable, str(script), str(data), str(model_dir), str(out), str(result),
+               "--batch", str(BATCH), "--lr", str(LR), "--max_length", str(MAX_LEN), "--cache_dir", str(cache / "hf"),
+               *(["--bf16"] if bf16 else [])]  # fmt: skip
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{system} ({precision}) failed:\n{output[-4000:]}")
+    if system == "tunebook":
+        summary = json.loads((out / "summary.json").read_text())
+        stats = {"tokens": summary["train_tokens"], "train_seconds": summary["train_runtime_seconds"],
+                 "time_to_first_step": summary["time_to_first_step_seconds"],
+                 "final_train_loss": summary["final_train_loss"]}  # fmt: skip
+    else:
+        stats = json.loads(result.read_text())
+    return {
+        "system": system,
+        "precision": precision,
+        "cache": "cold" if cold else "warm",
+        "wall_seconds": wall,
+        "tokens_per_second": stats["tokens"] / stats["train_seconds"],
+        "tokens": stats["tokens"],
+        "time_to_first_step": stats["time_to_first_step"],
+        "peak_rss_mb": usage.ru_maxrss / 1024,  # the largest process of the run (Linux reports KiB)
+        "final_train_loss": stats["final_train_loss"],
+    }
+
+
+def table(runs: list[dict], precision: str) -> str:
+    def med(system, key, cache="warm"):
+        values = [
+            r[key] for r in runs if r["system"] == system and r["precision"] == precision and r["cache"] == cache
+        ]
+        return statistics.median(values) if values else float("nan")
+
+    has_cold = any(r["cache"] == "cold" and r["precision"] == precision for r in runs)
+    lines = [
+        "| system | whole process, warm cache (s) | whole process, cold cache (s) | non-padding tokens/s | "
+        "first step, cold (s) | first step, warm (s) | peak RSS (MB) | tokens trained | final loss |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    names = {"tunebook": "Tunebook SFT, packing", "trainer": "transformers Trainer, pad to longest",
+             "trl": "TRL SFTTrainer, packing"}  # fmt: skip
+    for s in SYSTEMS:
+        cold = lambda key, s=s: f"{med(s, key, 'cold'):.1f}" if has_cold else "–"  # noqa: E731
+        lines.append(
+            f"| {names[s]} | {med(s, 'wall_seconds'):.1f} | {cold('wall_seconds')} | {med(s, 'tokens_per_second'):.0f} "
+            f"| {cold('time_to_first_step')} | {med(s, 'time_to_first_step'):.1f} | {med(s, 'peak_rss_mb'):.0f} "
+            f"| {med(s, 'tokens'):.0f} | {med(s, 'final_train_loss'):.3f} |"
+        )
+    ratios = []
+    for peer in ("trainer", "trl"):
+        for cache in ("warm", "cold") if has_cold else ("warm",):
+            r = med("tunebook", "wall_seconds", cache) / med(peer, "wall_seconds", cache)
+            ratios.append(f"{r:.2f}x {names[peer].split(',')[0]} ({cache} cache)")
+    lines.append("")
+    lines.append("Tunebook's whole-process time: " + "; ".join(ratios) + ".")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--examples", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--precisions", default="fp32,bf16")
+    parser.add_argument("--work_dir", default="/tmp/tunebook-vs-peers")
+    parser.add_argument("--no_write", action="store_true", help="print the tables only")
+    args = parser.parse_args()
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    data, model_dir = prepare_assets(work, args.examples)
+    runs = []
+    for precision in args.precisions.split(","):
+        for _ in range(args.repeats):
+            # Cold and warm caches for the headline precision; warm only for the second table.
+            for cold in (True, False) if precision == "fp32" else (False,):
+                for system in SYSTEMS:  # the fp32 runs leave warm caches behind for the bf16 ones
+                    r = run_one(system, precision, data, model_dir, work, cold)
+                    runs.append(r)
+                    print(json.dumps(r), flush=True)
+    (work / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
+    body = [
+        "## Tunebook vs transformers Trainer vs TRL (benchmarks/vs_peers.py)",
+        "",
+        f"- Machine: {machine()}",
+        f"- Versions: {versions('trl')}",
+        f"- Command: `{command()}`",
+        f"- Setup: tiny Llama (4 layers, hidden 128, 2048-token BPE vocabulary trained on the data), the first "
+        f"{args.examples} examples of Code Alpaca (`../shared/data/code_alpaca_2k`), one epoch, max_seq_length "
+        f"{MAX_LEN}, batch {BATCH}, learning rate {LR}, linear schedule, no evaluation, final model saved. Medians of "
+        f"{args.repeats} runs per system, runs alternating between systems. Whole-process time is measured from "
+        "outside (launch to exit, `accelerate launch` included for Tunebook); tokens/s counts non-padding tokens "
+        "per second of the training loop; first step is from process start to the end of the first optimizer step.",
+    ]
+    for precision in args.precisions.split(","):
+        label = "fp32" if precision == "fp32" else "bf16 autocast"
+        body += ["", f"### {label}", "", table(runs, precision)]
+    text = "\n".join(body)
+    print(text)
+    if not args.no_write:
+        write_section("vs_peers", text)
+
+
+if __name__ == "__main__":
+    main()
