@@ -51,23 +51,31 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
 
 
 def cached_dataset(
-    cache_dir: str | Path, key: str, build: Callable[[], tuple[datasets.Dataset, dict[str, Any]]]
+    cache_dir: str | Path, key: str, build: Callable[[Path], tuple[datasets.Dataset, dict[str, Any]]]
 ) -> tuple[datasets.Dataset, dict[str, Any], bool]:
     """Load the entry `key`, or build, save and load it. Returns (dataset, stats, was_cached).
 
-    In multi-process runs call this inside `accelerator.main_process_first()`: the main process builds, the
-    others then find the finished entry and only map its files.
+    `build(scratch)` gets a scratch folder for its intermediate Arrow files (mapped, filtered, reordered data),
+    deleted once the entry is saved, so a build leaves only the entry behind. In multi-process runs call this
+    inside `accelerator.main_process_first()`: the main process builds, the others then find the finished entry
+    and only map its files.
     """
     entry = Path(cache_dir) / "prepared" / key
     if (entry / STATS_FILE).is_file():
         return datasets.load_from_disk(str(entry)), json.loads((entry / STATS_FILE).read_text()), True
-    dataset, stats = build()
+    (Path(cache_dir) / "tmp").mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f"{key}-", dir=Path(cache_dir) / "tmp"))
     tmp = entry.with_name(f"{entry.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    dataset.save_to_disk(str(tmp))
-    (tmp / STATS_FILE).write_text(json.dumps(stats, indent=2))
     try:
-        tmp.rename(entry)
-    except OSError:  # built concurrently by another run: theirs is identical
+        dataset, stats = build(scratch)
         shutil.rmtree(tmp, ignore_errors=True)
+        dataset.save_to_disk(str(tmp))
+        (tmp / STATS_FILE).write_text(json.dumps(stats, indent=2))
+        del dataset  # release the scratch files' memory maps before deleting them
+        try:
+            tmp.rename(entry)
+        except OSError:  # built concurrently by another run: theirs is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     return datasets.load_from_disk(str(entry)), stats, False

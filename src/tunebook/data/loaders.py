@@ -48,7 +48,7 @@ class LengthGroupedSampler(Sampler[int]):
         if first:
             head = order[first : first + self.batch_size].copy()
             order = np.concatenate([head, np.delete(order, np.s_[first : first + self.batch_size])])
-        return iter(order.tolist())
+        return (int(i) for i in order)  # lazily: a list of every index would be ~36 bytes per example
 
 
 def build_loader(

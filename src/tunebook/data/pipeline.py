@@ -20,11 +20,16 @@ __all__ = ["conversation_texts", "load_conversations", "prepare_sft_dataset", "s
 
 
 def load_conversations(
-    sources: list[DataSource], data_format: str, cache_dir: str | Path, seed: int, num_proc: int | None = None
+    sources: list[DataSource],
+    data_format: str,
+    cache_dir: str | Path,
+    seed: int,
+    num_proc: int | None = None,
+    scratch: Path | None = None,
 ) -> datasets.Dataset:
-    """All sources, weighted and converted to a single `messages` column."""
+    """All sources, weighted and converted to a single `messages` column (written under `scratch` if given)."""
     parts = []
-    for source in sources:
+    for i, source in enumerate(sources):
         raw = load_source(source, cache_dir, seed)
         fmt = detect_format(raw.column_names, data_format, source.path)
         parts.append(
@@ -35,6 +40,7 @@ def load_conversations(
                 fn_kwargs={"data_format": fmt, "where": source.path},
                 remove_columns=raw.column_names,
                 num_proc=num_proc,
+                cache_file_name=str(scratch / f"messages-{i}.arrow") if scratch else None,
                 desc=f"Reading {Path(source.path).name} ({fmt})",
             )
         )
@@ -95,8 +101,8 @@ def prepare_sft_dataset(
     """
     key = key or sft_cache_key(sources, tokenizer, data_format, max_seq_length, overlong, assistant_only_loss, seed)
 
-    def build() -> tuple[datasets.Dataset, dict[str, Any]]:
-        conversations = load_conversations(sources, data_format, cache_dir, seed, num_proc)
+    def build(scratch: Path) -> tuple[datasets.Dataset, dict[str, Any]]:
+        conversations = load_conversations(sources, data_format, cache_dir, seed, num_proc, scratch)
         tokenised = conversations.map(
             tokenize_conversations,
             batched=True,
@@ -108,10 +114,12 @@ def prepare_sft_dataset(
             },
             remove_columns=["messages"],
             num_proc=num_proc,
+            cache_file_name=str(scratch / "tokenised.arrow"),
             desc="Tokenising",
         )
-        keep = np.asarray(tokenised["keep"], dtype=bool)
-        truncated = np.asarray(tokenised["truncated"], dtype=bool)
+        # Read the flag columns straight from Arrow: `tokenised["keep"]` would build a Python list of every row.
+        keep = np.asarray(tokenised.data.column("keep"), dtype=bool)
+        truncated = np.asarray(tokenised.data.column("truncated"), dtype=bool)
         dropped_overlong = int((truncated & ~keep).sum()) if overlong == "drop" else 0
         stats = {
             "examples_read": len(tokenised),
@@ -128,6 +136,6 @@ def prepare_sft_dataset(
                 "chat template hides the assistant turn); raise max_seq_length or check the data"
             )
         stats["examples_kept"] = len(kept)
-        return kept.flatten_indices(), stats
+        return kept.flatten_indices(cache_file_name=str(scratch / "kept.arrow")), stats
 
     return cached_dataset(cache_dir, key, build)

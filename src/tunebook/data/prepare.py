@@ -7,8 +7,6 @@ exactly the caches a training run with the same config looks up.
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,18 +145,13 @@ def _packed(config, dataset, parent_key: str, part: str | None, cache_dir: Path,
             "version": PACKING_VERSION,
         }
     )
-    (cache_dir / "tmp").mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=cache_dir / "tmp"))
-    try:  # rows are written to a temporary Arrow file as they are made, then moved into the cache entry
-        rows, stats, cached = cached_dataset(
-            cache_dir,
-            key,
-            lambda: pack_dataset(
-                dataset, config.max_seq_length, config.seed, config.dataset_num_proc, str(tmp / "rows.arrow")
-            ),
-        )
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    rows, stats, cached = cached_dataset(
+        cache_dir,
+        key,
+        lambda scratch: pack_dataset(
+            dataset, config.max_seq_length, config.seed, config.dataset_num_proc, str(scratch / "rows.arrow")
+        ),
+    )
     if not cached:
         built.append(f"{name} packing")
     log.info(

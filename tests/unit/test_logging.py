@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tunebook.logging import RunTimer
+from tunebook.training import accumulation_windows
+
+
+def _slow_batches(n, delay):
+    for i in range(n):
+        time.sleep(delay)
+        yield i
+
+
+def test_data_wait_is_measured_and_paused_time_is_not_training_time():
+    timer = RunTimer()
+    timer.start_training()
+    windows = list(accumulation_windows(_slow_batches(6, 0.02), 2, timer))
+    assert windows == [[0, 1], [2, 3], [4, 5]]
+    assert timer.data_wait_seconds == pytest.approx(0.12, abs=0.05)
+    with timer.paused():
+        time.sleep(0.2)  # an evaluation: neither training time nor data wait
+    assert timer.paused_seconds >= 0.2
+    assert timer.train_runtime() < 0.2
+    assert timer.data_wait_fraction() > 0.6  # the loop did nothing but wait
+    window = timer.window(tokens_total=1000)
+    assert window["data_wait_fraction"] > 0.6
+    assert window["tokens_per_second"] > 1000 / 0.2  # per second of training, the paused 0.2 s excluded
