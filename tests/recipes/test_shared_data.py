@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-
 from conftest import ROOT
+
 from tunebook.config import parse_config
 from tunebook.data import prepare_sft_data
 from tunebook.recipe_configs import SFTConfig
