@@ -39,7 +39,15 @@ from tunebook.data import (
     use_packed_attention,
 )
 from tunebook.evaluation import evaluate_loss, generation_exact_match
-from tunebook.logging import MetricsWriter, RunTimer, peak_rss_mb, setup_logging, versions, write_summary
+from tunebook.logging import (
+    MetricsWriter,
+    RunTimer,
+    data_wait_advice,
+    peak_rss_mb,
+    setup_logging,
+    versions,
+    write_summary,
+)
 from tunebook.models import TINY_LLAMA, build_causal_lm
 from tunebook.recipe_configs import SFTConfig
 from tunebook.training import (
@@ -265,14 +273,8 @@ def main(config: SFTConfig) -> dict:
         save_final_model(accelerator, model, tokenizer, output_dir)
     counts = accelerator.reduce(torch.stack([tokens_seen, fed_tokens]), "sum").tolist()
     data_wait = accelerator.reduce(torch.tensor(timer.data_wait_fraction(), device=accelerator.device), "mean").item()
-    if data_wait > 0.05:
-        log.warning(
-            "The training loop waited for data %.0f%% of the time: raise dataloader_num_workers (now %d) or "
-            "dataloader_prefetch_factor (now %d), and prepare the data ahead with `tunebook prepare`",
-            100 * data_wait,
-            config.dataloader_num_workers,
-            config.dataloader_prefetch_factor,
-        )
+    if advice := data_wait_advice(data_wait, config.dataloader_num_workers, config.dataloader_prefetch_factor):
+        log.warning(advice)
     summary = {
         "recipe": "sft",
         "train_steps": global_step,

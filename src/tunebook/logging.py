@@ -14,7 +14,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsWriter", "RunTimer", "peak_rss_mb", "setup_logging", "versions", "write_summary"]
+__all__ = [
+    "MetricsWriter",
+    "RunTimer",
+    "data_wait_advice",
+    "peak_rss_mb",
+    "setup_logging",
+    "versions",
+    "write_summary",
+]
 
 logger = logging.getLogger("tunebook")
 
@@ -110,6 +118,20 @@ class RunTimer:
     def data_wait_fraction(self) -> float:
         runtime = self.train_runtime()
         return min(self.data_wait_seconds / runtime, 1.0) if runtime > 0 else 0.0
+
+
+def data_wait_advice(fraction: float, num_workers: int, prefetch_factor: int, threshold: float = 0.05) -> str | None:
+    """What to change when the training loop waited for data more than `threshold` of its time, else None."""
+    if fraction <= threshold:
+        return None
+    if num_workers == 0:
+        fix = "set dataloader_num_workers (now 0) to 2 or more so batches are collated in the background"
+    else:
+        fix = f"raise dataloader_num_workers (now {num_workers}) or dataloader_prefetch_factor (now {prefetch_factor})"
+    return (
+        f"The training loop waited for data {100 * fraction:.0f}% of the time (more than {100 * threshold:.0f}%): "
+        f"{fix}; prepare the data ahead with `tunebook prepare` if preprocessing is the slow part"
+    )
 
 
 def _process_start_time() -> float:

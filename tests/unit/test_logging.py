@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from tunebook.logging import RunTimer
+from tunebook.logging import RunTimer, data_wait_advice
 from tunebook.training import accumulation_windows
 
 
@@ -28,3 +28,9 @@ def test_data_wait_is_measured_and_paused_time_is_not_training_time():
     window = timer.window(tokens_total=1000)
     assert window["data_wait_fraction"] > 0.6
     assert window["tokens_per_second"] > 1000 / 0.2  # per second of training, the paused 0.2 s excluded
+
+
+def test_data_wait_advice_names_the_setting_to_change():
+    assert data_wait_advice(0.04, 2, 2) is None
+    assert "set dataloader_num_workers (now 0) to 2" in data_wait_advice(0.3, 0, 2)
+    assert "raise dataloader_num_workers (now 2) or dataloader_prefetch_factor (now 2)" in data_wait_advice(0.06, 2, 2)
