@@ -23,7 +23,14 @@ import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from tunebook.checkpoint import save_checkpoint, save_final_model
+from tunebook.checkpoint import (
+    list_checkpoints,
+    load_process_state,
+    load_trainer_state,
+    resolve_checkpoint,
+    save_checkpoint,
+    save_final_model,
+)
 from tunebook.config import config_to_dict, load_config, save_config
 from tunebook.data import (
     PackedCollator,
@@ -38,6 +45,7 @@ from tunebook.data import (
     prepare_sft_data,
     use_packed_attention,
 )
+from tunebook.errors import TrainingError
 from tunebook.evaluation import evaluate_loss, generation_exact_match
 from tunebook.logging import (
     MetricsWriter,
@@ -51,11 +59,15 @@ from tunebook.logging import (
 from tunebook.models import TINY_LLAMA, build_causal_lm
 from tunebook.recipe_configs import SFTConfig
 from tunebook.training import (
+    StopSignals,
+    TrainCounters,
     accumulation_windows,
     build_accelerator,
     build_optimizer,
     build_scheduler,
     count_loss_tokens,
+    exit_code,
+    is_nonfinite,
     step_loss_scale,
     token_loss_sum,
     total_optimizer_steps,
@@ -176,92 +188,135 @@ def main(config: SFTConfig) -> dict:
         accelerator.num_processes,
     )
 
-    metrics_log = MetricsWriter(output_dir / "metrics.jsonl", accelerator.is_main_process)
+    # --- resume: model, optimizer, scheduler, RNG states and the data position, from a checkpoint
+    checkpoint = (
+        resolve_checkpoint(output_dir, config.resume_from_checkpoint) if config.resume_from_checkpoint else None
+    )
+    state = {"global_step": 0, "epoch": 0, "batches_in_epoch": 0}
+    counters = TrainCounters.zeros(accelerator.device)
+    if checkpoint is not None:
+        accelerator.load_state(str(checkpoint))
+        state = load_trainer_state(checkpoint)
+        counters.load_state_dict(load_process_state(checkpoint, accelerator.process_index))
+        log.info("Resumed from %s: step %d, epoch %d, %d batches into it", checkpoint, state["global_step"],
+                 state["epoch"], state["batches_in_epoch"])  # fmt: skip
+    global_step, epoch, skip_batches = state["global_step"], state["epoch"], state["batches_in_epoch"]
+    skipped_updates = state.get("skipped_updates", 0)
+
+    def save(reason: str):
+        with timer.paused():
+            shared = {"epoch": epoch, "batches_in_epoch": batches_in_epoch, "skipped_updates": skipped_updates}
+            path = save_checkpoint(accelerator, output_dir, global_step, config, shared, config.save_total_limit,
+                                   tokenizer, counters.state_dict())  # fmt: skip
+        log.info("Saved checkpoint %s (%s)", path, reason)
+        return path
+
+    metrics_log = MetricsWriter(
+        output_dir / "metrics.jsonl", accelerator.is_main_process, global_step if checkpoint else None
+    )
     eval_history = {}
-    if eval_loader is not None and config.eval_on_start:
+    if eval_loader is not None and config.eval_on_start and checkpoint is None:
         eval_history[0] = evaluate(config, model, data, eval_loader, attn, accelerator, log)
         log.info("Before training: %s", eval_history[0])
         metrics_log.write({"step": 0, **eval_history[0]})
 
     # --- training loop
-    global_step, epoch = 0, 0
-    # Counters stay on the device so the loop never waits for a host sync outside logging steps.
-    tokens_seen = torch.zeros((), dtype=torch.long, device=accelerator.device)  # non-padding input tokens
-    fed_tokens = torch.zeros((), dtype=torch.long, device=accelerator.device)  # all input tokens, padding included
-    window_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-    window_tokens = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     final_train_loss = None
-    progress = tqdm(total=total_steps, desc="Training", disable=config.disable_tqdm or not accelerator.is_main_process)
+    progress = tqdm(total=total_steps, initial=global_step, desc="Training",
+                    disable=config.disable_tqdm or not accelerator.is_main_process)  # fmt: skip
     model.train()
     timer.start_training()
-    while global_step < total_steps:
-        train_loader.set_epoch(epoch)
-        for window in accumulation_windows(train_loader, k, timer):
-            # Normalise by the loss tokens of the whole step (all micro-batches, all processes), not per micro-batch.
-            local_tokens = sum(count_loss_tokens(b["labels"]) for b in window)
-            scale = step_loss_scale(accelerator.reduce(local_tokens, "sum"), accelerator.num_processes, k)
-            for batch in window:
-                with accelerator.accumulate(model):
-                    logits = model(**attention_inputs(batch, attn, dtype)).logits
-                    loss_sum = token_loss_sum(logits, batch["labels"])
-                    accelerator.backward(loss_sum * scale)
-                window_loss += loss_sum.detach().double()
-                tokens_seen += batch["attention_mask"].sum()
-                fed_tokens += batch["attention_mask"].numel()
-            window_tokens += local_tokens
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm or float("inf"))
-            optimizer.step()
-            lr_scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            global_step += 1
-            timer.step_done()
-            progress.update(1)
+    stop = None  # the exception that ends the run early, raised once the model and process group are released
+    with StopSignals() as stop_signals:
+        while global_step < total_steps and stop is None:
+            train_loader.set_epoch(epoch)
+            # On resume, skip the batches the checkpoint had consumed, at the sampler: nothing is re-read.
+            loader = accelerator.skip_first_batches(train_loader, skip_batches) if skip_batches else train_loader
+            loader.set_epoch(epoch)
+            batches_in_epoch, skip_batches = skip_batches, 0
+            for window in accumulation_windows(loader, k, timer):
+                # Normalise by the loss tokens of the whole step (all micro-batches and processes), not per micro-batch.
+                local_tokens = sum(count_loss_tokens(b["labels"]) for b in window)
+                scale = step_loss_scale(accelerator.reduce(local_tokens, "sum"), accelerator.num_processes, k)
+                step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+                for batch in window:
+                    with accelerator.accumulate(model):
+                        logits = model(**attention_inputs(batch, attn, dtype)).logits
+                        loss_sum = token_loss_sum(logits, batch["labels"])
+                        accelerator.backward(loss_sum * scale)
+                    step_loss += loss_sum.detach().double()
+                    counters.tokens_seen += batch["attention_mask"].sum()
+                    counters.fed_tokens += batch["attention_mask"].numel()
+                batches_in_epoch += len(window)
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm or float("inf"))
+                if is_nonfinite(step_loss, grad_norm, accelerator):
+                    if config.nan_policy == "stop":
+                        last = list_checkpoints(output_dir)
+                        stop = TrainingError(
+                            f"non-finite loss or gradient norm at step {global_step + 1}; nothing was saved. Last good "
+                            f"checkpoint: {last[-1] if last else 'none'}. Lower learning_rate, check the data, or set "
+                            "nan_policy: skip"
+                        )
+                        break
+                    skipped_updates += 1
+                    log.warning("Step %d: non-finite loss or gradient norm, update skipped (%d so far)",
+                                global_step + 1, skipped_updates)  # fmt: skip
+                else:
+                    optimizer.step()
+                    counters.window_loss += step_loss
+                    counters.window_tokens += local_tokens
+                lr_scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                global_step += 1
+                timer.step_done()
+                progress.update(1)
 
-            if global_step % config.logging_steps == 0 or global_step == total_steps:
-                loss_total, loss_tokens = accelerator.reduce(torch.stack([window_loss, window_tokens]), "sum").tolist()
-                all_tokens = int(accelerator.reduce(tokens_seen, "sum"))
-                final_train_loss = loss_total / max(loss_tokens, 1)
-                record = {
-                    "step": global_step,
-                    "epoch": round(global_step / steps_per_epoch, 3),
-                    "loss": final_train_loss,
-                    "learning_rate": lr_scheduler.get_last_lr()[0],
-                    "grad_norm": float(grad_norm),
-                    **timer.window(all_tokens),  # tokens_per_second, data_wait_fraction
-                    "train_tokens": all_tokens,
-                }
-                metrics_log.write(record)
-                progress.set_postfix(
-                    loss=f"{final_train_loss:.4f}",
-                    lr=f"{record['learning_rate']:.2e}",
-                    tok_s=f"{record['tokens_per_second']:.0f}",
-                )
-                window_loss.zero_()
-                window_tokens.zero_()
-            if (
-                eval_loader is not None
-                and config.eval_steps
-                and global_step % config.eval_steps == 0
-                and global_step < total_steps
-            ):
-                with timer.paused():
-                    eval_history[global_step] = evaluate(config, model, data, eval_loader, attn, accelerator, log)
-                log.info("Step %d: %s", global_step, eval_history[global_step])
-                metrics_log.write({"step": global_step, **eval_history[global_step]})
-            if config.save_steps and global_step % config.save_steps == 0:
-                with timer.paused():
-                    save_checkpoint(
-                        accelerator,
-                        output_dir,
-                        global_step,
-                        config,
-                        {"epoch": epoch, "tokens_seen": int(tokens_seen)},
-                        config.save_total_limit,
+                if global_step % config.logging_steps == 0 or global_step == total_steps:
+                    sums = accelerator.reduce(torch.stack([counters.window_loss, counters.window_tokens]), "sum")
+                    loss_total, loss_tokens = sums.tolist()
+                    all_tokens = int(accelerator.reduce(counters.tokens_seen, "sum"))
+                    final_train_loss = loss_total / max(loss_tokens, 1)
+                    record = {
+                        "step": global_step,
+                        "epoch": round(global_step / steps_per_epoch, 3),
+                        "loss": final_train_loss,
+                        "learning_rate": lr_scheduler.get_last_lr()[0],
+                        "grad_norm": float(grad_norm),
+                        **timer.window(all_tokens),  # tokens_per_second, data_wait_fraction
+                        "train_tokens": all_tokens,
+                    }
+                    metrics_log.write(record)
+                    progress.set_postfix(
+                        loss=f"{final_train_loss:.4f}",
+                        lr=f"{record['learning_rate']:.2e}",
+                        tok_s=f"{record['tokens_per_second']:.0f}",
                     )
-            if global_step >= total_steps:
-                break
-        epoch += 1
+                    counters.window_loss.zero_()
+                    counters.window_tokens.zero_()
+                if eval_loader is not None and config.eval_steps and global_step % config.eval_steps == 0 and global_step < total_steps:  # fmt: skip
+                    with timer.paused():
+                        eval_history[global_step] = evaluate(config, model, data, eval_loader, attn, accelerator, log)
+                    log.info("Step %d: %s", global_step, eval_history[global_step])
+                    metrics_log.write({"step": global_step, **eval_history[global_step]})
+                signum = stop_signals.requested(accelerator)
+                if signum:  # preemption or Ctrl-C: finish this step, save, and leave
+                    save(f"stopped by signal {signum}")
+                    log.warning("Stopped at step %d by signal %d. Resume with the same command plus "
+                                "--resume_from_checkpoint latest", global_step, signum)  # fmt: skip
+                    stop = SystemExit(exit_code(signum))
+                    break
+                if config.save_strategy == "steps" and config.save_steps and global_step % config.save_steps == 0:
+                    save(f"every {config.save_steps} steps")
+                if global_step >= total_steps:
+                    break
+            if stop is None and config.save_strategy == "epoch" and batches_in_epoch == len(train_loader):
+                save(f"end of epoch {epoch}")
+            epoch += 1
     progress.close()
+    if stop is not None:
+        model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)
+        accelerator.end_training()
+        raise stop
     train_runtime = timer.train_runtime()
 
     # --- final evaluation and outputs
@@ -271,7 +326,7 @@ def main(config: SFTConfig) -> dict:
         metrics_log.write({"step": global_step, **final_eval})
     if total_steps > 0:
         save_final_model(accelerator, model, tokenizer, output_dir)
-    counts = accelerator.reduce(torch.stack([tokens_seen, fed_tokens]), "sum").tolist()
+    counts = accelerator.reduce(torch.stack([counters.tokens_seen, counters.fed_tokens]), "sum").tolist()
     data_wait = accelerator.reduce(torch.tensor(timer.data_wait_fraction(), device=accelerator.device), "mean").item()
     if advice := data_wait_advice(data_wait, config.dataloader_num_workers, config.dataloader_prefetch_factor):
         log.warning(advice)
@@ -287,6 +342,8 @@ def main(config: SFTConfig) -> dict:
         "final_train_loss": final_train_loss,
         "eval": final_eval,
         "eval_before_training": eval_history.get(0, {}),
+        "skipped_updates": skipped_updates,
+        "resumed_from": str(checkpoint) if checkpoint else None,
         "padding_fraction": 1 - counts[0] / counts[1] if counts[1] else 0.0,
         "packing_efficiency": counts[0] / counts[1] if config.packing and counts[1] else None,
         "data": data.stats,

@@ -1,4 +1,11 @@
-"""Checkpoints and the final model: written atomically, by the main process where files are shared."""
+"""Checkpoints and the final model: written atomically, by the main process where files are shared.
+
+A checkpoint is `output_dir/checkpoints/step-<N>/`: Accelerate's `save_state` (model as safetensors, optimizer,
+scheduler, gradient scaler, every process's RNG state), plus `trainer_state.json` (step, data position, counters),
+the resolved `config.yaml` and the tokenizer. It is written into `step-<N>.tmp` and renamed into place only when
+every process has written its part and the files are flushed, so a crash or `kill -9` during a save leaves the
+previous checkpoint as the newest complete one and never a `step-<N>` that is not whole.
+"""
 
 from __future__ import annotations
 
@@ -12,10 +19,20 @@ from typing import Any
 from accelerate import Accelerator
 
 from .config import save_config
+from .errors import ConfigError
 
-__all__ = ["list_checkpoints", "save_checkpoint", "save_final_model"]
+__all__ = [
+    "TRAINER_STATE",
+    "list_checkpoints",
+    "load_process_state",
+    "load_trainer_state",
+    "resolve_checkpoint",
+    "save_checkpoint",
+    "save_final_model",
+]
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+TRAINER_STATE = "trainer_state.json"
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -24,16 +41,47 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found)]
+    return [p for _, p in sorted(found) if (p / TRAINER_STATE).is_file()]
+
+
+def resolve_checkpoint(output_dir: str | Path, spec: str) -> Path | None:
+    """`latest`: the newest complete checkpoint of `output_dir` (None if there is none yet); else a path to one."""
+    if spec == "latest":
+        found = list_checkpoints(output_dir)
+        return found[-1] if found else None
+    path = Path(spec).expanduser()
+    if not (path / TRAINER_STATE).is_file():
+        what = "not found" if not path.exists() else f"not a complete checkpoint (no {TRAINER_STATE})"
+        raise ConfigError(f"resume_from_checkpoint: {spec} is {what}")
+    return path
+
+
+def load_trainer_state(checkpoint: str | Path) -> dict[str, Any]:
+    """The shared state: step, data position, best metric... (written by the main process)."""
+    return json.loads((Path(checkpoint) / TRAINER_STATE).read_text())
+
+
+def load_process_state(checkpoint: str | Path, process_index: int) -> dict[str, Any]:
+    """What this process saved of its own (running sums), as `save_checkpoint(process_state=...)` wrote it."""
+    return json.loads((Path(checkpoint) / f"process_state_{process_index}.json").read_text())
 
 
 def save_checkpoint(
-    accelerator: Accelerator, output_dir: str | Path, step: int, config: Any, state: dict[str, Any], keep: int
+    accelerator: Accelerator,
+    output_dir: str | Path,
+    step: int,
+    config: Any,
+    state: dict[str, Any],
+    keep: int,
+    tokenizer=None,
+    process_state: dict[str, Any] | None = None,
 ) -> Path:
     """`accelerator.save_state` into `checkpoints/step-<step>.tmp`, then rename it into place.
 
-    The rename happens only after every process has written its part (barrier), so a crash during the save
-    leaves the previous checkpoint as the newest complete one. `keep` > 0 deletes all but the newest `keep`.
+    Call it at an optimizer-step boundary on every process. `state` is shared (written by the main process),
+    `process_state` is this process's own (each writes `process_state_<rank>.json`, as Accelerate writes each
+    rank's RNG state). The rename happens only after every process has written its part (barrier) and the files
+    are flushed. `keep` > 0 deletes all but the newest `keep`.
     """
     root = Path(output_dir) / "checkpoints"
     final, tmp = root / f"step-{step}", root / f"step-{step}.tmp"
@@ -41,13 +89,21 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
+    accelerator.save_state(str(tmp), safe_serialization=True)
+    if process_state is not None:
+        path = tmp / f"process_state_{accelerator.process_index}.json"
+        path.write_text(json.dumps(process_state))
+    # Without this barrier another rank could still be writing its RNG state when the main process renames.
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         save_config(config, tmp / "config.yaml")
-        (tmp / "trainer_state.json").write_text(json.dumps({"global_step": step, **state}, indent=2))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp / "tokenizer")
+        (tmp / TRAINER_STATE).write_text(json.dumps({"global_step": step, **state}, indent=2))
         _fsync_tree(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
+        _fsync_dir(root)
         if keep > 0:
             for old in list_checkpoints(output_dir)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -60,6 +116,22 @@ def _fsync_tree(directory: Path) -> None:
         if path.is_file():
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
+    for path in [directory, *(p for p in directory.rglob("*") if p.is_dir())]:
+        _fsync_dir(path)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename or new entries in `directory` durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def save_final_model(accelerator: Accelerator, model, tokenizer, output_dir: str | Path) -> None:

@@ -61,8 +61,23 @@ class TrainConfig:
     # --- logging, evaluation, checkpoints
     logging_steps: int = _help("Log train metrics every N optimizer steps.", 10)
     eval_steps: int = _help("Evaluate every N optimizer steps (0: only at the end).", 0)
-    save_steps: int = _help("Save a resumable checkpoint every N optimizer steps (0: none).", 0)
-    save_total_limit: int = _help("Keep at most this many step checkpoints (0: keep all).", 2)
+    save_strategy: Literal["steps", "epoch", "no"] = _help(
+        "When to save resumable checkpoints: every save_steps optimizer steps, at the end of every epoch, or never "
+        "(a stop signal still saves one).",
+        "steps",
+    )
+    save_steps: int = _help("With save_strategy steps: save every N optimizer steps (0: no step checkpoints).", 0)
+    save_total_limit: int = _help("Keep at most this many checkpoints, the newest (0: keep all).", 2)
+    resume_from_checkpoint: str | None = _help(
+        "Continue a run exactly where it stopped: 'latest' (the newest complete checkpoint in output_dir, or a fresh "
+        "start if there is none) or a checkpoint directory.",
+        None,
+    )
+    nan_policy: Literal["stop", "skip"] = _help(
+        "On a non-finite loss or gradient norm: stop (exit non-zero, keeping the last good checkpoint) or skip "
+        "that update and count it.",
+        "stop",
+    )
     disable_tqdm: bool = _help("Turn off progress bars.", False)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = _help("Log level of the main process.", "INFO")
     seed: int = _help("Seed for model init, data order and dropout.", 42)

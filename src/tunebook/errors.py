@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["ConfigError", "DataError", "ModelError", "TunebookError", "first_line", "install_excepthook"]
+__all__ = [
+    "ConfigError",
+    "DataError",
+    "ModelError",
+    "TrainingError",
+    "TunebookError",
+    "first_line",
+    "install_excepthook",
+]
 
 
 class TunebookError(Exception):
@@ -26,6 +34,10 @@ class DataError(TunebookError):
 
 class ModelError(TunebookError):
     """A model or tokenizer that cannot be found or built."""
+
+
+class TrainingError(TunebookError):
+    """Training cannot go on (a non-finite loss under nan_policy: stop); the message says what was kept."""
 
 
 def install_excepthook() -> None:

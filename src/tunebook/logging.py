@@ -46,12 +46,25 @@ def setup_logging(is_main_process: bool, level: str = "INFO") -> logging.Logger:
 class MetricsWriter:
     """Append one JSON object per call to `output_dir/metrics.jsonl` (main process only)."""
 
-    def __init__(self, path: str | Path, enabled: bool):
+    def __init__(self, path: str | Path, enabled: bool, resume_step: int | None = None):
+        """A fresh file, or with `resume_step` the existing one cut after that step's records.
+
+        A run resumed from the checkpoint of step N continues at N + 1, so what an interrupted run logged after
+        its last checkpoint is dropped: no step is missing or logged twice.
+        """
         self.path = Path(path)
         self.enabled = enabled
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("")
+            kept = []
+            if resume_step is not None and self.path.is_file():
+                for line in self.path.read_text().splitlines():
+                    try:
+                        if json.loads(line)["step"] <= resume_step:
+                            kept.append(line + "\n")
+                    except (ValueError, KeyError):  # a line cut short by the crash
+                        continue
+            self.path.write_text("".join(kept))
 
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:
