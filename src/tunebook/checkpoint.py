@@ -23,6 +23,7 @@ from .errors import ConfigError
 
 __all__ = [
     "TRAINER_STATE",
+    "export_checkpoint",
     "list_checkpoints",
     "load_process_state",
     "load_trainer_state",
@@ -145,3 +146,49 @@ def save_final_model(accelerator: Accelerator, model, tokenizer, output_dir: str
         unwrapped.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(output_dir)
     accelerator.wait_for_everyone()
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
+    """Write a Hugging Face model directory (safetensors + tokenizer) from a training checkpoint.
+
+    The architecture comes from the checkpoint's `config.yaml` (a fresh model of the same config, no pretrained
+    weights loaded), the weights from the checkpoint: Accelerate's `model.safetensors`, or the sharded state of an
+    FSDP run merged first. Works for checkpoints of any number of processes: the model is saved whole.
+    """
+    import tempfile
+
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from .config import parse_config
+    from .errors import ModelError
+    from .models import TINY_LLAMA, build_causal_lm
+    from .recipe_configs import SFTConfig
+
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / TRAINER_STATE).is_file():
+        raise ConfigError(f"{checkpoint} is not a complete Tunebook checkpoint (no {TRAINER_STATE})")
+    config = parse_config(SFTConfig, config_file=checkpoint / "config.yaml")
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint / "tokenizer")
+    # Same architecture as training, built from the config: a pretrained model's own config.json, or model_config.
+    model_config = config.model_name_or_path or config.model_config or TINY_LLAMA
+    model = build_causal_lm(tokenizer, model_config=model_config, attn_implementation=config.attn_implementation)
+    with tempfile.TemporaryDirectory() as tmp:
+        weights = checkpoint / "model.safetensors"
+        if not weights.is_file() and (checkpoint / "pytorch_model_fsdp_0").is_dir():
+            from accelerate.utils import merge_fsdp_weights
+
+            merge_fsdp_weights(str(checkpoint / "pytorch_model_fsdp_0"), tmp, safe_serialization=True)
+            weights = Path(tmp) / "model.safetensors"
+        if not weights.is_file():
+            raise ModelError(f"{checkpoint}: no model weights found (model.safetensors or pytorch_model_fsdp_0/)")
+        missing, unexpected = model.load_state_dict(load_file(weights), strict=False)
+    tied = {name for name, p in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
+    if unexpected or set(missing) - tied:
+        raise ModelError(
+            f"{checkpoint}: weights do not fit the configured model (missing {missing}, unexpected {unexpected})"
+        )
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir

@@ -1,10 +1,12 @@
 """The `tunebook` command.
 
     tunebook prepare --config FILE.yaml [--key value ...]
+    tunebook export CHECKPOINT OUT_DIR
 
-builds the tokenised (and packed) data caches exactly as `recipes/sft.py` with the same config would, without
+`prepare` builds the tokenised (and packed) data caches exactly as `recipes/sft.py` with the same config would, without
 loading model weights or starting training, prints what it built, and exits. Point `cache_dir` at a shared file
-system and a CPU machine can prepare data for a GPU job.
+system and a CPU machine can prepare data for a GPU job. `export` turns any checkpoint (of any number of
+processes) into a `from_pretrained`-ready model directory.
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ from pathlib import Path
 
 __all__ = ["main", "prepare"]
 
+
 USAGE = """usage: tunebook prepare --config FILE.yaml [--key value ...]
+       tunebook export CHECKPOINT OUT_DIR
 
 commands:
   prepare   build the tokenised (and packed) data caches of a recipe config, then exit
+  export    write a Hugging Face model directory (safetensors + tokenizer) from a training checkpoint
 """
 
 
@@ -61,6 +66,13 @@ def main(argv: list[str] | None = None) -> None:
     command, rest = argv[0], argv[1:]
     if command == "prepare":
         prepare(rest)
+    elif command == "export":
+        if len(rest) != 2:
+            print(f"tunebook: error: export takes CHECKPOINT OUT_DIR, got {rest}\n{USAGE}", file=sys.stderr)
+            raise SystemExit(2)
+        from .checkpoint import export_checkpoint
+
+        print(f"exported {rest[0]} to {export_checkpoint(rest[0], rest[1])}")
     else:
         print(f"tunebook: error: unknown command {command!r}\n{USAGE}", file=sys.stderr)
         raise SystemExit(2)

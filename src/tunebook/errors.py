@@ -8,6 +8,7 @@ anything else is a bug in Tunebook or a library and keeps its full traceback.
 from __future__ import annotations
 
 import sys
+import traceback
 
 __all__ = [
     "ConfigError",
@@ -48,6 +49,8 @@ def install_excepthook() -> None:
         if issubclass(exc_type, TunebookError):
             rank = _rank_prefix()
             print(f"tunebook: error{rank}: {exc}", file=sys.stderr, flush=True)
+            # Release what the failed frames held (data loaders and their worker processes) before exit.
+            traceback.clear_frames(tb)
             return
         previous(exc_type, exc, tb)
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing
+import signal
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -51,6 +54,30 @@ class LengthGroupedSampler(Sampler[int]):
         return (int(i) for i in order)  # lazily: a list of every index would be ~36 bytes per example
 
 
+def ignore_stop_signals(worker_id: int) -> None:
+    """DataLoader worker init: leave SIGTERM/SIGINT to the training process.
+
+    SLURM preemption and Ctrl-C signal every process of the job, workers included; a worker that died of it would
+    make the training process fail ("DataLoader worker is killed by signal") before it could save a checkpoint.
+    The training process stops its workers itself: through the loader when it is released, and, should it exit
+    while a loader is still held (an error's traceback keeps it), with `_kill_workers_at_exit`.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _kill_workers_at_exit() -> None:
+    # multiprocessing ends daemonic children at exit with SIGTERM, which our workers ignore: SIGKILL them first.
+    # Registered after multiprocessing's own exit hook, so it runs before it.
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+            child.join(timeout=5)
+
+
+atexit.register(_kill_workers_at_exit)
+
+
 def build_loader(
     dataset: Dataset,
     batch_size: int,
@@ -87,5 +114,6 @@ def build_loader(
         pin_memory=pin_memory and torch.cuda.is_available(),
         persistent_workers=num_workers > 0,
         prefetch_factor=prefetch_factor if num_workers > 0 else None,
+        worker_init_fn=ignore_stop_signals if num_workers > 0 else None,
         drop_last=False,
     )
