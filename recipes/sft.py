@@ -161,6 +161,7 @@ def main(config: SFTConfig) -> dict:
         model_config=config.model_config or (None if config.model_name_or_path else TINY_LLAMA),
         attn_implementation=config.attn_implementation,
         gradient_checkpointing=config.gradient_checkpointing,
+        trust_remote_code=config.trust_remote_code,
     )
     log.info("Model: %s, %.2fM parameters", type(model).__name__, sum(p.numel() for p in model.parameters()) / 1e6)
     attn, dtype = model.config._attn_implementation, model.dtype

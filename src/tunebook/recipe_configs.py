@@ -33,6 +33,10 @@ class SFTConfig(TrainConfig):
         "Tokenizer to load (default: the model's); with no model either, one is trained locally on train_data.",
         None,
     )
+    trust_remote_code: bool = _help(
+        "Allow a model or tokenizer directory to run its own Python code (off: only standard architectures load).",
+        False,
+    )
     tokenizer_vocab_size: int = _help("Vocabulary size of a locally trained tokenizer.", 512)
     attn_implementation: str | None = _help(
         "Attention kernel: sdpa, eager, flash_attention_2 (None: model default).", "sdpa"

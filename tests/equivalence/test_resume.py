@@ -13,7 +13,6 @@ import json
 import shutil
 
 import pytest
-
 from conftest import TINY_TEST_MODEL, launch
 
 pytestmark = pytest.mark.slow
@@ -26,13 +25,17 @@ COMMON = [
 
 
 def _losses(out):
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+    records = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    steps = [r["step"] for r in records]
+    assert steps == sorted(set(steps)), f"metrics.jsonl repeats or reorders steps: {steps}"
+    return {r["step"]: r["loss"] for r in records}
 
 
 def _check(tmp_path, extra, accelerate_config="cpu.yaml"):
     full = tmp_path / "full"
-    result = launch("recipes/sft.py", [*COMMON, *extra, "--output_dir", str(full)], accelerate_config=accelerate_config)
+    result = launch(
+        "recipes/sft.py", [*COMMON, *extra, "--output_dir", str(full)], accelerate_config=accelerate_config
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     reference = _losses(full)
     assert sorted(reference) == list(range(1, 9))

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT, TINY_TEST_MODEL, launch
 
 pytestmark = pytest.mark.slow
@@ -71,3 +70,14 @@ def test_nan_policy_skip_drops_the_updates_and_counts_them(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert 1 <= summary["skipped_updates"] <= 3 and summary["train_steps"] == 4
     assert "update skipped" in result.stdout
+
+
+def test_save_strategy_epoch_saves_at_every_epoch_end(tmp_path):
+    out = tmp_path / "epochs"
+    args = [*ARGS, "--num_train_epochs", "2", "--save_strategy", "epoch", "--save_steps", "1", "--save_total_limit",
+            "0", "--output_dir", str(out)]  # fmt: skip
+    result = launch("recipes/sft.py", args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = {p.name: json.loads((p / "trainer_state.json").read_text()) for p in (out / "checkpoints").iterdir()}
+    assert sorted(saved) == ["step-16", "step-32"]  # 64 examples / batch 4 = 16 steps per epoch; save_steps ignored
+    assert [s["epoch"] for _, s in sorted(saved.items())] == [0, 1]

@@ -12,7 +12,6 @@ import time
 
 import psutil
 import pytest
-
 from conftest import ROOT, TINY_TEST_MODEL, launch
 
 pytestmark = pytest.mark.slow
@@ -24,7 +23,9 @@ ARGS = [
 
 
 def _losses(out):
-    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
+    return {
+        r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r
+    }
 
 
 def test_sigterm_saves_and_the_resumed_run_matches_an_uninterrupted_one(tmp_path):
@@ -32,8 +33,18 @@ def test_sigterm_saves_and_the_resumed_run_matches_an_uninterrupted_one(tmp_path
     assert launch("recipes/sft.py", [*ARGS, "--output_dir", str(full)]).returncode == 0
 
     out = tmp_path / "preempted"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--quiet", "--config_file",
-           str(ROOT / "accelerate_configs/cpu.yaml"), str(ROOT / "recipes/sft.py"), *ARGS, "--output_dir", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--quiet",
+        "--config_file",
+        str(ROOT / "accelerate_configs/cpu.yaml"),
+        str(ROOT / "recipes/sft.py"),
+        *ARGS,
+        "--output_dir",
+        str(out),
+    ]
     # A session of its own, signalled as a whole, as SLURM signals a job step and Ctrl-C a terminal's foreground.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip

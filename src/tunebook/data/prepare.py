@@ -60,7 +60,9 @@ def prepare_sft_data(config, cache_dir: Path, log: logging.Logger) -> SFTData:
         eval_sources = eval_sources or parse_sources(str(eval_path), "eval_data")
 
     if config.tokenizer_name_or_path or config.model_name_or_path:
-        tokenizer = load_tokenizer(config.tokenizer_name_or_path or config.model_name_or_path)
+        tokenizer = load_tokenizer(
+            config.tokenizer_name_or_path or config.model_name_or_path, config.trust_remote_code
+        )
     else:
         tokenizer, trained = load_or_train_tokenizer(
             cache_dir,

@@ -40,16 +40,24 @@ def build_causal_lm(
     model_config: dict[str, Any] | str | None = None,
     attn_implementation: str | None = None,
     gradient_checkpointing: bool = False,
+    trust_remote_code: bool = False,
 ) -> PreTrainedModel:
-    """Load or build the model and make its embeddings and special token ids agree with `tokenizer`."""
+    """Load or build the model and make its embeddings and special token ids agree with `tokenizer`.
+
+    Weights load as safetensors where the directory has them; `trust_remote_code` (running Python shipped with a
+    model) stays off unless the config turns it on.
+    """
     if model_name_or_path and model_config:
         raise ConfigError("give either model_name_or_path (load weights) or model_config (fresh model), not both")
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    kwargs["trust_remote_code"] = trust_remote_code
     if model_name_or_path:
         if looks_like_local_path(model_name_or_path) and not Path(model_name_or_path).expanduser().exists():
             raise ModelError(f"model path not found: {model_name_or_path}")
         try:
-            model = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype="auto", **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(
+                model_name_or_path, dtype="auto", use_safetensors=None, **kwargs
+            )
         except (OSError, ValueError) as e:
             raise ModelError(f"could not load a causal LM from '{model_name_or_path}': {first_line(e)}") from None
     else:

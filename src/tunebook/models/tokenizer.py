@@ -77,12 +77,12 @@ def load_or_train_tokenizer(
     return AutoTokenizer.from_pretrained(directory), True
 
 
-def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """`AutoTokenizer.from_pretrained` with a readable error for a missing path or an offline Hub name."""
     if looks_like_local_path(name_or_path) and not Path(name_or_path).expanduser().exists():
         raise ModelError(f"tokenizer path not found: {name_or_path}")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         kind = "directory" if looks_like_local_path(name_or_path) else "Hub name"
         raise ModelError(f"could not load a tokenizer from {kind} '{name_or_path}': {first_line(e)}") from None
