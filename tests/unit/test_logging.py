@@ -2,8 +2,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
 from tunebook.logging import RunTimer, data_wait_advice
 from tunebook.training import accumulation_windows
 
@@ -19,15 +17,15 @@ def test_data_wait_is_measured_and_paused_time_is_not_training_time():
     timer.start_training()
     windows = list(accumulation_windows(_slow_batches(6, 0.02), 2, timer))
     assert windows == [[0, 1], [2, 3], [4, 5]]
-    assert timer.data_wait_seconds == pytest.approx(0.12, abs=0.05)
+    assert 0.12 <= timer.data_wait_seconds < 2.0  # six 20 ms waits (more on a loaded machine)
     with timer.paused():
         time.sleep(0.2)  # an evaluation: neither training time nor data wait
     assert timer.paused_seconds >= 0.2
-    assert timer.train_runtime() < 0.2
+    assert timer.train_runtime() < timer.data_wait_seconds + 0.1  # the paused 0.2 s is not training time
     assert timer.data_wait_fraction() > 0.6  # the loop did nothing but wait
     window = timer.window(tokens_total=1000)
     assert window["data_wait_fraction"] > 0.6
-    assert window["tokens_per_second"] > 1000 / 0.2  # per second of training, the paused 0.2 s excluded
+    assert window["tokens_per_second"] > 1000 / (timer.data_wait_seconds + 0.1)  # the paused time excluded
 
 
 def test_data_wait_advice_names_the_setting_to_change():
