@@ -70,9 +70,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(script: str, args: list[str], accelerate_config: str = "cpu.yaml", timeout: int = 300, env=None):
-    """Run `accelerate launch --config_file accelerate_configs/<cfg> <script> <args>`; returns CompletedProcess."""
-    cmd = [
+def launch_command(script: str, args: list[str], accelerate_config: str = "cpu.yaml") -> list[str]:
+    """`accelerate launch --config_file accelerate_configs/<cfg> <script> <args>` as an argument list."""
+    return [
         sys.executable,
         "-m",
         "accelerate.commands.launch",
@@ -84,5 +84,10 @@ def launch(script: str, args: list[str], accelerate_config: str = "cpu.yaml", ti
         str(ROOT / script),
         *args,
     ]
+
+
+def launch(script: str, args: list[str], accelerate_config: str = "cpu.yaml", timeout: int = 300, env=None):
+    """Run `launch_command(...)` and return the CompletedProcess."""
+    cmd = launch_command(script, args, accelerate_config)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
@@ -30,3 +31,16 @@ class FirstStepClock(TrainerCallback):
 def write_result(path: str, **values) -> None:
     with open(path, "w") as f:
         json.dump(values, f, indent=2)
+
+
+def parse_args() -> argparse.Namespace:
+    """The arguments both peer scripts take: DATA MODEL_DIR OUT_DIR RESULT [--bf16] [--batch] [--lr] ..."""
+    parser = argparse.ArgumentParser()
+    for name in ("data", "model", "output_dir", "result"):
+        parser.add_argument(name)
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--max_length", type=int, default=512)
+    parser.add_argument("--cache_dir", default=None)
+    return parser.parse_args()

@@ -5,24 +5,14 @@ python benchmarks/peers/trl_sft.py DATA.json MODEL_DIR OUT_DIR RESULT.json [--bf
 
 from __future__ import annotations
 
-import argparse
-
 import datasets
-from common import FirstStepClock, alpaca_messages, write_result
+from common import FirstStepClock, alpaca_messages, parse_args, write_result
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    for name in ("data", "model", "output_dir", "result"):
-        parser.add_argument(name)
-    parser.add_argument("--bf16", action="store_true")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=5e-4)
-    parser.add_argument("--max_length", type=int, default=512)
-    parser.add_argument("--cache_dir", default=None)
-    args = parser.parse_args()
+    args = parse_args()
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     raw = datasets.load_dataset("json", data_files=args.data, split="train", cache_dir=args.cache_dir)

@@ -8,7 +8,15 @@ import torch
 
 from .tokenize import IGNORE_INDEX
 
-__all__ = ["PadCollator"]
+__all__ = ["PadCollator", "padded_length"]
+
+
+def padded_length(features: list[dict[str, Any]], pad_to_multiple_of: int | None) -> int:
+    """The longest `input_ids` of a batch, rounded up to a multiple (tensor cores like multiples of 8)."""
+    longest = max(len(f["input_ids"]) for f in features)
+    if pad_to_multiple_of:
+        longest = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
+    return longest
 
 
 class PadCollator:
@@ -24,9 +32,7 @@ class PadCollator:
         self.pad_to_multiple_of = pad_to_multiple_of
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        longest = max(len(f["input_ids"]) for f in features)
-        if self.pad_to_multiple_of:
-            longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        longest = padded_length(features, self.pad_to_multiple_of)
         input_ids = torch.full((len(features), longest), self.pad_token_id, dtype=torch.long)
         labels = torch.full((len(features), longest), IGNORE_INDEX, dtype=torch.long)
         attention_mask = torch.zeros((len(features), longest), dtype=torch.long)

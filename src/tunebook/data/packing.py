@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from datasets.table import InMemoryTable
 
 from ..errors import ConfigError
+from .collate import padded_length
 from .tokenize import IGNORE_INDEX
 
 __all__ = [
@@ -161,9 +162,7 @@ class PackedCollator:
         self.pad_to_multiple_of = pad_to_multiple_of
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        longest = max(len(f["input_ids"]) for f in features)
-        if self.pad_to_multiple_of:
-            longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        longest = padded_length(features, self.pad_to_multiple_of)
         shape = (len(features), longest)
         input_ids = torch.full(shape, self.pad_token_id, dtype=torch.long)
         labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
