@@ -28,7 +28,8 @@ def _losses(out):
     }
 
 
-def test_sigterm_saves_and_the_resumed_run_matches_an_uninterrupted_one(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_saves_and_the_resumed_run_matches_an_uninterrupted_one(tmp_path, signum):
     full = tmp_path / "full"
     assert launch("recipes/sft.py", [*ARGS, "--output_dir", str(full)]).returncode == 0
 
@@ -52,11 +53,12 @@ def test_sigterm_saves_and_the_resumed_run_matches_an_uninterrupted_one(tmp_path
     while time.time() < deadline and len(_losses(out) if (out / "metrics.jsonl").exists() else {}) < 20:
         time.sleep(0.05)
     trainer = psutil.Process(proc.pid).children(recursive=True)
-    os.killpg(proc.pid, signal.SIGTERM)
+    os.killpg(proc.pid, signum)
     psutil.wait_procs(trainer, timeout=120)
     output = proc.stdout.read()
     proc.wait()
     assert "Resume with the same command plus --resume_from_checkpoint latest" in output, output[-3000:]
+    assert "Stopped at step" in output and f"by signal {int(signum)}" in output
     stopped = sorted(out.glob("checkpoints/step-*"))
     assert len(stopped) == 1 and not (out / "model.safetensors").exists()
     step = int(stopped[0].name.split("-")[1])
