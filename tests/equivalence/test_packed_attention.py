@@ -91,3 +91,22 @@ def test_a_plain_2d_mask_lets_packed_examples_attend_to_each_other(tiny_tokenize
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
         ).logits
     assert (good - leaky).abs().max().item() > 1000 * TOL
+
+
+def test_the_cpu_varlen_backend_leaves_padded_batches_and_generation_unchanged(tiny_tokenizer, tiny_model_config):
+    """After `use_packed_attention` switches a model to per-example SDPA, unpacked inputs still get SDPA's masks."""
+    torch.manual_seed(0)
+    plain = build_causal_lm(tiny_tokenizer, model_config=tiny_model_config, attn_implementation="sdpa").eval()
+    torch.manual_seed(0)
+    switched = build_causal_lm(tiny_tokenizer, model_config=tiny_model_config, attn_implementation="sdpa").eval()
+    assert use_packed_attention(switched, "cpu") == SEGMENT_SDPA
+    ids = torch.randint(10, len(tiny_tokenizer), (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding, as in batched generation
+    ids[1, :4] = tiny_tokenizer.pad_token_id
+    with torch.no_grad():
+        torch.testing.assert_close(switched(input_ids=ids, attention_mask=mask).logits,
+                                   plain(input_ids=ids, attention_mask=mask).logits, atol=TOL, rtol=TOL)  # fmt: skip
+        kwargs = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": tiny_tokenizer.pad_token_id}
+        assert torch.equal(switched.generate(input_ids=ids, attention_mask=mask, **kwargs),
+                           plain.generate(input_ids=ids, attention_mask=mask, **kwargs))  # fmt: skip
