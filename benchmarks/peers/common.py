@@ -44,3 +44,34 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max_length", type=int, default=512)
     parser.add_argument("--cache_dir", default=None)
     return parser.parse_args()
+
+
+def shared_training_arguments(args: argparse.Namespace) -> dict:
+    """The settings every system runs with, as `TrainingArguments` / `SFTConfig` keywords."""
+    return dict(
+        output_dir=args.output_dir,
+        per_device_train_batch_size=args.batch,
+        learning_rate=args.lr,
+        num_train_epochs=1,
+        lr_scheduler_type="linear",
+        logging_steps=10,
+        save_strategy="no",
+        report_to="none",
+        bf16=args.bf16,
+        use_cpu=True,
+        seed=42,
+        disable_tqdm=True,
+    )
+
+
+def train_and_report(trainer, clock: FirstStepClock, result: str) -> None:
+    """Train one epoch, save the model as Tunebook does, and write what vs_peers.py reads."""
+    metrics = trainer.train().metrics
+    trainer.save_model()
+    write_result(
+        result,
+        tokens=int(sum(len(ids) for ids in trainer.train_dataset["input_ids"])),
+        train_seconds=metrics["train_runtime"],
+        time_to_first_step=clock.seconds,
+        final_train_loss=metrics["train_loss"],
+    )

@@ -9,7 +9,7 @@ template, labels masked on the prompt, `DataCollatorForSeq2Seq(padding="longest"
 from __future__ import annotations
 
 import datasets
-from common import FirstStepClock, alpaca_messages, parse_args, write_result
+from common import FirstStepClock, alpaca_messages, parse_args, shared_training_arguments, train_and_report
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -38,33 +38,12 @@ def main():
     clock = FirstStepClock()
     trainer = Trainer(
         model=model,
-        args=TrainingArguments(
-            output_dir=args.output_dir,
-            per_device_train_batch_size=args.batch,
-            learning_rate=args.lr,
-            num_train_epochs=1,
-            lr_scheduler_type="linear",
-            logging_steps=10,
-            save_strategy="no",
-            report_to="none",
-            bf16=args.bf16,
-            use_cpu=True,
-            seed=42,
-            disable_tqdm=True,
-        ),
+        args=TrainingArguments(**shared_training_arguments(args)),
         train_dataset=train,
         data_collator=DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=-100),
         callbacks=[clock],
     )
-    metrics = trainer.train().metrics
-    trainer.save_model()
-    write_result(
-        args.result,
-        tokens=int(sum(len(ids) for ids in train["input_ids"])),
-        train_seconds=metrics["train_runtime"],
-        time_to_first_step=clock.seconds,
-        final_train_loss=metrics["train_loss"],
-    )
+    train_and_report(trainer, clock, args.result)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ python benchmarks/peers/trl_sft.py DATA.json MODEL_DIR OUT_DIR RESULT.json [--bf
 from __future__ import annotations
 
 import datasets
-from common import FirstStepClock, alpaca_messages, parse_args, write_result
+from common import FirstStepClock, alpaca_messages, parse_args, shared_training_arguments, train_and_report
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
@@ -26,35 +26,12 @@ def main():
     clock = FirstStepClock()
     trainer = SFTTrainer(
         model=model,
-        args=SFTConfig(
-            output_dir=args.output_dir,
-            max_length=args.max_length,
-            packing=True,
-            per_device_train_batch_size=args.batch,
-            learning_rate=args.lr,
-            num_train_epochs=1,
-            lr_scheduler_type="linear",
-            logging_steps=10,
-            save_strategy="no",
-            report_to="none",
-            bf16=args.bf16,
-            use_cpu=True,
-            seed=42,
-            disable_tqdm=True,
-        ),
+        args=SFTConfig(max_length=args.max_length, packing=True, **shared_training_arguments(args)),
         train_dataset=train,
         processing_class=tokenizer,
         callbacks=[clock],
     )
-    metrics = trainer.train().metrics
-    trainer.save_model()
-    write_result(
-        args.result,
-        tokens=int(sum(len(ids) for ids in trainer.train_dataset["input_ids"])),
-        train_seconds=metrics["train_runtime"],
-        time_to_first_step=clock.seconds,
-        final_train_loss=metrics["train_loss"],
-    )
+    train_and_report(trainer, clock, args.result)
 
 
 if __name__ == "__main__":

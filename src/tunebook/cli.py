@@ -30,7 +30,7 @@ commands:
 def prepare(argv: list[str]) -> dict:
     """Build the caches an SFT run with these arguments would use; returns the printed figures."""
     from .config import load_config
-    from .data import default_cache_dir, example_lengths, prepare_sft_data
+    from .data import default_cache_dir, prepare_sft_data
     from .logging import setup_logging
     from .recipe_configs import SFTConfig
 
@@ -42,7 +42,7 @@ def prepare(argv: list[str]) -> dict:
     figures = {
         "cache_dir": str(cache_dir),
         "train_rows": len(data.train),
-        "train_tokens": int(example_lengths(data.train).sum()),
+        "train_tokens": data.stats["train_tokens_per_epoch"],
         "eval_rows": 0 if data.eval is None else len(data.eval),
         "packing_efficiency": data.stats.get("packing_efficiency"),
         "built": ", ".join(data.built) or "nothing (all cached)",
