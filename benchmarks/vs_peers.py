@@ -118,7 +118,7 @@ def run_one(system: str, precision: str, data: Path, model_dir: Path, work: Path
     }
 
 
-def table(runs: list[dict], precision: str) -> str:
+def table(runs: list[dict], precision: str, systems: list[str]) -> str:
     def med(system, key, cache="warm"):
         values = [
             r[key] for r in runs if r["system"] == system and r["precision"] == precision and r["cache"] == cache
@@ -133,7 +133,7 @@ def table(runs: list[dict], precision: str) -> str:
     ]
     names = {"tunebook": "Tunebook SFT, packing", "trainer": "transformers Trainer, pad to longest",
              "trl": "TRL SFTTrainer, packing"}  # fmt: skip
-    for s in SYSTEMS:
+    for s in systems:
         cold = lambda key, s=s: f"{med(s, key, 'cold'):.1f}" if has_cold else "–"  # noqa: E731
         lines.append(
             f"| {names[s]} | {med(s, 'wall_seconds'):.1f} | {cold('wall_seconds')} | {med(s, 'tokens_per_second'):.0f} "
@@ -141,7 +141,7 @@ def table(runs: list[dict], precision: str) -> str:
             f"| {med(s, 'tokens'):.0f} | {med(s, 'final_train_loss'):.3f} |"
         )
     ratios = []
-    for peer in ("trainer", "trl"):
+    for peer in systems[1:]:
         for cache in ("warm", "cold") if has_cold else ("warm",):
             r = med("tunebook", "wall_seconds", cache) / med(peer, "wall_seconds", cache)
             ratios.append(f"{r:.2f}x {names[peer].split(',')[0]} ({cache} cache)")
@@ -156,8 +156,14 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--precisions", default="fp32,bf16")
     parser.add_argument("--work_dir", default="/tmp/tunebook-vs-peers")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="a subset to compare, e.g. tunebook,trainer")
     parser.add_argument("--no_write", action="store_true", help="print the tables only")
     args = parser.parse_args()
+    systems = [s for s in SYSTEMS if s in args.systems.split(",")]
+    if args.systems.split(",") != systems or "tunebook" not in systems:
+        parser.error(f"--systems: a comma-separated subset of {','.join(SYSTEMS)} that includes tunebook")
+    if not args.no_write and systems != list(SYSTEMS):
+        parser.error("a subset of --systems needs --no_write: RESULTS.md keeps the full comparison")
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     data, model_dir = prepare_assets(work, args.examples)
@@ -166,7 +172,7 @@ def main():
         for _ in range(args.repeats):
             # Cold and warm caches for the headline precision; warm only for the second table.
             for cold in (True, False) if precision == "fp32" else (False,):
-                for system in SYSTEMS:  # the fp32 runs leave warm caches behind for the bf16 ones
+                for system in systems:  # the fp32 runs leave warm caches behind for the bf16 ones
                     r = run_one(system, precision, data, model_dir, work, cold)
                     runs.append(r)
                     print(json.dumps(r), flush=True)
@@ -186,7 +192,7 @@ def main():
     ]
     for precision in args.precisions.split(","):
         label = "fp32" if precision == "fp32" else "bf16 autocast"
-        body += ["", f"### {label}", "", table(runs, precision)]
+        body += ["", f"### {label}", "", table(runs, precision, systems)]
     text = "\n".join(body)
     print(text)
     if not args.no_write:

@@ -65,11 +65,11 @@ from tunebook.training import (
     build_accelerator,
     build_optimizer,
     build_scheduler,
+    causal_lm_token_losses,
     count_loss_tokens,
     exit_code,
     is_nonfinite,
     step_loss_scale,
-    token_loss_sum,
     total_optimizer_steps,
 )
 
@@ -242,8 +242,8 @@ def main(config: SFTConfig) -> dict:
                 step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
                 for batch in window:
                     with accelerator.accumulate(model):
-                        logits = model(**attention_inputs(batch, attn, dtype)).logits
-                        loss_sum = token_loss_sum(logits, batch["labels"])
+                        # Logits only where a label is: prompt and padding positions carry no loss.
+                        loss_sum = causal_lm_token_losses(model, attention_inputs(batch, attn, dtype), batch)[0].sum()
                         accelerator.backward(loss_sum * scale)
                     step_loss += loss_sum.detach().double()
                     counters.tokens_seen += batch["attention_mask"].sum()

@@ -1,7 +1,7 @@
 """The data path: sources -> formats -> tokenisation and loss masks -> cache -> collators and loaders."""
 
 from .cache import cached_dataset, default_cache_dir, fingerprint, tokenizer_fingerprint
-from .collate import PadCollator
+from .collate import PadCollator, loss_positions
 from .formats import FORMAT_COLUMNS, detect_format, to_messages
 from .loaders import LengthGroupedSampler, build_loader
 from .packing import (
@@ -48,6 +48,7 @@ __all__ = [
     "format_loss_mask",
     "load_conversations",
     "load_source",
+    "loss_positions",
     "parse_sources",
     "prepare_sft_dataset",
     "to_messages",

@@ -8,7 +8,7 @@ import torch
 
 from .tokenize import IGNORE_INDEX
 
-__all__ = ["PadCollator", "padded_length"]
+__all__ = ["PadCollator", "loss_positions", "padded_length"]
 
 
 def padded_length(features: list[dict[str, Any]], pad_to_multiple_of: int | None) -> int:
@@ -17,6 +17,18 @@ def padded_length(features: list[dict[str, Any]], pad_to_multiple_of: int | None
     if pad_to_multiple_of:
         longest = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
     return longest
+
+
+def loss_positions(labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Where the loss is: `loss_positions`, flat indices into (batch x length) of the positions whose next token
+    carries a label, and `loss_targets`, those labels.
+
+    The collators add both to every batch, so the output layer can run only where the loss needs it
+    (`tunebook.training.causal_lm_token_losses`) and the device never waits on the `nonzero` that finds them.
+    """
+    shifted = labels[:, 1:]
+    rows, cols = torch.nonzero(shifted != IGNORE_INDEX, as_tuple=True)
+    return {"loss_positions": rows * labels.shape[1] + cols, "loss_targets": shifted[rows, cols]}
 
 
 class PadCollator:
@@ -41,4 +53,4 @@ class PadCollator:
             input_ids[i, :n] = torch.as_tensor(f["input_ids"])
             labels[i, :n] = torch.as_tensor(f["labels"])
             attention_mask[i, :n] = 1
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, **loss_positions(labels)}

@@ -8,7 +8,7 @@ import torch
 from accelerate import Accelerator
 
 from ..data.packing import attention_inputs
-from ..training.loss import per_example_token_loss
+from ..training.loss import causal_lm_token_losses
 
 __all__ = ["evaluate_loss"]
 
@@ -35,8 +35,13 @@ def evaluate_loss(
     total_loss = torch.zeros((), dtype=torch.float64)
     total_tokens = torch.zeros((), dtype=torch.float64)
     for batch in tqdm(loader, desc="Evaluating", disable=disable_tqdm or not accelerator.is_main_process, leave=False):
-        logits = model(**attention_inputs(batch, attn_implementation, dtype)).logits
-        loss_sums, counts = per_example_token_loss(logits, batch["labels"])
+        losses, positions = causal_lm_token_losses(model, attention_inputs(batch, attn_implementation, dtype), batch)
+        # Per-row sums, so gather_for_metrics can drop the rows Accelerate duplicated.
+        rows = positions // batch["labels"].shape[1]
+        loss_sums = torch.zeros(len(batch["labels"]), dtype=torch.float32, device=losses.device).index_add_(
+            0, rows, losses
+        )
+        counts = torch.bincount(rows, minlength=len(batch["labels"]))
         loss_sums, counts = accelerator.gather_for_metrics((loss_sums, counts))
         total_loss += loss_sums.double().sum().cpu()
         total_tokens += counts.double().sum().cpu()

@@ -8,12 +8,24 @@ micro-batches of the step and all processes, which equals one big batch exactly.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+from accelerate.utils import extract_model_from_parallel
 
+from ..data.collate import loss_positions
 from ..data.tokenize import IGNORE_INDEX
 
-__all__ = ["count_loss_tokens", "per_example_token_loss", "step_loss_scale", "token_loss_sum"]
+__all__ = [
+    "causal_lm_token_losses",
+    "count_loss_tokens",
+    "output_layer_at",
+    "per_example_token_loss",
+    "step_loss_scale",
+    "token_loss_sum",
+]
 
 
 def count_loss_tokens(labels: torch.Tensor) -> torch.Tensor:
@@ -37,6 +49,48 @@ def per_example_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed next-token cross-entropy over all loss-bearing tokens, in float32."""
     return per_example_token_loss(logits, labels)[0].sum()
+
+
+@contextmanager
+def output_layer_at(model: torch.nn.Module, positions: torch.Tensor):
+    """Inside this block, `model`'s output layer (the LM head) runs only on the hidden states at `positions`
+    (flat indices into batch x length), so its logits have shape (len(positions), vocab).
+
+    transformers models apply the LM head to every position; in SFT the prompt tokens (a third of Code Alpaca's)
+    and the padding carry no loss, yet their logits cost a vocabulary-wide matmul, softmax and backward each. The
+    hook sits on the head inside the (DDP/FSDP-wrapped) model, so distributed wrappers see an ordinary forward.
+    """
+    head = extract_model_from_parallel(model).get_output_embeddings()
+    if head is None:
+        yield
+        return
+
+    def select(module, args):
+        hidden = args[0]
+        return (hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions), *args[1:])
+
+    handle = head.register_forward_pre_hook(select)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def causal_lm_token_losses(model: torch.nn.Module, inputs: dict[str, Any], batch: dict[str, torch.Tensor]):
+    """Next-token cross-entropy (float32) of every loss-bearing token of `batch`, computing logits only there.
+
+    `inputs` are the model's keyword arguments (`attention_inputs`); `batch` has `labels` and, from the
+    collators, `loss_positions`/`loss_targets` (computed here if absent). Returns (losses, positions); the row of
+    each loss is `positions // batch["labels"].shape[1]`. Equals `per_example_token_loss` on full logits.
+    """
+    if "loss_positions" not in batch:
+        batch = {**batch, **loss_positions(batch["labels"])}
+    positions, targets = batch["loss_positions"], batch["loss_targets"]
+    with output_layer_at(model, positions):
+        logits = model(**inputs).logits
+    if logits.dim() == 3:  # the model made its logits without calling its output layer module: pick them here
+        logits = logits.reshape(-1, logits.shape[-1]).index_select(0, positions)
+    return F.cross_entropy(logits.float(), targets, reduction="none"), positions
 
 
 def step_loss_scale(step_tokens: torch.Tensor, num_processes: int, gradient_accumulation_steps: int) -> torch.Tensor:
