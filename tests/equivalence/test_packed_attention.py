@@ -110,3 +110,25 @@ def test_the_cpu_varlen_backend_leaves_padded_batches_and_generation_unchanged(t
         kwargs = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": tiny_tokenizer.pad_token_id}
         assert torch.equal(switched.generate(input_ids=ids, attention_mask=mask, **kwargs),
                            plain.generate(input_ids=ids, attention_mask=mask, **kwargs))  # fmt: skip
+
+
+def test_cpu_varlen_attention_under_bf16_autocast_matches_the_block_mask(tiny_tokenizer, tiny_model_config):
+    """Under bf16 autocast the per-example attention runs in fp32 (faster on CPUs): same logits and gradients as
+    SDPA with the block-diagonal mask, to bf16 precision, and its output keeps the autocast dtype."""
+    results = {}
+    for attn in ("sdpa", SEGMENT_SDPA):
+        torch.manual_seed(0)
+        model = build_causal_lm(tiny_tokenizer, model_config=tiny_model_config, attn_implementation="sdpa")
+        if attn == SEGMENT_SDPA:
+            use_packed_attention(model, "cpu")
+        packed, _ = pack_dataset(_examples(tiny_tokenizer), 24, seed=0)
+        batch = PackedCollator(tiny_tokenizer.pad_token_id, 8)(list(packed))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(**attention_inputs(batch, attn, torch.float32)).logits
+        assert logits.dtype == torch.bfloat16
+        logits.float().square().mean().backward()
+        results[attn] = (logits.float(), {n: p.grad for n, p in model.named_parameters()})
+    (ref_logits, ref_grads), (logits, grads) = results["sdpa"], results[SEGMENT_SDPA]
+    torch.testing.assert_close(logits, ref_logits, atol=3e-2, rtol=3e-2)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=3e-2, rtol=5e-2, msg=f"gradient of {name}")
