@@ -23,14 +23,7 @@ import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from tunebook.checkpoint import (
-    list_checkpoints,
-    load_process_state,
-    load_trainer_state,
-    resolve_checkpoint,
-    save_checkpoint,
-    save_final_model,
-)
+from tunebook.checkpoint import resume_training, save_final_model, save_training_state
 from tunebook.config import config_to_dict, load_config, save_config
 from tunebook.data import (
     PackedCollator,
@@ -45,7 +38,6 @@ from tunebook.data import (
     prepare_sft_data,
     use_packed_attention,
 )
-from tunebook.errors import TrainingError
 from tunebook.evaluation import evaluate_loss, generation_exact_match
 from tunebook.logging import (
     MetricsWriter,
@@ -59,6 +51,7 @@ from tunebook.logging import (
 from tunebook.models import TINY_LLAMA, build_causal_lm
 from tunebook.recipe_configs import SFTConfig
 from tunebook.training import (
+    BestModel,
     StopSignals,
     TrainCounters,
     accumulation_windows,
@@ -67,8 +60,11 @@ from tunebook.training import (
     build_scheduler,
     causal_lm_token_losses,
     count_loss_tokens,
+    eval_due,
     exit_code,
     is_nonfinite,
+    nonfinite_stop,
+    save_due,
     step_loss_scale,
     total_optimizer_steps,
 )
@@ -190,15 +186,10 @@ def main(config: SFTConfig) -> dict:
     )
 
     # --- resume: model, optimizer, scheduler, RNG states and the data position, from a checkpoint
-    checkpoint = (
-        resolve_checkpoint(output_dir, config.resume_from_checkpoint) if config.resume_from_checkpoint else None
-    )
-    state = {"global_step": 0, "epoch": 0, "batches_in_epoch": 0}
     counters = TrainCounters.zeros(accelerator.device)
+    best = BestModel.from_config(config) if eval_loader is not None else None  # best checkpoint, early stopping
+    checkpoint, state = resume_training(accelerator, output_dir, config.resume_from_checkpoint, counters, best)
     if checkpoint is not None:
-        accelerator.load_state(str(checkpoint))
-        state = load_trainer_state(checkpoint)
-        counters.load_state_dict(load_process_state(checkpoint, accelerator.process_index))
         log.info("Resumed from %s: step %d, epoch %d, %d batches into it", checkpoint, state["global_step"],
                  state["epoch"], state["batches_in_epoch"])  # fmt: skip
     global_step, epoch, skip_batches = state["global_step"], state["epoch"], state["batches_in_epoch"]
@@ -207,10 +198,8 @@ def main(config: SFTConfig) -> dict:
     def save(reason: str):
         with timer.paused():
             shared = {"epoch": epoch, "batches_in_epoch": batches_in_epoch, "skipped_updates": skipped_updates}
-            path = save_checkpoint(accelerator, output_dir, global_step, config, shared, config.save_total_limit,
-                                   tokenizer, counters.state_dict())  # fmt: skip
+            path = save_training_state(accelerator, output_dir, global_step, config, shared, tokenizer, counters, best)
         log.info("Saved checkpoint %s (%s)", path, reason)
-        return path
 
     metrics_log = MetricsWriter(
         output_dir / "metrics.jsonl", accelerator.is_main_process, global_step if checkpoint else None
@@ -229,7 +218,7 @@ def main(config: SFTConfig) -> dict:
     timer.start_training()
     stop = None  # the exception that ends the run early, raised once the model and process group are released
     with StopSignals() as stop_signals:
-        while global_step < total_steps and stop is None:
+        while global_step < total_steps and stop is None and not (best and best.should_stop()):
             train_loader.set_epoch(epoch)
             # On resume, skip the batches the checkpoint had consumed, at the sampler: nothing is re-read.
             loader = accelerator.skip_first_batches(train_loader, skip_batches) if skip_batches else train_loader
@@ -252,12 +241,7 @@ def main(config: SFTConfig) -> dict:
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm or float("inf"))
                 if is_nonfinite(step_loss, grad_norm, accelerator):
                     if config.nan_policy == "stop":
-                        last = list_checkpoints(output_dir)
-                        stop = TrainingError(
-                            f"non-finite loss or gradient norm at step {global_step + 1}; nothing was saved. Last good "
-                            f"checkpoint: {last[-1] if last else 'none'}. Lower learning_rate, check the data, or set "
-                            "nan_policy: skip"
-                        )
+                        stop = nonfinite_stop(global_step, output_dir)
                         break
                     skipped_updates += 1
                     log.warning("Step %d: non-finite loss or gradient norm, update skipped (%d so far)",
@@ -273,10 +257,8 @@ def main(config: SFTConfig) -> dict:
                 progress.update(1)
 
                 if global_step % config.logging_steps == 0 or global_step == total_steps:
-                    sums = accelerator.reduce(torch.stack([counters.window_loss, counters.window_tokens]), "sum")
-                    loss_total, loss_tokens = sums.tolist()
+                    final_train_loss = counters.pop_window_loss(accelerator)
                     all_tokens = int(accelerator.reduce(counters.tokens_seen, "sum"))
-                    final_train_loss = loss_total / max(loss_tokens, 1)
                     record = {
                         "step": global_step,
                         "epoch": round(global_step / steps_per_epoch, 3),
@@ -292,13 +274,14 @@ def main(config: SFTConfig) -> dict:
                         lr=f"{record['learning_rate']:.2e}",
                         tok_s=f"{record['tokens_per_second']:.0f}",
                     )
-                    counters.window_loss.zero_()
-                    counters.window_tokens.zero_()
-                if eval_loader is not None and config.eval_steps and global_step % config.eval_steps == 0 and global_step < total_steps:  # fmt: skip
+                epoch_done = batches_in_epoch == len(train_loader)
+                new_best = False
+                if eval_loader is not None and eval_due(config, global_step, total_steps, epoch_done):
                     with timer.paused():
                         eval_history[global_step] = evaluate(config, model, data, eval_loader, attn, accelerator, log)
                     log.info("Step %d: %s", global_step, eval_history[global_step])
                     metrics_log.write({"step": global_step, **eval_history[global_step]})
+                    new_best = best is not None and best.update(global_step, eval_history[global_step])
                 signum = stop_signals.requested(accelerator)
                 if signum:  # preemption or Ctrl-C: finish this step, save, and leave
                     save(f"stopped by signal {signum}")
@@ -306,12 +289,14 @@ def main(config: SFTConfig) -> dict:
                                 "--resume_from_checkpoint latest", global_step, signum)  # fmt: skip
                     stop = SystemExit(exit_code(signum))
                     break
-                if config.save_strategy == "steps" and config.save_steps and global_step % config.save_steps == 0:
-                    save(f"every {config.save_steps} steps")
+                if reason := save_due(config, global_step, epoch_done, new_best):
+                    save(reason)
+                if best is not None and best.should_stop():
+                    log.info("Early stopping at step %d: %s has not improved on %.6g (step %d) for %d evaluations",
+                             global_step, best.metric, best.best_value, best.best_step, best.patience)  # fmt: skip
+                    break
                 if global_step >= total_steps:
                     break
-            if stop is None and config.save_strategy == "epoch" and batches_in_epoch == len(train_loader):
-                save(f"end of epoch {epoch}")
             epoch += 1
     progress.close()
     if stop is not None:
@@ -320,7 +305,10 @@ def main(config: SFTConfig) -> dict:
         raise stop
     train_runtime = timer.train_runtime()
 
-    # --- final evaluation and outputs
+    # --- final evaluation and outputs (of the best checkpoint's weights with load_best_model_at_end)
+    if config.load_best_model_at_end and best is not None and best.best_checkpoint:
+        accelerator.load_state(best.best_checkpoint)
+        log.info("Loaded the best checkpoint %s (%s %.6g)", best.best_checkpoint, best.metric, best.best_value)
     final_eval = {}
     if eval_loader is not None:
         final_eval = evaluate(config, model, data, eval_loader, attn, accelerator, log)
@@ -343,6 +331,8 @@ def main(config: SFTConfig) -> dict:
         "final_train_loss": final_train_loss,
         "eval": final_eval,
         "eval_before_training": eval_history.get(0, {}),
+        "best": best.state_dict() if best else None,
+        "stopped_early": best is not None and best.should_stop(),
         "skipped_updates": skipped_updates,
         "resumed_from": str(checkpoint) if checkpoint else None,
         "padding_fraction": 1 - counts[0] / counts[1] if counts[1] else 0.0,

@@ -23,17 +23,25 @@ from .errors import ConfigError
 
 __all__ = [
     "TRAINER_STATE",
+    "checkpoint_path",
     "export_checkpoint",
     "list_checkpoints",
     "load_process_state",
     "load_trainer_state",
     "resolve_checkpoint",
+    "resume_training",
     "save_checkpoint",
+    "save_training_state",
     "save_final_model",
 ]
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TRAINER_STATE = "trainer_state.json"
+
+
+def checkpoint_path(output_dir: str | Path, step: int) -> Path:
+    """Where `save_checkpoint` puts the checkpoint of optimizer step `step`."""
+    return Path(output_dir) / "checkpoints" / f"step-{step}"
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -76,16 +84,17 @@ def save_checkpoint(
     keep: int,
     tokenizer=None,
     process_state: dict[str, Any] | None = None,
+    protect: str | Path | None = None,
 ) -> Path:
     """`accelerator.save_state` into `checkpoints/step-<step>.tmp`, then rename it into place.
 
     Call it at an optimizer-step boundary on every process. `state` is shared (written by the main process),
     `process_state` is this process's own (each writes `process_state_<rank>.json`, as Accelerate writes each
     rank's RNG state). The rename happens only after every process has written its part (barrier) and the files
-    are flushed. `keep` > 0 deletes all but the newest `keep`.
+    are flushed. `keep` > 0 deletes all but the newest `keep`, and never `protect` (the best checkpoint).
     """
-    root = Path(output_dir) / "checkpoints"
-    final, tmp = root / f"step-{step}", root / f"step-{step}.tmp"
+    final = checkpoint_path(output_dir, step)
+    root, tmp = final.parent, final.with_name(f"{final.name}.tmp")
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -106,10 +115,45 @@ def save_checkpoint(
         tmp.rename(final)
         _fsync_dir(root)
         if keep > 0:
+            kept = Path(protect).resolve() if protect else None
             for old in list_checkpoints(output_dir)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+                if old.resolve() != kept:
+                    shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def save_training_state(
+    accelerator: Accelerator, output_dir, step: int, config, state: dict[str, Any], tokenizer, counters, best
+) -> Path:
+    """A recipe's checkpoint at optimizer step `step`: `state` (epoch, data position...), this process's
+    `counters` (`TrainCounters`) and the `best` model tracker (`BestModel` or None), whose checkpoint, if this is
+    it, is recorded and protected from rotation."""
+    if best is not None and best.best_step == step:
+        best.best_checkpoint = str(checkpoint_path(output_dir, step))
+    shared = {**state, "best": best.state_dict() if best is not None else None}
+    return save_checkpoint(
+        accelerator, output_dir, step, config, shared, config.save_total_limit, tokenizer, counters.state_dict(),
+        best.best_checkpoint if best is not None else None,
+    )  # fmt: skip
+
+
+def resume_training(accelerator: Accelerator, output_dir, spec: str | None, counters, best):
+    """Continue from checkpoint `spec` ('latest', a path, or None for a fresh start).
+
+    Restores what `accelerator.save_state` saved (model, optimizer, scheduler, RNG states), this process's
+    `counters` and the `best` tracker. Returns (checkpoint or None, trainer state with global_step, epoch and
+    batches_in_epoch).
+    """
+    checkpoint = resolve_checkpoint(output_dir, spec) if spec else None
+    if checkpoint is None:
+        return None, {"global_step": 0, "epoch": 0, "batches_in_epoch": 0}
+    accelerator.load_state(str(checkpoint))
+    state = load_trainer_state(checkpoint)
+    counters.load_state_dict(load_process_state(checkpoint, accelerator.process_index))
+    if best is not None and state.get("best"):
+        best.load_state_dict(state["best"])
+    return checkpoint, state
 
 
 def _fsync_tree(directory: Path) -> None:

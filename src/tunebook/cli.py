@@ -2,11 +2,13 @@
 
     tunebook prepare --config FILE.yaml [--key value ...]
     tunebook export CHECKPOINT OUT_DIR
+    tunebook convert-gguf MODEL.gguf OUT_DIR
 
 `prepare` builds the tokenised (and packed) data caches exactly as `recipes/sft.py` with the same config would, without
 loading model weights or starting training, prints what it built, and exits. Point `cache_dir` at a shared file
 system and a CPU machine can prepare data for a GPU job. `export` turns any checkpoint (of any number of
-processes) into a `from_pretrained`-ready model directory.
+processes) into a `from_pretrained`-ready model directory. `convert-gguf` dequantises a GGUF checkpoint into a
+safetensors model directory (once; the recipes then load it with `model_name_or_path`).
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ __all__ = ["main", "prepare"]
 
 USAGE = """usage: tunebook prepare --config FILE.yaml [--key value ...]
        tunebook export CHECKPOINT OUT_DIR
+       tunebook convert-gguf MODEL.gguf OUT_DIR
 
 commands:
   prepare   build the tokenised (and packed) data caches of a recipe config, then exit
   export    write a Hugging Face model directory (safetensors + tokenizer) from a training checkpoint
+  convert-gguf  write a Hugging Face model directory (float32 safetensors + tokenizer) from a GGUF file
 """
 
 
@@ -66,13 +70,16 @@ def main(argv: list[str] | None = None) -> None:
     command, rest = argv[0], argv[1:]
     if command == "prepare":
         prepare(rest)
-    elif command == "export":
+    elif command in ("export", "convert-gguf"):
         if len(rest) != 2:
-            print(f"tunebook: error: export takes CHECKPOINT OUT_DIR, got {rest}\n{USAGE}", file=sys.stderr)
+            what = "CHECKPOINT" if command == "export" else "MODEL.gguf"
+            print(f"tunebook: error: {command} takes {what} OUT_DIR, got {rest}\n{USAGE}", file=sys.stderr)
             raise SystemExit(2)
-        from .checkpoint import export_checkpoint
-
-        print(f"exported {rest[0]} to {export_checkpoint(rest[0], rest[1])}")
+        if command == "export":
+            from .checkpoint import export_checkpoint as convert
+        else:
+            from .models.gguf import convert_gguf as convert
+        print(f"wrote {convert(rest[0], rest[1])} from {rest[0]}")
     else:
         print(f"tunebook: error: unknown command {command!r}\n{USAGE}", file=sys.stderr)
         raise SystemExit(2)

@@ -60,7 +60,29 @@ class TrainConfig:
     gradient_checkpointing: bool = _help("Recompute activations in backward to save memory.", False)
     # --- logging, evaluation, checkpoints
     logging_steps: int = _help("Log train metrics every N optimizer steps.", 10)
-    eval_steps: int = _help("Evaluate every N optimizer steps (0: only at the end).", 0)
+    eval_strategy: Literal["steps", "epoch"] = _help(
+        "When to evaluate during training: every eval_steps optimizer steps, or at the end of every epoch. There is "
+        "always an evaluation at the end when there is eval data.",
+        "steps",
+    )
+    eval_steps: int = _help("With eval_strategy steps: evaluate every N optimizer steps (0: only at the end).", 0)
+    eval_on_start: bool = _help("Also evaluate before the first step, to compare with the trained model.", True)
+    metric_for_best_model: str | None = _help(
+        "Evaluation metric that picks the best checkpoint, e.g. eval_loss or eval_accuracy (the eval_ prefix may be "
+        "left out). Default eval_loss when load_best_model_at_end or early_stopping_patience asks for one.",
+        None,
+    )
+    greater_is_better: bool | None = _help(
+        "Whether a larger metric_for_best_model is better (None: false for losses and perplexity, else true).", None
+    )
+    load_best_model_at_end: bool = _help(
+        "Export the best checkpoint's weights as the final model instead of the last step's. Every evaluation that "
+        "improves on the best saves a checkpoint, which checkpoint rotation keeps.",
+        False,
+    )
+    early_stopping_patience: int = _help(
+        "Stop training after this many evaluations in a row without improving metric_for_best_model (0: never).", 0
+    )
     save_strategy: Literal["steps", "epoch", "no"] = _help(
         "When to save resumable checkpoints: every save_steps optimizer steps, at the end of every epoch, or never "
         "(a stop signal still saves one).",
@@ -100,7 +122,14 @@ class TrainConfig:
         for key in ["logging_steps", "dataloader_prefetch_factor"]:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
-        for key in ["eval_steps", "save_steps", "save_total_limit", "dataloader_num_workers", "max_grad_norm"]:
+        for key in [
+            "eval_steps",
+            "save_steps",
+            "save_total_limit",
+            "dataloader_num_workers",
+            "max_grad_norm",
+            "early_stopping_patience",
+        ]:
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
         if self.learning_rate < 0:
@@ -111,6 +140,10 @@ class TrainConfig:
             raise ConfigError(
                 f"max_steps must be -1 (use epochs), 0 (evaluate only) or positive, got {self.max_steps}"
             )
+        wants_best = self.load_best_model_at_end or self.early_stopping_patience
+        if wants_best and self.eval_strategy == "steps" and self.eval_steps == 0:
+            key = "load_best_model_at_end" if self.load_best_model_at_end else "early_stopping_patience"
+            raise ConfigError(f"{key} needs evaluations during training: set eval_steps > 0 or eval_strategy: epoch")
         if self.max_steps == -1 and self.num_train_epochs <= 0:
             raise ConfigError(f"num_train_epochs must be > 0 when max_steps is -1, got {self.num_train_epochs}")
 

@@ -10,23 +10,18 @@ from .config import TrainConfig, _help
 from .errors import ConfigError
 from .models.tokenizer import looks_like_local_path
 
-__all__ = ["SFTConfig"]
+__all__ = ["ClassifyConfig", "ModelDataConfig", "PretrainConfig", "SFTConfig"]
 
 
 @dataclass
-class SFTConfig(TrainConfig):
-    """Supervised fine-tuning of a causal LM on instruction or chat data.
-
-    The defaults are the embedded offline run: a synthetic digit task, a locally trained tokenizer and a tiny
-    Llama built from config. Hyperparameters such as `learning_rate` are tuned for that tiny model; configs for
-    real models set their own (see recipes/configs/sft/).
-    """
+class ModelDataConfig(TrainConfig):
+    """The model, tokenizer and data fields every recipe shares (fields only; each recipe adds its own)."""
 
     # --- model and tokenizer
-    model_name_or_path: str | None = _help("Local HF causal-LM directory or Hub name to fine-tune.", None)
+    model_name_or_path: str | None = _help("Local HF model directory or Hub name to fine-tune.", None)
     model_config: dict | str | None = _help(
-        "Build a fresh model from this config dict (or JSON/YAML file) instead of loading weights; "
-        "with neither this nor model_name_or_path, a tiny Llama (tunebook.models.TINY_LLAMA).",
+        "Build a fresh model from this config dict (or JSON/YAML file) instead of loading weights; with neither "
+        "this nor model_name_or_path, the recipe's tiny default model.",
         None,
     )
     tokenizer_name_or_path: str | None = _help(
@@ -44,17 +39,55 @@ class SFTConfig(TrainConfig):
     # --- data
     train_data: str | list | None = _help(
         "Local json/jsonl/csv/parquet file or folder, Hub data set name, or a list of them (entries may be "
-        "{path, weight}). None: generate the synthetic digit task.",
+        "{path, weight} or {path, samples}). None: generate the recipe's synthetic task.",
         None,
     )
     eval_data: str | list | None = _help("Evaluation data, same forms as train_data.", None)
-    data_format: Literal["auto", "alpaca", "chat", "sharegpt", "prompt_completion"] = _help(
-        "Data format; auto detects it from the columns.", "auto"
-    )
     eval_split_ratio: float = _help(
         "Hold out this fraction of train_data for evaluation when eval_data is unset (0: no split).", 0.0
     )
-    max_seq_length: int = _help("Longest tokenised example; longer ones are handled by overlong_examples.", 1024)
+    max_seq_length: int = _help("Longest tokenised example in tokens.", 1024)
+    dataset_num_proc: int | None = _help("Processes for tokenisation (None: one).", None)
+    pad_to_multiple_of: int | None = _help(
+        "Round padded batch lengths up to a multiple of this (tensor-core friendly).", 8
+    )
+    synthetic_train_size: int = _help("Training examples of the synthetic task (when train_data is None).", 8000)
+    synthetic_eval_size: int = _help("Held-out examples of the synthetic task (when train_data is None).", 200)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.max_seq_length < 2:
+            raise ConfigError(f"max_seq_length must be >= 2, got {self.max_seq_length}")
+        if not 0.0 <= self.eval_split_ratio < 1.0:
+            raise ConfigError(f"eval_split_ratio must be in [0, 1), got {self.eval_split_ratio}")
+        if self.eval_split_ratio > 0 and self.eval_data is not None:
+            raise ConfigError("set eval_data or eval_split_ratio, not both")
+        if self.model_name_or_path and self.model_config:
+            raise ConfigError("set model_name_or_path (load weights) or model_config (fresh model), not both")
+        for key, what in (("model_name_or_path", "model"), ("tokenizer_name_or_path", "tokenizer")):
+            value = getattr(self, key)
+            if value and looks_like_local_path(value) and not Path(value).expanduser().exists():
+                raise ConfigError(f"{what} path not found: {value} ({key})")
+        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
+            raise ConfigError(f"pad_to_multiple_of must be >= 1 or null, got {self.pad_to_multiple_of}")
+        for key in ("synthetic_train_size", "synthetic_eval_size", "tokenizer_vocab_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+
+
+@dataclass
+class SFTConfig(ModelDataConfig):
+    """Supervised fine-tuning of a causal LM on instruction or chat data.
+
+    The defaults are the embedded offline run: a synthetic digit task, a locally trained tokenizer and a tiny
+    Llama built from config. Hyperparameters such as `learning_rate` are tuned for that tiny model; configs for
+    real models set their own (see recipes/configs/sft/).
+    """
+
+    # --- data
+    data_format: Literal["auto", "alpaca", "chat", "sharegpt", "prompt_completion"] = _help(
+        "Data format; auto detects it from the columns.", "auto"
+    )
     overlong_examples: Literal["truncate", "drop"] = _help(
         "Truncate or drop examples longer than max_seq_length.", "truncate"
     )
@@ -70,14 +103,7 @@ class SFTConfig(TrainConfig):
         "with content it hurts; on the synthetic task it groups by task and the model stops learning.",
         False,
     )
-    dataset_num_proc: int | None = _help("Processes for tokenisation (None: one).", None)
-    pad_to_multiple_of: int | None = _help(
-        "Round padded batch lengths up to a multiple of this (tensor-core friendly).", 8
-    )
-    synthetic_train_size: int = _help("Training examples of the synthetic task (when train_data is None).", 8000)
-    synthetic_eval_size: int = _help("Held-out examples of the synthetic task (when train_data is None).", 200)
     # --- evaluation
-    eval_on_start: bool = _help("Also evaluate before the first step, to compare with the trained model.", True)
     generation_eval: bool = _help("Score greedy generations against the reference answers (exact match).", True)
     generation_max_new_tokens: int = _help("Tokens to generate per eval prompt.", 32)
     generation_eval_max_samples: int = _help("Generate for at most this many eval examples (0: all).", 0)
@@ -96,25 +122,84 @@ class SFTConfig(TrainConfig):
 
     def validate(self) -> None:
         super().validate()
-        if self.max_seq_length < 2:
-            raise ConfigError(f"max_seq_length must be >= 2, got {self.max_seq_length}")
-        if not 0.0 <= self.eval_split_ratio < 1.0:
-            raise ConfigError(f"eval_split_ratio must be in [0, 1), got {self.eval_split_ratio}")
-        if self.eval_split_ratio > 0 and self.eval_data is not None:
-            raise ConfigError("set eval_data or eval_split_ratio, not both")
-        if self.model_name_or_path and self.model_config:
-            raise ConfigError("set model_name_or_path (load weights) or model_config (fresh model), not both")
-        for key, what in (("model_name_or_path", "model"), ("tokenizer_name_or_path", "tokenizer")):
-            value = getattr(self, key)
-            if value and looks_like_local_path(value) and not Path(value).expanduser().exists():
-                raise ConfigError(f"{what} path not found: {value} ({key})")
-        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
-            raise ConfigError(f"pad_to_multiple_of must be >= 1 or null, got {self.pad_to_multiple_of}")
-        for key in (
-            "synthetic_train_size",
-            "synthetic_eval_size",
-            "generation_max_new_tokens",
-            "tokenizer_vocab_size",
-        ):
+        for key in ("generation_max_new_tokens",):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+
+
+@dataclass
+class ClassifyConfig(ModelDataConfig):
+    """Text or text-pair classification with `AutoModelForSequenceClassification`.
+
+    The defaults are the embedded offline run: a generated 4-topic task, a locally trained WordPiece tokenizer and
+    a tiny BERT built from config (tunebook.models.TINY_BERT).
+    """
+
+    # --- data
+    text_column: str = _help("Column with the text to classify.", "text")
+    text_pair_column: str | None = _help("Column with the second text of a pair (None: single texts).", None)
+    label_column: str = _help("Column with the labels: class names (strings) or class ids (integers).", "label")
+    label_names: list[str] | None = _help(
+        "The classes in id order (None: the sorted distinct string labels of train_data, or 0..K-1 for integers).",
+        None,
+    )
+    # --- evaluation
+    metrics: list[str] = _help(
+        "evaluate metrics computed on the eval set (Tunebook ships accuracy, f1, precision, recall offline).",
+        default_factory=lambda: ["accuracy", "f1", "precision", "recall"],
+    )
+    metric_average: Literal["binary", "macro", "micro", "weighted"] | None = _help(
+        "Averaging of f1/precision/recall (None: binary for 2 classes, else macro).", None
+    )
+
+    # The embedded default run (see the class docstring).
+    output_dir: str = _help(
+        "Where the model, checkpoints, metrics.jsonl and summary.json go.", "outputs/classify-default"
+    )
+    max_seq_length: int = _help("Longest tokenised example in tokens (longer ones are truncated).", 128)
+    learning_rate: float = _help("Peak AdamW learning rate.", 2e-3)
+    warmup_ratio: float = _help("Fraction of the optimizer steps spent warming up linearly from 0.", 0.05)
+    per_device_train_batch_size: int = _help("Micro-batch size per process.", 32)
+    per_device_eval_batch_size: int = _help("Evaluation batch size per process.", 64)
+    num_train_epochs: float = _help("Epochs to train when max_steps is -1.", 2.0)
+    synthetic_train_size: int = _help("Training examples of the synthetic task (when train_data is None).", 4000)
+    synthetic_eval_size: int = _help("Held-out examples of the synthetic task (when train_data is None).", 400)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.label_names is not None and len(set(self.label_names)) != len(self.label_names):
+            raise ConfigError(f"label_names has duplicates: {self.label_names}")
+        if self.label_names is not None and len(self.label_names) < 2:
+            raise ConfigError(f"label_names needs at least 2 classes, got {self.label_names}")
+
+
+@dataclass
+class PretrainConfig(ModelDataConfig):
+    """Continued pretraining of a causal LM on plain text (next-token loss on every token).
+
+    The defaults are the embedded offline run: generated topical documents, a locally trained tokenizer and a
+    tiny Llama built from config (tunebook.models.TINY_LLAMA); evaluation reports loss and perplexity.
+    """
+
+    # --- data
+    text_column: str = _help("Column holding the documents (a .txt file gives a 'text' column).", "text")
+    text_sample_by: Literal["document", "paragraph", "line"] = _help(
+        "What one document is in a .txt file: the whole file, each blank-line separated paragraph, or each line.",
+        "paragraph",
+    )
+
+    # The embedded default run (see the class docstring).
+    output_dir: str = _help(
+        "Where the model, checkpoints, metrics.jsonl and summary.json go.", "outputs/pretrain-default"
+    )
+    max_seq_length: int = _help("Tokens per training row (documents are cut to fit and never attend across).", 256)
+    learning_rate: float = _help("Peak AdamW learning rate.", 3e-3)
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = _help(
+        "Learning-rate schedule after warmup.", "cosine"
+    )
+    warmup_ratio: float = _help("Fraction of the optimizer steps spent warming up linearly from 0.", 0.05)
+    per_device_train_batch_size: int = _help("Micro-batch size per process.", 16)
+    per_device_eval_batch_size: int = _help("Evaluation batch size per process.", 16)
+    num_train_epochs: float = _help("Epochs to train when max_steps is -1.", 2.0)
+    synthetic_train_size: int = _help("Documents of the synthetic corpus (when train_data is None).", 2000)
+    synthetic_eval_size: int = _help("Held-out documents of the synthetic corpus (when train_data is None).", 100)

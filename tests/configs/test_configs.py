@@ -8,15 +8,15 @@ import pytest
 from conftest import ROOT
 
 from tunebook.config import parse_config
-from tunebook.recipe_configs import SFTConfig
+from tunebook.recipe_configs import ClassifyConfig, PretrainConfig, SFTConfig
 
 RECIPE_CONFIGS = sorted((ROOT / "recipes" / "configs").rglob("*.yaml"))
-CONFIG_CLASSES = {"sft": SFTConfig}
+CONFIG_CLASSES = {"sft": SFTConfig, "classify": ClassifyConfig, "pretrain": PretrainConfig}
 ACCELERATE_CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
 
 
 def test_all_configs_are_found():
-    assert len(RECIPE_CONFIGS) >= 2
+    assert len(RECIPE_CONFIGS) >= 4
     assert {p.name for p in ACCELERATE_CONFIGS} >= {"cpu.yaml", "multi_cpu.yaml", "single_gpu.yaml", "multi_gpu.yaml"}
 
 
@@ -46,3 +46,15 @@ def test_default_yaml_is_the_embedded_default():
     assert from_file.model_config == TINY_LLAMA
     differing = {k for k in vars(embedded) if getattr(embedded, k) != getattr(from_file, k)}
     assert differing <= {"model_config", "max_seq_length", "generation_max_new_tokens"}
+
+
+@pytest.mark.parametrize(
+    "task, cls, model", [("classify", ClassifyConfig, "TINY_BERT"), ("pretrain", PretrainConfig, "TINY_LLAMA")]
+)
+def test_other_default_yamls_are_the_embedded_defaults(task, cls, model):
+    import tunebook.models
+
+    from_file = parse_config(cls, config_file=ROOT / f"recipes/configs/{task}/default.yaml")
+    embedded = cls()
+    assert from_file.model_config == getattr(tunebook.models, model)
+    assert {k for k in vars(embedded) if getattr(embedded, k) != getattr(from_file, k)} == {"model_config"}

@@ -56,6 +56,9 @@ def test_unknown_key_names_the_closest(tmp_path):
         (["--max_steps"], r"--max_steps needs a value"),
         (["positional"], r"unexpected argument 'positional'"),
         (["--config", "/nonexistent/config.yaml"], r"config file not found: /nonexistent/config.yaml"),
+        (["--load_best_model_at_end", "true"], r"load_best_model_at_end needs evaluations during training"),
+        (["--early_stopping_patience", "-1"], r"early_stopping_patience must be >= 0"),
+        (["--eval_strategy", "sometimes"], r"eval_strategy.*not one of"),
     ],
 )
 def test_bad_values_are_rejected_with_key_and_value(argv, message):
@@ -83,3 +86,12 @@ def test_help_lists_every_key(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "--learning_rate" in out and "--train_data" in out and "Peak AdamW learning rate" in out
+
+
+def test_classify_config_lists_and_label_names():
+    from tunebook.recipe_configs import ClassifyConfig
+
+    config = load_config(ClassifyConfig, ["--metrics", "[accuracy, f1]", "--label_names", "[neg, pos]"])
+    assert config.metrics == ["accuracy", "f1"] and config.label_names == ["neg", "pos"]
+    with pytest.raises(ConfigError, match="label_names has duplicates"):
+        load_config(ClassifyConfig, ["--label_names", "[a, a]"])

@@ -1,6 +1,7 @@
 """The data path: sources -> formats -> tokenisation and loss masks -> cache -> collators and loaders."""
 
 from .cache import cached_dataset, default_cache_dir, fingerprint, tokenizer_fingerprint
+from .classification import ClassificationData, label_names_of, prepare_classification_data
 from .collate import PadCollator, loss_positions
 from .formats import FORMAT_COLUMNS, detect_format, to_messages
 from .loaders import LengthGroupedSampler, build_loader
@@ -18,9 +19,16 @@ from .pipeline import conversation_texts, load_conversations, prepare_sft_datase
 from .prepare import SFTData, prepare_sft_data
 from .sources import DataSource, fingerprint_sources, load_source, parse_sources
 from .synthetic import write_synthetic_task
+from .text import TextData, chunk_documents, prepare_text_data
 from .tokenize import IGNORE_INDEX, assistant_spans, format_loss_mask, tokenize_conversations
 
 __all__ = [
+    "TextData",
+    "chunk_documents",
+    "prepare_text_data",
+    "ClassificationData",
+    "label_names_of",
+    "prepare_classification_data",
     "FORMAT_COLUMNS",
     "IGNORE_INDEX",
     "DataSource",

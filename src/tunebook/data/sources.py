@@ -19,7 +19,7 @@ from ..errors import DataError, first_line
 
 __all__ = ["DataSource", "fingerprint_sources", "load_source", "parse_sources"]
 
-EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
 
 @dataclass(frozen=True)
@@ -99,15 +99,23 @@ def fingerprint_sources(sources: list[DataSource]) -> str:
     return h.hexdigest()
 
 
-def load_source(source: DataSource, cache_dir: str | Path, seed: int) -> datasets.Dataset:
-    """Load one source as a memory-mapped `datasets.Dataset` and apply its weight."""
+def load_source(
+    source: DataSource, cache_dir: str | Path, seed: int, text_sample_by: str = "paragraph"
+) -> datasets.Dataset:
+    """Load one source as a memory-mapped `datasets.Dataset` and apply its weight.
+
+    A `.txt` file becomes a `text` column with one row per `text_sample_by`: document (the whole file), paragraph
+    (text between blank lines) or line.
+    """
     if source.is_local:
         files = _local_files(source)
         builder = EXTENSIONS[files[0].suffix]
+        options = {"sample_by": text_sample_by} if builder == "text" else {}
         try:
             dataset = datasets.load_dataset(
-                builder, data_files=[str(p) for p in files], split="train", cache_dir=str(Path(cache_dir) / "raw")
-            )
+                builder, data_files=[str(p) for p in files], split="train", cache_dir=str(Path(cache_dir) / "raw"),
+                **options,
+            )  # fmt: skip
         except Exception as e:  # datasets wraps parser errors; find the file and line ourselves
             for path in files:
                 _raise_if_malformed(path)

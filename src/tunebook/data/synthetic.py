@@ -12,7 +12,14 @@ import os
 import random
 from pathlib import Path
 
-__all__ = ["SYNTHETIC_TASKS", "make_example", "write_synthetic_task"]
+__all__ = [
+    "SYNTHETIC_TASKS",
+    "SYNTHETIC_TOPICS",
+    "make_example",
+    "write_synthetic_classification",
+    "write_synthetic_text",
+    "write_synthetic_task",
+]
 
 SYNTHETIC_TASKS = {
     "Reverse the digits.": lambda s: s[::-1],
@@ -33,17 +40,77 @@ def write_synthetic_task(directory: str | Path, num_train: int, num_eval: int, s
     Deterministic for a seed; existing files with the same parameters are reused.
     """
     directory = Path(directory) / f"digits-{num_train}-{num_eval}-seed{seed}"
+    return _write_disjoint(
+        directory, num_train, num_eval, seed, make_example, lambda ex: (ex["instruction"], ex["input"])
+    )
+
+
+# The generated classification task: a sentence's topic is the one most of its topic words belong to.
+SYNTHETIC_TOPICS = {
+    "sports": "goal match team coach league striker referee stadium season trophy tennis sprint".split(),
+    "science": "atom cell gene theory experiment physics orbit molecule laboratory fossil quantum enzyme".split(),
+    "food": "bread soup recipe cheese oven spice noodle dessert garlic bakery salad butter".split(),
+    "music": "guitar melody concert album rhythm singer piano chorus drummer jazz violin lyrics".split(),
+}
+_FILLER = (
+    "the a this that yesterday today people said about with after before very quite new old big small "
+    "really some many our their we they it was is were are seemed felt looked near far over under"
+).split()
+
+
+def make_classification_example(rng: random.Random) -> dict[str, str]:
+    """One {text, label} record: filler words, three words of the label's topic and one of another topic."""
+    label = rng.choice(list(SYNTHETIC_TOPICS))
+    other = rng.choice([t for t in SYNTHETIC_TOPICS if t != label])
+    words = [rng.choice(_FILLER) for _ in range(rng.randint(4, 9))]
+    words += [rng.choice(SYNTHETIC_TOPICS[label]) for _ in range(3)] + [rng.choice(SYNTHETIC_TOPICS[other])]
+    rng.shuffle(words)
+    return {"text": " ".join(words), "label": label}
+
+
+def write_synthetic_classification(
+    directory: str | Path, num_train: int, num_eval: int, seed: int
+) -> tuple[Path, Path]:
+    """Write the topic task's `train.jsonl` and `eval.jsonl` (disjoint texts) and return their paths.
+
+    Each sentence has three words of its topic and one distractor from another, among random filler, so a
+    bag-of-words guess of "any topic word" scores about 75% and a model must weigh the words to do better.
+    """
+    directory = Path(directory) / f"topics-{num_train}-{num_eval}-seed{seed}"
+    return _write_disjoint(directory, num_train, num_eval, seed, make_classification_example, "text")
+
+
+def make_document(rng: random.Random) -> dict[str, str]:
+    """One {text} record: 3 to 8 sentences on one topic, each a shuffled run of filler and topic words."""
+    topic = rng.choice(list(SYNTHETIC_TOPICS))
+    sentences = []
+    for _ in range(rng.randint(3, 8)):
+        words = [rng.choice(_FILLER) for _ in range(rng.randint(3, 7))]
+        words += [rng.choice(SYNTHETIC_TOPICS[topic]) for _ in range(rng.randint(1, 3))]
+        rng.shuffle(words)
+        sentences.append(" ".join(words).capitalize() + ".")
+    return {"text": " ".join(sentences)}
+
+
+def write_synthetic_text(directory: str | Path, num_train: int, num_eval: int, seed: int) -> tuple[Path, Path]:
+    """Write plain-text documents (`{"text": ...}` per line) for the continued-pretraining default: each keeps to
+    one topic, so a model that has learnt the topics predicts the rest of a document better than word counts."""
+    directory = Path(directory) / f"documents-{num_train}-{num_eval}-seed{seed}"
+    return _write_disjoint(directory, num_train, num_eval, seed, make_document, "text")
+
+
+def _write_disjoint(directory: Path, num_train: int, num_eval: int, seed: int, make, key) -> tuple[Path, Path]:
     train_path, eval_path = directory / "train.jsonl", directory / "eval.jsonl"
     if train_path.is_file() and eval_path.is_file():
         return train_path, eval_path
     rng = random.Random(seed)
-    seen: set[tuple[str, str]] = set()
+    seen: set = set()
     rows: list[dict[str, str]] = []
     while len(rows) < num_train + num_eval:
-        ex = make_example(rng)
-        key = (ex["instruction"], ex["input"])
-        if key not in seen:  # keeps the eval split truly held out
-            seen.add(key)
+        ex = make(rng)
+        k = key(ex) if callable(key) else ex[key]
+        if k not in seen:  # keeps the eval split truly held out
+            seen.add(k)
             rows.append(ex)
     directory.mkdir(parents=True, exist_ok=True)
     for path, part in ((eval_path, rows[:num_eval]), (train_path, rows[num_eval:])):

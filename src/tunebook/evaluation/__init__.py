@@ -1,7 +1,17 @@
 """Evaluation shared by recipes: token-weighted loss, generation exact match, offline `evaluate` metrics."""
 
+from .classification import classifier_inputs, evaluate_classifier
 from .generate import PromptCollator, generation_exact_match
 from .loss import evaluate_loss
 from .metrics import LOCAL_METRICS, load_metric, load_metrics
 
-__all__ = ["LOCAL_METRICS", "PromptCollator", "evaluate_loss", "generation_exact_match", "load_metric", "load_metrics"]
+__all__ = [
+    "LOCAL_METRICS",
+    "PromptCollator",
+    "classifier_inputs",
+    "evaluate_classifier",
+    "evaluate_loss",
+    "generation_exact_match",
+    "load_metric",
+    "load_metrics",
+]

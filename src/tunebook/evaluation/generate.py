@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from ..data.tokenize import IGNORE_INDEX
+from .metrics import load_metric
 
 __all__ = ["PromptCollator", "generation_exact_match"]
 
@@ -75,7 +76,7 @@ def generation_exact_match(
     unwrapped = accelerator.unwrap_model(model)
     was_training = unwrapped.training
     unwrapped.eval()
-    correct, samples = [], []
+    exact_match, samples = load_metric("exact_match"), []
     for batch in tqdm(loader, desc="Generating", disable=disable_tqdm or not accelerator.is_main_process, leave=False):
         out = unwrapped.generate(
             input_ids=batch["input_ids"],
@@ -86,15 +87,10 @@ def generation_exact_match(
             eos_token_id=tokenizer.eos_token_id,
         )
         generated = out[:, batch["input_ids"].shape[1] :]
-        hits = []
-        for gen, ref in zip(generated, batch["reference_ids"]):
-            prediction, reference = _decode(tokenizer, gen), _decode(tokenizer, ref)
-            hits.append(int(prediction == reference))
-            if len(samples) < 5:
-                samples.append({"prediction": prediction, "reference": reference})
-        correct.append(
-            accelerator.gather_for_metrics(torch.tensor(hits, dtype=torch.long, device=accelerator.device)).cpu()
-        )
+        pairs = [(_decode(tokenizer, g), _decode(tokenizer, r)) for g, r in zip(generated, batch["reference_ids"])]
+        # Strings from every process; the duplicates that even out the last batch are dropped.
+        pairs = accelerator.gather_for_metrics(pairs, use_gather_object=True)
+        exact_match.add_batch(predictions=[p for p, _ in pairs], references=[r for _, r in pairs])
+        samples.extend({"prediction": p, "reference": r} for p, r in pairs[: max(0, 5 - len(samples))])
     unwrapped.train(was_training)
-    correct_all = torch.cat(correct) if correct else torch.zeros(0)
-    return {"eval_exact_match": correct_all.sum().item() / len(correct_all) if len(correct_all) else 0.0}, samples
+    return {"eval_exact_match": exact_match.compute()["exact_match"]}, samples

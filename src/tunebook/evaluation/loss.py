@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from accelerate import Accelerator
 
 from ..data.packing import attention_inputs
 from ..training.loss import causal_lm_token_losses
+from .metrics import load_metric
 
 __all__ = ["evaluate_loss"]
 
@@ -32,8 +31,8 @@ def evaluate_loss(
     was_training = model.training
     dtype = next(model.parameters()).dtype
     model.eval()
-    total_loss = torch.zeros((), dtype=torch.float64)
-    total_tokens = torch.zeros((), dtype=torch.float64)
+    perplexity = load_metric("perplexity")  # Tunebook's offline module: token-weighted loss and exp(loss)
+    total_tokens = 0
     for batch in tqdm(loader, desc="Evaluating", disable=disable_tqdm or not accelerator.is_main_process, leave=False):
         losses, positions = causal_lm_token_losses(model, attention_inputs(batch, attn_implementation, dtype), batch)
         # Per-row sums, so gather_for_metrics can drop the rows Accelerate duplicated.
@@ -43,8 +42,8 @@ def evaluate_loss(
         )
         counts = torch.bincount(rows, minlength=len(batch["labels"]))
         loss_sums, counts = accelerator.gather_for_metrics((loss_sums, counts))
-        total_loss += loss_sums.double().sum().cpu()
-        total_tokens += counts.double().sum().cpu()
+        perplexity.add_batch(predictions=loss_sums.double().cpu().numpy(), references=counts.cpu().numpy())
+        total_tokens += int(counts.sum())
     model.train(was_training)
-    loss = (total_loss / total_tokens.clamp(min=1)).item()
-    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": int(total_tokens.item())}
+    result = perplexity.compute()
+    return {"eval_loss": result["loss"], "eval_perplexity": result["perplexity"], "eval_tokens": total_tokens}

@@ -1,15 +1,24 @@
 """Model and tokenizer construction."""
 
-from .build import build_causal_lm, read_model_config
-from .tiny import TINY_LLAMA
-from .tokenizer import CHATML_TEMPLATE, load_or_train_tokenizer, load_tokenizer, train_chat_tokenizer
+from .build import build_causal_lm, build_sequence_classifier, read_model_config
+from .tiny import TINY_BERT, TINY_LLAMA
+from .tokenizer import (
+    CHATML_TEMPLATE,
+    load_or_train_tokenizer,
+    load_tokenizer,
+    train_chat_tokenizer,
+    train_encoder_tokenizer,
+)
 
 __all__ = [
     "CHATML_TEMPLATE",
+    "TINY_BERT",
     "TINY_LLAMA",
     "build_causal_lm",
+    "build_sequence_classifier",
     "load_or_train_tokenizer",
     "load_tokenizer",
     "read_model_config",
     "train_chat_tokenizer",
+    "train_encoder_tokenizer",
 ]

@@ -7,12 +7,18 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from ..errors import ConfigError, ModelError, first_line
 from .tokenizer import looks_like_local_path
 
-__all__ = ["build_causal_lm", "read_model_config"]
+__all__ = ["build_causal_lm", "build_sequence_classifier", "read_model_config"]
 
 
 def read_model_config(model_config: dict[str, Any] | str) -> dict[str, Any]:
@@ -47,6 +53,47 @@ def build_causal_lm(
     Weights load as safetensors where the directory has them; `trust_remote_code` (running Python shipped with a
     model) stays off unless the config turns it on.
     """
+    model = _load_or_build(
+        AutoModelForCausalLM, "a causal LM", tokenizer, model_name_or_path, model_config, attn_implementation,
+        trust_remote_code, {},
+    )  # fmt: skip
+    return _finish(model, tokenizer, model_name_or_path, gradient_checkpointing)
+
+
+def build_sequence_classifier(
+    tokenizer: PreTrainedTokenizerBase,
+    label_names: list[str],
+    *,
+    model_name_or_path: str | None = None,
+    model_config: dict[str, Any] | str | None = None,
+    attn_implementation: str | None = None,
+    gradient_checkpointing: bool = False,
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
+    """`AutoModelForSequenceClassification` with one output per label and the label names in its config
+    (`id2label`/`label2id`), so `pipeline("text-classification", model=output_dir)` prints them.
+
+    A pretrained encoder (or causal LM) gets a freshly initialised classification head; a head of another size
+    in the checkpoint is replaced.
+    """
+    labels = {
+        "num_labels": len(label_names),
+        "id2label": dict(enumerate(label_names)),
+        "label2id": {name: i for i, name in enumerate(label_names)},
+        "problem_type": "single_label_classification",
+    }
+    extra = {"ignore_mismatched_sizes": True} if model_name_or_path else {}
+    model = _load_or_build(
+        AutoModelForSequenceClassification, "a sequence classifier", tokenizer, model_name_or_path, model_config,
+        attn_implementation, trust_remote_code, labels, **extra,
+    )  # fmt: skip
+    return _finish(model, tokenizer, model_name_or_path, gradient_checkpointing)
+
+
+def _load_or_build(
+    auto_class, what, tokenizer, model_name_or_path, model_config, attn_implementation, trust_remote_code,
+    config_values, **load_kwargs,
+) -> PreTrainedModel:  # fmt: skip
     if model_name_or_path and model_config:
         raise ConfigError("give either model_name_or_path (load weights) or model_config (fresh model), not both")
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
@@ -55,26 +102,30 @@ def build_causal_lm(
         if looks_like_local_path(model_name_or_path) and not Path(model_name_or_path).expanduser().exists():
             raise ModelError(f"model path not found: {model_name_or_path}")
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                model_name_or_path, dtype="auto", use_safetensors=None, **kwargs
+            return auto_class.from_pretrained(
+                model_name_or_path, dtype="auto", use_safetensors=None, **config_values, **kwargs, **load_kwargs
             )
         except (OSError, ValueError) as e:
-            raise ModelError(f"could not load a causal LM from '{model_name_or_path}': {first_line(e)}") from None
-    else:
-        values = read_model_config(model_config or {})
-        model_type = values.pop("model_type", None)
-        if model_type is None:
-            raise ConfigError("model_config needs a 'model_type' (e.g. llama)")
-        values.setdefault("vocab_size", len(tokenizer))
-        try:
-            config = AutoConfig.for_model(model_type, **values)
-        except (ValueError, TypeError) as e:
-            raise ConfigError(f"model_config: {first_line(e)}") from None
-        model = AutoModelForCausalLM.from_config(config, **kwargs)
+            raise ModelError(f"could not load {what} from '{model_name_or_path}': {first_line(e)}") from None
+    values = read_model_config(model_config or {})
+    model_type = values.pop("model_type", None)
+    if model_type is None:
+        raise ConfigError("model_config needs a 'model_type' (e.g. llama)")
+    values.setdefault("vocab_size", len(tokenizer))
+    try:
+        config = AutoConfig.for_model(model_type, **{**values, **config_values})
+        return auto_class.from_config(config, **kwargs)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"model_config: {first_line(e)}") from None
+
+
+def _finish(model, tokenizer, model_name_or_path, gradient_checkpointing: bool) -> PreTrainedModel:
+    """Embeddings sized for the tokenizer, special token ids in the configs, gradient checkpointing."""
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=8)
-    # generate() and padding-aware code read these from the model's configs.
-    for cfg in (model.config, model.generation_config):
+    # generate() and padding-aware code (sequence classification finds the last token by pad_token_id) read these.
+    configs = [model.config] + ([model.generation_config] if getattr(model, "generation_config", None) else [])
+    for cfg in configs:
         cfg.pad_token_id = tokenizer.pad_token_id
         cfg.eos_token_id = tokenizer.eos_token_id
         if tokenizer.bos_token_id is not None or model_name_or_path is None:

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 from ..errors import ModelError, first_line
 
-__all__ = ["CHATML_TEMPLATE", "load_tokenizer", "train_chat_tokenizer"]
+__all__ = ["CHATML_TEMPLATE", "load_tokenizer", "train_chat_tokenizer", "train_encoder_tokenizer"]
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -55,19 +55,57 @@ def train_chat_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrai
     return tokenizer
 
 
-def trained_tokenizer_dir(cache_dir: str | Path, data_fingerprint: str, vocab_size: int) -> Path:
-    key = hashlib.sha256(f"{data_fingerprint}|{vocab_size}|{TOKENIZER_VERSION}".encode()).hexdigest()[:16]
-    return Path(cache_dir) / "tokenizers" / key
+def train_encoder_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """Train a lower-casing WordPiece tokenizer, BERT style: `[CLS] a [SEP]` and `[CLS] a [SEP] b [SEP]` with
+    token type ids, for encoder classifiers built from a config."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.train_from_iterator(
+        texts, trainer=trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False)
+    )
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_input_names=["input_ids", "token_type_ids", "attention_mask"],
+    )
+
+
+TRAINERS = {"chat": train_chat_tokenizer, "encoder": train_encoder_tokenizer}
+
+
+def trained_tokenizer_dir(cache_dir: str | Path, data_fingerprint: str, vocab_size: int, kind: str = "chat") -> Path:
+    parts = f"{data_fingerprint}|{vocab_size}|{TOKENIZER_VERSION}" + ("" if kind == "chat" else f"|{kind}")
+    return Path(cache_dir) / "tokenizers" / hashlib.sha256(parts.encode()).hexdigest()[:16]
 
 
 def load_or_train_tokenizer(
-    cache_dir: str | Path, data_fingerprint: str, texts: Callable[[], Iterable[str]], vocab_size: int
+    cache_dir: str | Path,
+    data_fingerprint: str,
+    texts: Callable[[], Iterable[str]],
+    vocab_size: int,
+    kind: str = "chat",
 ) -> tuple[PreTrainedTokenizerFast, bool]:
-    """Train on `texts()` on first use, cached by the data's fingerprint; returns (tokenizer, was_trained)."""
-    directory = trained_tokenizer_dir(cache_dir, data_fingerprint, vocab_size)
+    """Train on `texts()` on first use, cached by the data's fingerprint; returns (tokenizer, was_trained).
+
+    `kind`: `chat` (byte-level BPE with a ChatML template, for causal LMs) or `encoder` (WordPiece, BERT style).
+    """
+    directory = trained_tokenizer_dir(cache_dir, data_fingerprint, vocab_size, kind)
     if (directory / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(directory), False
-    tokenizer = train_chat_tokenizer(texts(), vocab_size)
+    tokenizer = TRAINERS[kind](texts(), vocab_size)
     tmp = directory.with_name(f"{directory.name}.tmp{os.getpid()}")
     tokenizer.save_pretrained(tmp)
     try:

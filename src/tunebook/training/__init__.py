@@ -1,7 +1,8 @@
 """The pieces of the training loop, called by name from recipes (the loop itself stays in the recipes)."""
 
 from .accelerator import build_accelerator, has_accelerator_device
-from .guard import StopSignals, TrainCounters, exit_code, is_nonfinite
+from .best import BestModel, infer_greater_is_better
+from .guard import StopSignals, TrainCounters, exit_code, is_nonfinite, nonfinite_stop
 from .loss import (
     causal_lm_token_losses,
     count_loss_tokens,
@@ -11,9 +12,12 @@ from .loss import (
     token_loss_sum,
 )
 from .optim import build_optimizer, build_scheduler
-from .steps import accumulation_windows, total_optimizer_steps
+from .steps import accumulation_windows, eval_due, save_due, total_optimizer_steps
 
 __all__ = [
+    "BestModel",
+    "infer_greater_is_better",
+    "nonfinite_stop",
     "StopSignals",
     "TrainCounters",
     "accumulation_windows",
@@ -30,4 +34,6 @@ __all__ = [
     "step_loss_scale",
     "token_loss_sum",
     "total_optimizer_steps",
+    "eval_due",
+    "save_due",
 ]

@@ -9,7 +9,7 @@ from types import FrameType
 import torch
 from accelerate import Accelerator
 
-__all__ = ["StopSignals", "TrainCounters", "exit_code", "is_nonfinite"]
+__all__ = ["StopSignals", "TrainCounters", "exit_code", "is_nonfinite", "nonfinite_stop"]
 
 
 @dataclass
@@ -36,6 +36,13 @@ class TrainCounters:
     def load_state_dict(self, state: dict[str, float | int]) -> None:
         for name in self.__dataclass_fields__:
             getattr(self, name).fill_(state[name])
+
+    def pop_window_loss(self, accelerator: Accelerator) -> float:
+        """Mean loss per loss token (or example) since the last call, over all processes; starts a new window."""
+        loss_total, count = accelerator.reduce(torch.stack([self.window_loss, self.window_tokens]), "sum").tolist()
+        self.window_loss.zero_()
+        self.window_tokens.zero_()
+        return loss_total / max(count, 1)
 
 
 class StopSignals:
@@ -89,6 +96,18 @@ def is_nonfinite(loss_sum: torch.Tensor, grad_norm: torch.Tensor | float, accele
     if accelerator.num_processes > 1:
         bad = accelerator.reduce(bad, "max")
     return bool(bad.item())
+
+
+def nonfinite_stop(global_step: int, output_dir) -> Exception:
+    """The error that ends a run under `nan_policy: stop`, naming the last good checkpoint."""
+    from ..checkpoint import list_checkpoints
+    from ..errors import TrainingError
+
+    last = list_checkpoints(output_dir)
+    return TrainingError(
+        f"non-finite loss or gradient norm at step {global_step + 1}; nothing was saved. Last good checkpoint: "
+        f"{last[-1] if last else 'none'}. Lower learning_rate, check the data, or set nan_policy: skip"
+    )
 
 
 def exit_code(signum: int) -> int:

@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-__all__ = ["accumulation_windows", "total_optimizer_steps"]
+__all__ = ["accumulation_windows", "eval_due", "save_due", "total_optimizer_steps"]
 
 
 def total_optimizer_steps(
@@ -51,3 +51,23 @@ def accumulation_windows(
             window = []
     if window:  # plain DataLoaders, which do not announce their last batch
         yield window
+
+
+def eval_due(config, global_step: int, total_steps: int, epoch_done: bool) -> bool:
+    """Whether to evaluate after this optimizer step (the end of training has its own evaluation)."""
+    if global_step >= total_steps:
+        return False
+    if config.eval_strategy == "epoch":
+        return epoch_done
+    return bool(config.eval_steps) and global_step % config.eval_steps == 0
+
+
+def save_due(config, global_step: int, epoch_done: bool, new_best: bool) -> str | None:
+    """Why to save a checkpoint after this optimizer step, or None."""
+    if config.save_strategy == "steps" and config.save_steps and global_step % config.save_steps == 0:
+        return f"every {config.save_steps} steps"
+    if config.save_strategy == "epoch" and epoch_done:
+        return "end of an epoch"
+    if new_best and config.load_best_model_at_end:
+        return "best evaluation so far"
+    return None

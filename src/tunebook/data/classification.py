@@ -1,0 +1,172 @@
+"""Text (or text-pair) classification data: sources -> label ids -> tokenised, cached `datasets.Dataset`s.
+
+Labels may be strings or integers in a configurable column. Their names (`label_names`, or the sorted distinct
+strings of the training data, or `0..K-1` for integer labels) become the model's `id2label`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from transformers import PreTrainedTokenizerBase
+
+from ..errors import ConfigError, DataError
+from ..models.tokenizer import load_or_train_tokenizer, load_tokenizer
+from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
+from .sources import DataSource, fingerprint_sources, load_source, parse_sources
+from .synthetic import write_synthetic_classification
+
+__all__ = ["ClassificationData", "label_names_of", "prepare_classification_data"]
+
+
+@dataclass
+class ClassificationData:
+    """The prepared data of a classification run."""
+
+    tokenizer: PreTrainedTokenizerBase
+    train: datasets.Dataset  # input_ids (token_type_ids), labels
+    eval: datasets.Dataset | None
+    label_names: list[str]
+    stats: dict[str, Any] = field(default_factory=dict)
+    built: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def prepare_classification_data(config, cache_dir: Path, log: logging.Logger) -> ClassificationData:
+    """`config` is a `ClassifyConfig`. Call inside `accelerator.main_process_first()` in multi-process runs."""
+    start = time.perf_counter()
+    built: list[str] = []
+    train_sources = parse_sources(config.train_data, "train_data")
+    eval_sources = parse_sources(config.eval_data, "eval_data")
+    if not train_sources:  # the embedded default: the generated topic task
+        train_path, eval_path = write_synthetic_classification(
+            cache_dir / "synthetic", config.synthetic_train_size, config.synthetic_eval_size, config.seed
+        )
+        train_sources = parse_sources(str(train_path), "train_data")
+        eval_sources = eval_sources or parse_sources(str(eval_path), "eval_data")
+    columns = [c for c in (config.text_column, config.text_pair_column, config.label_column) if c]
+    train_raw = _load(train_sources, columns, cache_dir, config.seed)
+    label_names = config.label_names or label_names_of(train_raw.data.column(config.label_column))
+
+    if config.tokenizer_name_or_path or config.model_name_or_path:
+        tokenizer = load_tokenizer(
+            config.tokenizer_name_or_path or config.model_name_or_path, config.trust_remote_code
+        )
+    else:
+        texts = lambda: (t for c in columns[:-1] for t in train_raw[c])  # noqa: E731
+        key = fingerprint_sources(train_sources) + "|" + "|".join(columns)
+        tokenizer, trained = load_or_train_tokenizer(cache_dir, key, texts, config.tokenizer_vocab_size, "encoder")
+        built += ["tokenizer"] if trained else []
+        log.info("%s a %d-token WordPiece tokenizer on the training data", "Trained" if trained else "Reusing",
+                 len(tokenizer))  # fmt: skip
+
+    def tokenised(sources: list[DataSource], raw: datasets.Dataset | None, name: str):
+        key = fingerprint(
+            {
+                "sources": fingerprint_sources(sources),
+                "tokenizer": tokenizer_fingerprint(tokenizer),
+                "columns": columns,
+                "labels": label_names,
+                "max_seq_length": config.max_seq_length,
+                "seed": config.seed if any(s.weight != 1.0 or s.samples is not None for s in sources) else None,
+                "version": f"classification-{PREPROCESSING_VERSION}",
+            }
+        )
+
+        def build(scratch: Path):
+            table = raw if raw is not None else _load(sources, columns, cache_dir, config.seed)
+            where = ", ".join(s.path for s in sources)
+            dataset = table.map(
+                _tokenize,
+                batched=True,
+                with_indices=True,
+                fn_kwargs={"tokenizer": tokenizer, "config": config, "label_names": label_names, "where": where},
+                remove_columns=table.column_names,
+                num_proc=config.dataset_num_proc,
+                cache_file_name=str(scratch / "tokenised.arrow"),
+                desc=f"Tokenising {name}",
+            )
+            lengths = np.asarray(pc.list_value_length(dataset.data.column("input_ids")))
+            return dataset, {
+                "examples": len(dataset),
+                "at_max_seq_length": int((lengths >= config.max_seq_length).sum()),
+            }
+
+        dataset, stats, cached = cached_dataset(cache_dir, key, build)
+        built.extend([] if cached else [f"{name} tokenisation"])
+        log.info("%s data: %d examples (%s)", name, len(dataset), "from cache" if cached else "tokenised and cached")
+        return dataset, stats
+
+    train, stats = tokenised(train_sources, train_raw, "train")
+    eval_set = tokenised(eval_sources, None, "eval")[0] if eval_sources else None
+    if eval_set is None and config.eval_split_ratio > 0:
+        order = np.random.default_rng(config.seed).permutation(len(train))
+        n_eval = max(1, int(round(config.eval_split_ratio * len(train))))
+        if n_eval >= len(train):
+            raise ConfigError(f"eval_split_ratio={config.eval_split_ratio} leaves no training examples")
+        train, eval_set = train.select(np.sort(order[n_eval:])), train.select(np.sort(order[:n_eval]))
+    counts = np.bincount(np.asarray(train.data.column("labels")), minlength=len(label_names))
+    stats["label_counts"] = dict(zip(label_names, counts.tolist()))
+    return ClassificationData(tokenizer, train, eval_set, label_names, stats, built, time.perf_counter() - start)
+
+
+def label_names_of(column: pa.ChunkedArray) -> list[str]:
+    """Class names from a label column: its distinct strings sorted, or `0..max` for integer labels."""
+    if pa.types.is_integer(column.type) or pa.types.is_boolean(column.type):
+        values = pc.cast(column, pa.int64())
+        low, high = pc.min(values).as_py(), pc.max(values).as_py()
+        if low is None or low < 0:
+            raise DataError(f"integer labels must be >= 0 (found {low}); or give label_names")
+        return [str(i) for i in range(high + 1)]
+    return sorted(str(v) for v in pc.unique(column.drop_null()).to_pylist())
+
+
+def _load(sources: list[DataSource], columns: list[str], cache_dir: Path, seed: int) -> datasets.Dataset:
+    parts = []
+    for source in sources:
+        raw = load_source(source, cache_dir, seed)
+        missing = [c for c in columns if c not in raw.column_names]
+        if missing:
+            raise DataError(
+                f"{source.path}: missing column(s) {', '.join(missing)} (columns: {', '.join(raw.column_names)}); "
+                "set text_column, text_pair_column and label_column"
+            )
+        parts.append(raw.select_columns(columns))
+    return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+
+
+def _tokenize(batch, indices, *, tokenizer, config, label_names: list[str], where: str) -> dict[str, list]:
+    label_ids = {name: i for i, name in enumerate(label_names)}
+    labels = []
+    for index, value in zip(indices, batch[config.label_column]):
+        # A string is a class name; an integer indexes label_names (or is the class id itself, named "0".."K-1").
+        if isinstance(value, str):
+            label = label_ids.get(value)
+        elif isinstance(value, int):
+            label = int(value) if 0 <= value < len(label_names) else None
+        else:
+            label = None
+        if label is None:
+            raise DataError(
+                f"{where}, row {index}: label {value!r} in column {config.label_column!r} is not one of "
+                f"{label_names} (set label_names to list every class)"
+            )
+        labels.append(label)
+    for column in (config.text_column, config.text_pair_column):
+        if column and any(not isinstance(t, str) for t in batch[column]):
+            row = next(i for i, t in zip(indices, batch[column]) if not isinstance(t, str))
+            raise DataError(f"{where}, row {row}: column {column!r} must hold text")
+    pair = batch[config.text_pair_column] if config.text_pair_column else None
+    encoded = tokenizer(batch[config.text_column], pair, truncation=True, max_length=config.max_seq_length)
+    out = {"input_ids": encoded["input_ids"], "labels": labels}
+    if "token_type_ids" in encoded:
+        out["token_type_ids"] = encoded["token_type_ids"]
+    return out

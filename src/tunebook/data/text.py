@@ -1,0 +1,156 @@
+"""Plain text for continued pretraining: documents -> tokens + EOS -> rows of `max_seq_length`, cached.
+
+Documents are concatenated in order, each ended by the EOS token, and cut into rows of exactly `max_seq_length`
+tokens (the last may be shorter). A row records the document pieces it holds (`seq_lengths`), so attention stays
+inside each document exactly as for packed SFT rows (`PackedCollator` + `attention_inputs`), and the first token
+of every piece carries no label: nothing before it in its document is visible to predict it from.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from ..errors import ConfigError, DataError
+from ..models.tokenizer import load_or_train_tokenizer, load_tokenizer
+from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
+from .packing import example_lengths
+from .sources import DataSource, fingerprint_sources, load_source, parse_sources
+from .synthetic import write_synthetic_text
+from .tokenize import IGNORE_INDEX
+
+__all__ = ["TextData", "chunk_documents", "prepare_text_data"]
+
+
+@dataclass
+class TextData:
+    """The prepared data of a continued-pretraining run: rows of input_ids, labels, seq_lengths."""
+
+    tokenizer: PreTrainedTokenizerBase
+    train: datasets.Dataset
+    eval: datasets.Dataset | None
+    stats: dict[str, Any] = field(default_factory=dict)
+    built: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def chunk_documents(documents: Iterator[list[int]], max_seq_length: int) -> Iterator[dict[str, list[int]]]:
+    """Rows of `max_seq_length` tokens cut from the concatenated documents, with their pieces' lengths."""
+    ids: list[int] = []
+    lengths: list[int] = []
+    for doc in documents:
+        pos = 0
+        while pos < len(doc):
+            take = min(len(doc) - pos, max_seq_length - len(ids))
+            ids.extend(doc[pos : pos + take])
+            lengths.append(take)
+            pos += take
+            if len(ids) == max_seq_length:
+                yield _row(ids, lengths)
+                ids, lengths = [], []
+    if ids:
+        yield _row(ids, lengths)
+
+
+def _row(ids: list[int], lengths: list[int]) -> dict[str, list[int]]:
+    labels = list(ids)
+    start = 0
+    for n in lengths:
+        labels[start] = IGNORE_INDEX
+        start += n
+    return {"input_ids": ids, "labels": labels, "seq_lengths": lengths}
+
+
+def prepare_text_data(config, cache_dir: Path, log: logging.Logger) -> TextData:
+    """`config` is a `PretrainConfig`. Call inside `accelerator.main_process_first()` in multi-process runs."""
+    start = time.perf_counter()
+    built: list[str] = []
+    train_sources = parse_sources(config.train_data, "train_data")
+    eval_sources = parse_sources(config.eval_data, "eval_data")
+    if not train_sources:  # the embedded default: generated topical documents
+        train_path, eval_path = write_synthetic_text(
+            cache_dir / "synthetic", config.synthetic_train_size, config.synthetic_eval_size, config.seed
+        )
+        train_sources = parse_sources(str(train_path), "train_data")
+        eval_sources = eval_sources or parse_sources(str(eval_path), "eval_data")
+
+    def documents(sources: list[DataSource]) -> datasets.Dataset:
+        parts = []
+        for source in sources:
+            raw = load_source(source, cache_dir, config.seed, config.text_sample_by)
+            if config.text_column not in raw.column_names:
+                raise DataError(f"{source.path}: no column {config.text_column!r} (columns: "
+                                f"{', '.join(raw.column_names)}); set text_column")  # fmt: skip
+            parts.append(raw.select_columns([config.text_column]))
+        return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+
+    if config.tokenizer_name_or_path or config.model_name_or_path:
+        tokenizer = load_tokenizer(
+            config.tokenizer_name_or_path or config.model_name_or_path, config.trust_remote_code
+        )
+    else:
+        texts = lambda: iter(documents(train_sources)[config.text_column])  # noqa: E731
+        tokenizer, trained = load_or_train_tokenizer(
+            cache_dir, fingerprint_sources(train_sources), texts, config.tokenizer_vocab_size
+        )
+        built += ["tokenizer"] if trained else []
+    if tokenizer.eos_token_id is None:
+        raise ConfigError("the tokenizer has no EOS token to end documents with; set tokenizer_name_or_path")
+
+    def rows(sources: list[DataSource], name: str, split: str | None):
+        key = fingerprint(
+            {
+                "sources": fingerprint_sources(sources),
+                "tokenizer": tokenizer_fingerprint(tokenizer),
+                "text": [config.text_column, config.text_sample_by],
+                "max_seq_length": config.max_seq_length,
+                "split": [config.eval_split_ratio, config.seed, split] if split else None,
+                "seed": config.seed if any(s.weight != 1.0 or s.samples is not None for s in sources) else None,
+                "version": f"text-{PREPROCESSING_VERSION}",
+            }
+        )
+
+        def build(scratch: Path):
+            docs = documents(sources).map(
+                lambda batch: {"ids": [ids + [tokenizer.eos_token_id] for ids in tokenizer(
+                    batch[config.text_column], add_special_tokens=False)["input_ids"]]},
+                batched=True, remove_columns=[config.text_column], num_proc=config.dataset_num_proc,
+                cache_file_name=str(scratch / "tokenised.arrow"), desc=f"Tokenising {name}",
+            )  # fmt: skip
+            if split:  # a seeded document-level split of train_data (eval_split_ratio)
+                order = np.random.default_rng(config.seed).permutation(len(docs))
+                n_eval = max(1, int(round(config.eval_split_ratio * len(docs))))
+                if n_eval >= len(docs):
+                    raise ConfigError(f"eval_split_ratio={config.eval_split_ratio} leaves no training documents")
+                docs = docs.select(np.sort(order[:n_eval] if split == "eval" else order[n_eval:]))
+
+            def stream() -> Iterator[list[int]]:
+                for begin in range(0, len(docs), 1000):  # batches of documents: memory stays flat
+                    yield from docs[begin : begin + 1000]["ids"]
+
+            chunked = datasets.Dataset.from_generator(
+                lambda: chunk_documents(stream(), config.max_seq_length), cache_dir=str(scratch / "rows")
+            )
+            return chunked, {"documents": len(docs), "rows": len(chunked)}
+
+        dataset, stats, cached = cached_dataset(cache_dir, key, build)
+        built.extend([] if cached else [f"{name} tokenisation"])
+        log.info("%s data: %d documents in %d rows of %d tokens (%s)", name, stats["documents"], stats["rows"],
+                 config.max_seq_length, "from cache" if cached else "tokenised and cached")  # fmt: skip
+        return dataset, stats
+
+    split = config.eval_split_ratio > 0 and not eval_sources
+    train, stats = rows(train_sources, "train", "train" if split else None)
+    eval_rows = None
+    if eval_sources or split:
+        eval_rows = rows(eval_sources or train_sources, "eval", "eval" if split else None)[0]
+    stats["train_tokens_per_epoch"] = int(example_lengths(train).sum())
+    return TextData(tokenizer, train, eval_rows, stats, built, time.perf_counter() - start)

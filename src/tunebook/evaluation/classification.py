@@ -1,0 +1,51 @@
+"""Classification evaluation, exact on any number of processes, in memory that does not grow with logits."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+
+from .metrics import load_metrics
+
+__all__ = ["classifier_inputs", "evaluate_classifier"]
+
+
+def classifier_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's keyword arguments: everything but the labels (the loss is computed by the recipe)."""
+    return {k: v for k, v in batch.items() if k != "labels"}
+
+
+@torch.no_grad()
+def evaluate_classifier(
+    model: torch.nn.Module,
+    loader,
+    accelerator: Accelerator,
+    metrics: list[str],
+    average: str | None = None,
+    disable_tqdm: bool = True,
+) -> dict[str, float]:
+    """Mean cross-entropy (`eval_loss`) and `evaluate` metrics over the whole eval set, prefixed `eval_`.
+
+    Per batch, only predicted class ids, labels and per-example losses are gathered (`gather_for_metrics` drops
+    the duplicates that even out the last batch across processes) and added to the metrics, so memory stays
+    flat and the result equals a single-process evaluation. Every process computes the same metrics.
+    """
+    from tqdm.auto import tqdm
+
+    was_training = model.training
+    model.eval()
+    combined = load_metrics(metrics, average)
+    total_loss = torch.zeros((), dtype=torch.float64)
+    count = 0
+    for batch in tqdm(loader, desc="Evaluating", disable=disable_tqdm or not accelerator.is_main_process, leave=False):
+        logits = model(**classifier_inputs(batch)).logits
+        losses = F.cross_entropy(logits.float(), batch["labels"], reduction="none")
+        predictions, labels, losses = accelerator.gather_for_metrics((logits.argmax(-1), batch["labels"], losses))
+        combined.add_batch(predictions=predictions.cpu().numpy(), references=labels.cpu().numpy())
+        total_loss += losses.double().sum().cpu()
+        count += len(labels)
+    model.train(was_training)
+    results = {"eval_loss": (total_loss / max(count, 1)).item(), "eval_examples": count}
+    results.update({f"eval_{k}": float(v) for k, v in combined.compute().items()})
+    return results
