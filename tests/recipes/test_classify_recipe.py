@@ -65,6 +65,12 @@ def test_text_pairs_with_integer_labels_and_label_names(tmp_path):
 
     encoded = AutoTokenizer.from_pretrained(out)("a cat", "a dog")
     assert set(encoded["token_type_ids"]) == {0, 1}  # both texts of the pair reach the model
+    # That output is a local pretrained encoder directory: fine-tune it on the 4-topic task, its 2-way head replaced.
+    again = tmp_path / "from-local"
+    result = launch("recipes/classify.py", [*SMALL, "--model_name_or_path", str(out), "--max_steps", "2",
+                                            "--output_dir", str(again)])  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(json.loads((again / "config.json").read_text())["id2label"]) == 4
 
 
 @pytest.mark.parametrize(
@@ -78,3 +84,15 @@ def test_bad_labels_are_clear_errors(tmp_path, extra, message):
     result = launch("recipes/classify.py", [*SMALL, *extra, "--max_steps", "1", "--output_dir", str(tmp_path / "x")])
     assert result.returncode != 0
     assert message in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
+
+
+def test_an_unknown_metric_fails_cleanly_after_training_with_workers_alive(tmp_path):
+    # The error comes at the final evaluation, when the train loader's persistent workers are still alive: the run
+    # must print one line and exit, not hang in multiprocessing's exit hook waiting for workers.
+    args = ["--disable_tqdm", "true", "--synthetic_train_size", "200", "--synthetic_eval_size", "20",
+            "--metrics", "[accuracy, acuracy]", "--eval_on_start", "false", "--max_steps", "2",
+            "--dataloader_num_workers", "2", "--output_dir", str(tmp_path / "x")]  # fmt: skip
+    result = launch("recipes/classify.py", args, timeout=180)
+    assert result.returncode != 0
+    assert "metric 'acuracy' not found" in result.stderr and "accuracy, exact_match, f1" in result.stderr
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import signal
+import threading
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -69,10 +70,18 @@ def ignore_stop_signals(worker_id: int) -> None:
 def _kill_workers_at_exit() -> None:
     # multiprocessing ends daemonic children at exit with SIGTERM, which our workers ignore: SIGKILL them first.
     # Registered after multiprocessing's own exit hook, so it runs before it.
-    for child in multiprocessing.active_children():
-        if child.daemon:
-            child.kill()
-            child.join(timeout=5)
+    children = [c for c in multiprocessing.active_children() if c.daemon]
+    if not children:
+        return
+    # torch's SIGCHLD handler raises in the main process when a worker dies ("DataLoader worker is killed by
+    # signal"); raised inside this hook it would stop it halfway and leave the other workers alive, and
+    # multiprocessing would then wait for them forever. At exit their deaths are expected: default handling.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in children:
+        child.kill()
+    for child in children:
+        child.join(timeout=5)
 
 
 atexit.register(_kill_workers_at_exit)

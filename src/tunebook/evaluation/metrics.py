@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..errors import ConfigError, first_line
 
-__all__ = ["LOCAL_METRICS", "load_metric", "load_metrics"]
+__all__ = ["LOCAL_METRICS", "averaged_metric", "load_metric", "load_metrics"]
 
 MODULES = Path(__file__).parent / "metric_modules"
 LOCAL_METRICS = tuple(sorted(p.name for p in MODULES.iterdir() if (p / f"{p.name}.py").is_file()))
@@ -46,3 +46,34 @@ def load_metrics(names: list[str], average: str | None = None):
     if len(set(names)) != len(names):
         raise ConfigError(f"metrics: {names} lists a metric twice")
     return evaluate.combine([load_metric(name, average) for name in names])
+
+
+def averaged_metric(name: str):
+    """The `evaluate.Metric` class of f1, precision or recall (one module file each, as `evaluate` wants).
+
+    The averaging is the module's config name: `evaluate.load(path, config_name="macro")`; `binary` (the default)
+    scores class `pos_label` (1); `macro`, `micro`, `weighted` as in scikit-learn.
+    """
+    import datasets
+    import evaluate
+
+    from .scores import AVERAGES, precision_recall_f1
+
+    class Averaged(evaluate.Metric):
+        def _info(self):
+            if self.config_name not in ("default", *AVERAGES):
+                raise ValueError(f"{name}: config_name must be one of {', '.join(AVERAGES)}, got {self.config_name!r}")
+            features = {"predictions": datasets.Value("int64"), "references": datasets.Value("int64")}
+            return evaluate.MetricInfo(
+                description=f"{name} of class-id predictions (Tunebook's offline evaluate module)",
+                citation="",
+                inputs_description="predictions, references: class ids (int); pos_label: the positive class (binary)",
+                features=datasets.Features(features),
+            )
+
+        def _compute(self, predictions, references, pos_label=1):
+            average = "binary" if self.config_name == "default" else self.config_name
+            return {name: precision_recall_f1(predictions, references, average, pos_label)[name]}
+
+    Averaged.__name__ = Averaged.__qualname__ = name.capitalize()
+    return Averaged

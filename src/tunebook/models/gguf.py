@@ -27,6 +27,11 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path) -> Path:
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     except (OSError, ValueError, ImportError, RuntimeError) as e:
         raise ModelError(f"could not read {path} as a GGUF causal LM: {first_line(e)} (pip install gguf)") from None
+    # transformers marks a model read from GGUF as quantized and refuses to save it, though its weights are already
+    # dequantised floats: drop the marker so it saves (and reloads) as the plain model it is.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
