@@ -81,3 +81,11 @@ def test_save_strategy_epoch_saves_at_every_epoch_end(tmp_path):
     saved = {p.name: json.loads((p / "trainer_state.json").read_text()) for p in (out / "checkpoints").iterdir()}
     assert sorted(saved) == ["step-16", "step-32"]  # 64 examples / batch 4 = 16 steps per epoch; save_steps ignored
     assert [s["epoch"] for _, s in sorted(saved.items())] == [0, 1]
+
+
+def test_convert_gguf_names_a_missing_file(tmp_path):
+    missing = tmp_path / "model.gguf"
+    done = subprocess.run([TUNEBOOK, "convert-gguf", str(missing), str(tmp_path / "out")], capture_output=True,
+                          text=True)  # fmt: skip
+    assert done.returncode != 0 and f"GGUF file not found: {missing}" in done.stderr
+    assert "Traceback" not in done.stderr
