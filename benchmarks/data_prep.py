@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from results import command, machine, versions, write_section
+from results import header, write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -94,11 +94,7 @@ def main():
     cold, warm = runs["cold"]["data_prep_seconds"], runs["warm"]["data_prep_seconds"]
     stats = runs["cold"]["data"]
     lines = [
-        "## Data preparation: cold vs warm cache, 1 vs 2 processes (benchmarks/data_prep.py)",
-        "",
-        f"- Machine: {machine()}",
-        f"- Versions: {versions()}",
-        f"- Command: `{command()}`",
+        *header("Data preparation: cold vs warm cache, 1 vs 2 processes (benchmarks/data_prep.py)"),
         f"- Data: {args.examples:,} generated synthetic-task examples ({data.stat().st_size / 2**20:.0f} MB of JSONL), "
         f"{stats['train_tokens_per_epoch']:,} tokens, packed at max_seq_length 512 into {stats['packed_rows']:,} rows "
         f"(packing efficiency {stats['packing_efficiency']:.4f}). Preparation = local tokenizer training, "

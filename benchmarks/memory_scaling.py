@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from results import command, machine, versions, write_section
+from results import header, write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 4,
@@ -158,11 +158,7 @@ def main():
     diff = large["process_mb"] - small["process_mb"]
     diff_tree = large["tree_mb"] - small["tree_mb"]
     lines = [
-        "## Memory does not grow with the data (benchmarks/memory_scaling.py)",
-        "",
-        f"- Machine: {machine()}",
-        f"- Versions: {versions()}",
-        f"- Command: `{command()}`",
+        *header("Memory does not grow with the data (benchmarks/memory_scaling.py)"),
         f"- Same tiny Llama (4 layers, hidden 128), same tokenizer, {args.steps} optimizer steps of batch 8 on each "
         "data set (synthetic long-digit reversal, prepared first with `tunebook prepare`). Peak anonymous resident "
         "memory (RssAnon, sampled every 20 ms): of the training process, and summed over its process tree "

