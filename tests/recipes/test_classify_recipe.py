@@ -27,9 +27,9 @@ def test_default_learns_the_topic_task_and_the_pipeline_prints_label_names(tmp_p
     assert result.returncode == 0, result.stderr[-3000:]
     summary = _summary(out)
     assert summary["eval_before_training"]["eval_accuracy"] < 0.4  # 4 balanced classes: chance is 0.25
-    assert summary["eval"]["eval_accuracy"] >= 0.9, summary["eval"]
+    assert summary["eval"]["eval_accuracy"] >= 0.95, summary["eval"]
     assert summary["eval"]["eval_f1"] >= 0.9 and summary["labels"] == ["food", "music", "science", "sports"]
-    assert seconds < 240, f"the default took {seconds:.0f} s"
+    assert seconds < 120, f"the default took {seconds:.0f} s"  # the issue: within 2 minutes on 2 CPU cores
     classifier = pipeline("text-classification", model=str(out), device="cpu")
     prediction = classifier("the striker scored a goal for the team in the stadium")[0]
     assert prediction["label"] == "sports", prediction
