@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase
 from ..errors import ConfigError, DataError
 from ..models.tokenizer import load_or_train_tokenizer, load_tokenizer
 from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
-from .sources import DataSource, fingerprint_sources, load_source, parse_sources
+from .sources import DataSource, config_sources, fingerprint_sources, load_source
 from .synthetic import write_synthetic_classification
 
 __all__ = ["ClassificationData", "label_names_of", "prepare_classification_data"]
@@ -44,14 +44,8 @@ def prepare_classification_data(config, cache_dir: Path, log: logging.Logger) ->
     """`config` is a `ClassifyConfig`. Call inside `accelerator.main_process_first()` in multi-process runs."""
     start = time.perf_counter()
     built: list[str] = []
-    train_sources = parse_sources(config.train_data, "train_data")
-    eval_sources = parse_sources(config.eval_data, "eval_data")
-    if not train_sources:  # the embedded default: the generated topic task
-        train_path, eval_path = write_synthetic_classification(
-            cache_dir / "synthetic", config.synthetic_train_size, config.synthetic_eval_size, config.seed
-        )
-        train_sources = parse_sources(str(train_path), "train_data")
-        eval_sources = eval_sources or parse_sources(str(eval_path), "eval_data")
+    # No train_data: the embedded default's generated task.
+    train_sources, eval_sources = config_sources(config, cache_dir, write_synthetic_classification)
     columns = [c for c in (config.text_column, config.text_pair_column, config.label_column) if c]
     train_raw = _load(train_sources, columns, cache_dir, config.seed)
     label_names = config.label_names or label_names_of(train_raw.data.column(config.label_column))

@@ -21,7 +21,7 @@ from ..models.tokenizer import load_or_train_tokenizer, load_tokenizer
 from .cache import cached_dataset, fingerprint
 from .packing import example_lengths, pack_dataset
 from .pipeline import conversation_texts, load_conversations, prepare_sft_dataset, sft_cache_key
-from .sources import DataSource, fingerprint_sources, parse_sources
+from .sources import DataSource, config_sources, fingerprint_sources
 from .synthetic import write_synthetic_task
 
 __all__ = ["SFTData", "prepare_sft_data"]
@@ -50,14 +50,8 @@ def prepare_sft_data(config, cache_dir: Path, log: logging.Logger) -> SFTData:
     """
     start = time.perf_counter()
     built: list[str] = []
-    train_sources = parse_sources(config.train_data, "train_data")
-    eval_sources = parse_sources(config.eval_data, "eval_data")
-    if not train_sources:  # the embedded default: generate the synthetic task
-        train_path, eval_path = write_synthetic_task(
-            cache_dir / "synthetic", config.synthetic_train_size, config.synthetic_eval_size, config.seed
-        )
-        train_sources = parse_sources(str(train_path), "train_data")
-        eval_sources = eval_sources or parse_sources(str(eval_path), "eval_data")
+    # No train_data: the embedded default's generated task.
+    train_sources, eval_sources = config_sources(config, cache_dir, write_synthetic_task)
 
     if config.tokenizer_name_or_path or config.model_name_or_path:
         tokenizer = load_tokenizer(

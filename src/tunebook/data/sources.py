@@ -17,7 +17,7 @@ import datasets
 
 from ..errors import DataError, first_line
 
-__all__ = ["DataSource", "fingerprint_sources", "load_source", "parse_sources"]
+__all__ = ["DataSource", "config_sources", "fingerprint_sources", "load_source", "parse_sources"]
 
 EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
@@ -84,6 +84,20 @@ def _local_files(source: DataSource) -> list[Path]:
     if len(kinds) > 1:
         raise DataError(f"data folder {path} mixes file types ({', '.join(sorted(kinds))}); use one type per folder")
     return files
+
+
+def config_sources(config, cache_dir: Path, write_synthetic) -> tuple[list[DataSource], list[DataSource]]:
+    """A recipe config's (train, eval) sources; with no `train_data`, the recipe's generated task:
+    `write_synthetic(directory, num_train, num_eval, seed)` writes it and returns (train path, eval path)."""
+    train = parse_sources(config.train_data, "train_data")
+    evaluation = parse_sources(config.eval_data, "eval_data")
+    if not train:
+        train_path, eval_path = write_synthetic(
+            Path(cache_dir) / "synthetic", config.synthetic_train_size, config.synthetic_eval_size, config.seed
+        )
+        train = parse_sources(str(train_path), "train_data")
+        evaluation = evaluation or parse_sources(str(eval_path), "eval_data")
+    return train, evaluation
 
 
 def fingerprint_sources(sources: list[DataSource]) -> str:

@@ -23,7 +23,7 @@ from ..errors import ConfigError, DataError
 from ..models.tokenizer import load_or_train_tokenizer, load_tokenizer
 from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
 from .packing import example_lengths
-from .sources import DataSource, fingerprint_sources, load_source, parse_sources
+from .sources import DataSource, config_sources, fingerprint_sources, load_source
 from .synthetic import write_synthetic_text
 from .tokenize import IGNORE_INDEX
 
@@ -73,14 +73,8 @@ def prepare_text_data(config, cache_dir: Path, log: logging.Logger) -> TextData:
     """`config` is a `PretrainConfig`. Call inside `accelerator.main_process_first()` in multi-process runs."""
     start = time.perf_counter()
     built: list[str] = []
-    train_sources = parse_sources(config.train_data, "train_data")
-    eval_sources = parse_sources(config.eval_data, "eval_data")
-    if not train_sources:  # the embedded default: generated topical documents
-        train_path, eval_path = write_synthetic_text(
-            cache_dir / "synthetic", config.synthetic_train_size, config.synthetic_eval_size, config.seed
-        )
-        train_sources = parse_sources(str(train_path), "train_data")
-        eval_sources = eval_sources or parse_sources(str(eval_path), "eval_data")
+    # No train_data: the embedded default's generated task.
+    train_sources, eval_sources = config_sources(config, cache_dir, write_synthetic_text)
 
     def documents(sources: list[DataSource]) -> datasets.Dataset:
         parts = []
