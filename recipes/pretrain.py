@@ -47,6 +47,7 @@ from tunebook.logging import (
 )
 from tunebook.models import TINY_LLAMA, build_causal_lm
 from tunebook.recipe_configs import PretrainConfig
+from tunebook.trackers import start_trackers
 from tunebook.training import (
     BestModel,
     StopSignals,
@@ -89,7 +90,12 @@ def evaluate(config: PretrainConfig, model, eval_loader, attn: str, accelerator)
 
 def main(config: PretrainConfig) -> dict:
     timer = RunTimer()
-    accelerator = build_accelerator(config.gradient_accumulation_steps, non_blocking=config.dataloader_non_blocking)
+    accelerator = build_accelerator(
+        config.gradient_accumulation_steps,
+        non_blocking=config.dataloader_non_blocking,
+        report_to=config.report_to,
+        output_dir=config.output_dir,
+    )
     log = setup_logging(accelerator.is_main_process, config.log_level)
     set_seed(config.seed)
     output_dir = Path(config.output_dir)
@@ -166,8 +172,9 @@ def main(config: PretrainConfig) -> dict:
             path = save_training_state(accelerator, output_dir, global_step, config, shared, tokenizer, counters, best)
         log.info("Saved checkpoint %s (%s)", path, reason)
 
+    start_trackers(accelerator, config, "pretrain")  # tensorboard etc.: the config now, every metrics record below
     metrics_log = MetricsWriter(
-        output_dir / "metrics.jsonl", accelerator.is_main_process, global_step if checkpoint else None
+        output_dir / "metrics.jsonl", accelerator.is_main_process, global_step if checkpoint else None, accelerator
     )
     eval_history = {}
     if eval_loader is not None and config.eval_on_start and checkpoint is None:

@@ -50,6 +50,7 @@ from tunebook.logging import (
 )
 from tunebook.models import TINY_LLAMA, build_causal_lm
 from tunebook.recipe_configs import SFTConfig
+from tunebook.trackers import start_trackers
 from tunebook.training import (
     BestModel,
     StopSignals,
@@ -122,7 +123,12 @@ def evaluate(config: SFTConfig, model, data: SFTData, eval_loader, attn: str, ac
 
 def main(config: SFTConfig) -> dict:
     timer = RunTimer()
-    accelerator = build_accelerator(config.gradient_accumulation_steps, non_blocking=config.dataloader_non_blocking)
+    accelerator = build_accelerator(
+        config.gradient_accumulation_steps,
+        non_blocking=config.dataloader_non_blocking,
+        report_to=config.report_to,
+        output_dir=config.output_dir,
+    )
     log = setup_logging(accelerator.is_main_process, config.log_level)
     set_seed(config.seed)
     output_dir = Path(config.output_dir)
@@ -201,8 +207,9 @@ def main(config: SFTConfig) -> dict:
             path = save_training_state(accelerator, output_dir, global_step, config, shared, tokenizer, counters, best)
         log.info("Saved checkpoint %s (%s)", path, reason)
 
+    start_trackers(accelerator, config, "sft")  # tensorboard etc.: the config now, every metrics record below
     metrics_log = MetricsWriter(
-        output_dir / "metrics.jsonl", accelerator.is_main_process, global_step if checkpoint else None
+        output_dir / "metrics.jsonl", accelerator.is_main_process, global_step if checkpoint else None, accelerator
     )
     eval_history = {}
     if eval_loader is not None and config.eval_on_start and checkpoint is None:

@@ -100,6 +100,12 @@ class TrainConfig:
         "that update and count it.",
         "stop",
     )
+    report_to: str | list[str] = _help(
+        "Experiment trackers (through Accelerate): tensorboard, trackio, wandb, mlflow, a list of them, auto "
+        "(tensorboard when installed) or none. They get the config and every metrics.jsonl record; local ones write "
+        "under output_dir/runs.",
+        "auto",
+    )
     disable_tqdm: bool = _help("Turn off progress bars.", False)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = _help("Log level of the main process.", "INFO")
     seed: int = _help("Seed for model init, data order and dropout.", 42)
@@ -144,6 +150,9 @@ class TrainConfig:
         if wants_best and self.eval_strategy == "steps" and self.eval_steps == 0:
             key = "load_best_model_at_end" if self.load_best_model_at_end else "early_stopping_patience"
             raise ConfigError(f"{key} needs evaluations during training: set eval_steps > 0 or eval_strategy: epoch")
+        from .trackers import resolve_report_to
+
+        resolve_report_to(self.report_to)  # unknown or missing trackers fail now, not after data preparation
         if self.max_steps == -1 and self.num_train_epochs <= 0:
             raise ConfigError(f"num_train_epochs must be > 0 when max_steps is -1, got {self.num_train_epochs}")
 

@@ -46,14 +46,17 @@ def setup_logging(is_main_process: bool, level: str = "INFO") -> logging.Logger:
 class MetricsWriter:
     """Append one JSON object per call to `output_dir/metrics.jsonl` (main process only)."""
 
-    def __init__(self, path: str | Path, enabled: bool, resume_step: int | None = None):
+    def __init__(self, path: str | Path, enabled: bool, resume_step: int | None = None, accelerator=None):
         """A fresh file, or with `resume_step` the existing one cut after that step's records.
+
+        With `accelerator`, every record also goes to its trackers (`tunebook.trackers.tracker_values`).
 
         A run resumed from the checkpoint of step N continues at N + 1, so what an interrupted run logged after
         its last checkpoint is dropped: no step is missing or logged twice.
         """
         self.path = Path(path)
         self.enabled = enabled
+        self.accelerator = accelerator
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             kept = []
@@ -70,6 +73,10 @@ class MetricsWriter:
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(_jsonable(record)) + "\n")
+            if self.accelerator is not None and self.accelerator.trackers:
+                from .trackers import tracker_values
+
+                self.accelerator.log(tracker_values(_jsonable(record)), step=record["step"])
 
 
 class RunTimer:

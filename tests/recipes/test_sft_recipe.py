@@ -28,7 +28,9 @@ def _ok(result):
 
 def test_sft_writes_a_loadable_model_and_standard_outputs(tmp_path):
     out = tmp_path / "run"
-    first = _ok(launch("recipes/sft.py", [*SMALL, "--output_dir", str(out), "--save_steps", "3"]))
+    first = _ok(
+        launch("recipes/sft.py", [*SMALL, "--output_dir", str(out), "--save_steps", "3", "--report_to", "tensorboard"])
+    )
     assert "tokenised and cached" in first.stdout
 
     from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
@@ -74,6 +76,7 @@ def test_sft_writes_a_loadable_model_and_standard_outputs(tmp_path):
     assert 0 <= summary["data_wait_fraction"] <= 1 and summary["data_prep_seconds"] > 0
     assert summary["packing_efficiency"] is None  # not packed
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-3", "step-6"]
+    _assert_tensorboard_has_the_metrics(out, train_records, [r for r in records if "eval_loss" in r])
 
     # Same inputs again: no tokenisation. Then continue from the saved model directory.
     second = _ok(launch("recipes/sft.py", [*SMALL, "--output_dir", str(tmp_path / "again")]))
@@ -94,6 +97,21 @@ def test_sft_writes_a_loadable_model_and_standard_outputs(tmp_path):
     )
     assert "Reusing" not in resumed.stdout  # the tokenizer came with the model
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "continued").config.num_hidden_layers == 2
+
+
+def _assert_tensorboard_has_the_metrics(out, train_records, eval_records):
+    """TensorBoard's own reader finds every metrics.jsonl value under train/ and eval/, at its step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    runs = list((out / "runs").glob("sft/events.out.tfevents.*"))
+    assert runs, f"no event file under {out / 'runs'}"
+    events = EventAccumulator(str(runs[0].parent)).Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/learning_rate", "train/grad_norm", "train/tokens_per_second"} <= tags
+    assert {"eval/loss", "eval/perplexity", "eval/exact_match"} <= tags
+    loss = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert loss == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in train_records]
+    assert [e.step for e in events.Scalars("eval/loss")] == [r["step"] for r in eval_records] == [0, 6]
 
 
 def test_sft_on_user_files_with_a_weighted_mixture(tmp_path):

@@ -9,6 +9,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration
 
 from ..errors import ConfigError
+from ..trackers import resolve_report_to, trackers_dir
 
 __all__ = ["build_accelerator", "has_accelerator_device"]
 
@@ -17,9 +18,16 @@ def has_accelerator_device() -> bool:
     return torch.accelerator.is_available() if hasattr(torch, "accelerator") else torch.cuda.is_available()
 
 
-def build_accelerator(gradient_accumulation_steps: int, non_blocking: bool = True, **kwargs) -> Accelerator:
+def build_accelerator(
+    gradient_accumulation_steps: int,
+    non_blocking: bool = True,
+    report_to: str | list[str] = "none",
+    output_dir: str | None = None,
+    **kwargs,
+) -> Accelerator:
     """An Accelerator configured by `accelerate launch` / its config file, plus what recipes always need.
 
+    - The trackers of `report_to` (see `tunebook.trackers`), writing local files under `output_dir/runs`.
     - `cpu=True` when the machine has no accelerator: with accelerate 1.15 a multi-process launch on a CPU-only
       machine otherwise starts processes that each train alone instead of forming a gloo group.
     - A seedable sampler so the data order depends only on the seed (and can be resumed exactly).
@@ -28,8 +36,13 @@ def build_accelerator(gradient_accumulation_steps: int, non_blocking: bool = Tru
       Accelerate's default steps it `num_processes` times per step, which only works if the schedule was built
       for `num_processes` times more steps.
     """
+    log_with = resolve_report_to(report_to)
+    if log_with and output_dir is None:
+        raise ValueError("build_accelerator: trackers need output_dir")
     accelerator = Accelerator(
         cpu=not has_accelerator_device(),
+        log_with=log_with or None,
+        project_dir=trackers_dir(output_dir) if log_with else None,
         gradient_accumulation_steps=gradient_accumulation_steps,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=non_blocking),
         step_scheduler_with_optimizer=False,
