@@ -27,6 +27,7 @@ from transformers import DataCollatorWithPadding
 from tunebook.checkpoint import resume_training, save_final_model, save_training_state
 from tunebook.config import config_to_dict, load_config, save_config
 from tunebook.data import ClassificationData, build_loader, default_cache_dir, prepare_classification_data
+from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import classifier_inputs, evaluate_classifier
 from tunebook.logging import (
     MetricsWriter,
@@ -87,6 +88,7 @@ def main(config: ClassifyConfig) -> dict:
         non_blocking=config.dataloader_non_blocking,
         report_to=config.report_to,
         output_dir=config.output_dir,
+        ddp_timeout=config.ddp_timeout,
     )
     log = setup_logging(accelerator.is_main_process, config.log_level)
     set_seed(config.seed)
@@ -99,8 +101,7 @@ def main(config: ClassifyConfig) -> dict:
              accelerator.mixed_precision)  # fmt: skip
 
     # --- data: the main process tokenises into the cache, the others then map the same files
-    with accelerator.main_process_first():
-        data = prepare_classification_data(config, cache_dir, log)
+    data = prepare_then_join(accelerator, config, prepare_classification_data, cache_dir, log)
     tokenizer = data.tokenizer
     log.info("Data ready in %.1f s (%s); labels %s", data.seconds,
              "built: " + ", ".join(data.built) if data.built else "all cached", data.stats["label_counts"])  # fmt: skip

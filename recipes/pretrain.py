@@ -35,6 +35,7 @@ from tunebook.data import (
     prepare_text_data,
     use_packed_attention,
 )
+from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import evaluate_loss
 from tunebook.logging import (
     MetricsWriter,
@@ -95,6 +96,7 @@ def main(config: PretrainConfig) -> dict:
         non_blocking=config.dataloader_non_blocking,
         report_to=config.report_to,
         output_dir=config.output_dir,
+        ddp_timeout=config.ddp_timeout,
     )
     log = setup_logging(accelerator.is_main_process, config.log_level)
     set_seed(config.seed)
@@ -111,8 +113,7 @@ def main(config: PretrainConfig) -> dict:
     )
 
     # --- data: the main process tokenises and chunks into the cache, the others then map the same files
-    with accelerator.main_process_first():
-        data = prepare_text_data(config, cache_dir, log)
+    data = prepare_then_join(accelerator, config, prepare_text_data, cache_dir, log)
     tokenizer = data.tokenizer
     log.info(
         "Data ready in %.1f s (%s)", data.seconds, "built: " + ", ".join(data.built) if data.built else "all cached"

@@ -38,6 +38,7 @@ from tunebook.data import (
     prepare_sft_data,
     use_packed_attention,
 )
+from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import evaluate_loss, generation_exact_match
 from tunebook.logging import (
     MetricsWriter,
@@ -128,6 +129,7 @@ def main(config: SFTConfig) -> dict:
         non_blocking=config.dataloader_non_blocking,
         report_to=config.report_to,
         output_dir=config.output_dir,
+        ddp_timeout=config.ddp_timeout,
     )
     log = setup_logging(accelerator.is_main_process, config.log_level)
     set_seed(config.seed)
@@ -144,8 +146,7 @@ def main(config: SFTConfig) -> dict:
     )
 
     # --- data: the main process tokenises (and packs) into the cache, the others then map the same files
-    with accelerator.main_process_first():
-        data = prepare_sft_data(config, cache_dir, log)
+    data = prepare_then_join(accelerator, config, prepare_sft_data, cache_dir, log)
     tokenizer = data.tokenizer
     log.info(
         "Data ready in %.1f s (%s)", data.seconds, "built: " + ", ".join(data.built) if data.built else "all cached"

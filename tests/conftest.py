@@ -70,7 +70,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_command(script: str, args: list[str], accelerate_config: str = "cpu.yaml") -> list[str]:
+def launch_command(
+    script: str, args: list[str], accelerate_config: str = "cpu.yaml", launcher_args: tuple[str, ...] = ()
+) -> list[str]:
     """`accelerate launch --config_file accelerate_configs/<cfg> <script> <args>` as an argument list."""
     return [
         sys.executable,
@@ -81,13 +83,21 @@ def launch_command(script: str, args: list[str], accelerate_config: str = "cpu.y
         str(ROOT / "accelerate_configs" / accelerate_config),
         "--main_process_port",
         str(free_port()),
+        *launcher_args,
         str(ROOT / script),
         *args,
     ]
 
 
-def launch(script: str, args: list[str], accelerate_config: str = "cpu.yaml", timeout: int = 300, env=None):
+def launch(
+    script: str,
+    args: list[str],
+    accelerate_config: str = "cpu.yaml",
+    timeout: int = 300,
+    env=None,
+    launcher_args: tuple[str, ...] = (),
+):
     """Run `launch_command(...)` and return the CompletedProcess."""
-    cmd = launch_command(script, args, accelerate_config)
+    cmd = launch_command(script, args, accelerate_config, launcher_args)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)

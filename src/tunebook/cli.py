@@ -1,12 +1,13 @@
 """The `tunebook` command.
 
-    tunebook prepare --config FILE.yaml [--key value ...]
+    tunebook prepare [--recipe sft|classify|pretrain] --config FILE.yaml [--key value ...]
     tunebook export CHECKPOINT OUT_DIR
     tunebook convert-gguf MODEL.gguf OUT_DIR
 
-`prepare` builds the tokenised (and packed) data caches exactly as `recipes/sft.py` with the same config would, without
-loading model weights or starting training, prints what it built, and exits. Point `cache_dir` at a shared file
-system and a CPU machine can prepare data for a GPU job. `export` turns any checkpoint (of any number of
+`prepare` builds the tokenised (and packed) data caches exactly as the recipe (`recipes/sft.py` by default) with the
+same config would, without loading model weights or starting training, prints what it built and the data's content
+fingerprint, and exits. Point `cache_dir` at a shared file system and a CPU machine can prepare data for a GPU job
+(or for every node of a multi-node one). `export` turns any checkpoint (of any number of
 processes) into a `from_pretrained`-ready model directory. `convert-gguf` dequantises a GGUF checkpoint into a
 safetensors model directory (once; the recipes then load it with `model_name_or_path`).
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 __all__ = ["main", "prepare"]
 
 
-USAGE = """usage: tunebook prepare --config FILE.yaml [--key value ...]
+USAGE = """usage: tunebook prepare [--recipe sft|classify|pretrain] --config FILE.yaml [--key value ...]
        tunebook export CHECKPOINT OUT_DIR
        tunebook convert-gguf MODEL.gguf OUT_DIR
 
@@ -32,23 +33,37 @@ commands:
 
 
 def prepare(argv: list[str]) -> dict:
-    """Build the caches an SFT run with these arguments would use; returns the printed figures."""
+    """Build the caches a recipe run with these arguments would use; returns the printed figures."""
     from .config import load_config
-    from .data import default_cache_dir, prepare_sft_data
+    from .data import default_cache_dir, prepare_classification_data, prepare_sft_data, prepare_text_data
+    from .distributed import data_fingerprint, preparation_lock
+    from .errors import ConfigError
     from .logging import setup_logging
-    from .recipe_configs import SFTConfig
+    from .recipe_configs import ClassifyConfig, PretrainConfig, SFTConfig
 
+    recipes = {
+        "sft": (SFTConfig, prepare_sft_data),
+        "classify": (ClassifyConfig, prepare_classification_data),
+        "pretrain": (PretrainConfig, prepare_text_data),
+    }
+    recipe, argv = _pop_option(argv, "--recipe", "sft")
+    if recipe not in recipes:
+        raise ConfigError(f"tunebook prepare: unknown recipe {recipe!r}; choose from {', '.join(recipes)}")
+    config_class, prepare_data = recipes[recipe]
     start = time.perf_counter()
-    config = load_config(SFTConfig, argv)
+    config = load_config(config_class, argv)
     log = setup_logging(True, config.log_level)
     cache_dir = Path(config.cache_dir).expanduser() if config.cache_dir else default_cache_dir()
-    data = prepare_sft_data(config, cache_dir, log)
+    with preparation_lock(cache_dir):
+        data = prepare_data(config, cache_dir, log)
     figures = {
+        "recipe": recipe,
         "cache_dir": str(cache_dir),
         "train_rows": len(data.train),
-        "train_tokens": data.stats["train_tokens_per_epoch"],
+        "train_tokens": data.stats.get("train_tokens_per_epoch", sum(map(len, data.train["input_ids"]))),
         "eval_rows": 0 if data.eval is None else len(data.eval),
         "packing_efficiency": data.stats.get("packing_efficiency"),
+        "train_fingerprint": data_fingerprint(data.train),  # what the preflight check compares across nodes
         "built": ", ".join(data.built) or "nothing (all cached)",
         "seconds": time.perf_counter() - start,
     }
@@ -57,6 +72,21 @@ def prepare(argv: list[str]) -> dict:
         shown = f"{value:.4f}" if isinstance(value, float) else value
         print(f"{key:<{width}}  {shown}")
     return figures
+
+
+def _pop_option(argv: list[str], name: str, default: str) -> tuple[str, list[str]]:
+    """`--name value` or `--name=value` taken out of argv (the rest goes to the config parser)."""
+    rest, value, i = [], default, 0
+    while i < len(argv):
+        if argv[i] == name and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
+            continue
+        if argv[i].startswith(name + "="):
+            value = argv[i].split("=", 1)[1]
+        else:
+            rest.append(argv[i])
+        i += 1
+    return value, rest
 
 
 def main(argv: list[str] | None = None) -> None:

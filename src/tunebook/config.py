@@ -107,6 +107,17 @@ class TrainConfig:
         "auto",
     )
     disable_tqdm: bool = _help("Turn off progress bars.", False)
+    # --- several processes and machines
+    preflight_timeout: int = _help(
+        "Seconds all processes get to meet after data preparation; a node that never started, a crashed rank or "
+        "ranks that disagree on config, data or versions then stop the run with one message instead of a hang.",
+        300,
+    )
+    ddp_timeout: int = _help(
+        "Timeout in seconds of the process group's collectives (torch.distributed); raise it if evaluation or a "
+        "checkpoint save on one rank makes the others wait longer.",
+        1800,
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = _help("Log level of the main process.", "INFO")
     seed: int = _help("Seed for model init, data order and dropout.", 42)
     # --- data loading
@@ -125,7 +136,7 @@ class TrainConfig:
         for key in positive:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
-        for key in ["logging_steps", "dataloader_prefetch_factor"]:
+        for key in ["logging_steps", "dataloader_prefetch_factor", "preflight_timeout", "ddp_timeout"]:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
         for key in [

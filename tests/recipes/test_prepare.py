@@ -50,3 +50,15 @@ def test_prepare_reports_user_errors_in_one_line(tmp_path):
     assert "tunebook: error: unknown config key 'pakcing' (in command line); did you mean 'packing'?" in bad.stderr
     unknown = _tunebook("train")
     assert unknown.returncode == 2 and "unknown command 'train'" in unknown.stderr
+
+
+def test_prepare_other_recipes_prints_a_stable_content_fingerprint(tmp_path):
+    args = ["--recipe", "classify", "--cache_dir", str(tmp_path), "--synthetic_train_size", "200"]
+    first, again = _tunebook("prepare", *args), _tunebook("prepare", *args)
+    assert first.returncode == 0 and again.returncode == 0, first.stderr[-3000:]
+    figures = [dict(line.split(None, 1) for line in r.stdout.splitlines() if line.strip()) for r in (first, again)]
+    assert figures[0]["recipe"] == "classify" and int(figures[0]["train_rows"]) == 200
+    assert figures[1]["built"] == "nothing (all cached)"
+    assert figures[0]["train_fingerprint"] == figures[1]["train_fingerprint"]
+    bad = _tunebook("prepare", "--recipe", "sfft")
+    assert bad.returncode != 0 and "unknown recipe 'sfft'" in bad.stderr and "Traceback" not in bad.stderr

@@ -45,7 +45,15 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
         for path in sorted(Path(tmp).rglob("*")):
             if path.is_file():
                 h.update(path.name.encode())
-                h.update(path.read_bytes())
+                content = path.read_bytes()
+                if path.name == "tokenizer.json":
+                    # Calling a fast tokenizer with truncation/padding leaves that state in its backend, and
+                    # save_pretrained writes it: without this the same tokenizer hashed differently after it had
+                    # tokenised the training split, and the eval split was tokenised again on the next run.
+                    spec = json.loads(content)
+                    spec["truncation"] = spec["padding"] = None
+                    content = json.dumps(spec, sort_keys=True).encode()
+                h.update(content)
     h.update(str(tokenizer.chat_template).encode())
     return h.hexdigest()
 
@@ -57,8 +65,8 @@ def cached_dataset(
 
     `build(scratch)` gets a scratch folder for its intermediate Arrow files (mapped, filtered, reordered data),
     deleted once the entry is saved, so a build leaves only the entry behind. In multi-process runs call this
-    inside `accelerator.main_process_first()`: the main process builds, the others then find the finished entry
-    and only map its files.
+    under `tunebook.distributed.preparation_lock`: the first process builds, the others then find the finished
+    entry and only map its files.
     """
     entry = Path(cache_dir) / "prepared" / key
     if (entry / STATS_FILE).is_file():

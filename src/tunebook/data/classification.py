@@ -41,7 +41,7 @@ class ClassificationData:
 
 
 def prepare_classification_data(config, cache_dir: Path, log: logging.Logger) -> ClassificationData:
-    """`config` is a `ClassifyConfig`. Call inside `accelerator.main_process_first()` in multi-process runs."""
+    """`config` is a `ClassifyConfig`. In multi-process runs call it through `tunebook.distributed.prepare_then_join`."""
     start = time.perf_counter()
     built: list[str] = []
     # No train_data: the embedded default's generated task.

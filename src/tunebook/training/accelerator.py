@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
 
 from ..errors import ConfigError
 from ..trackers import resolve_report_to, trackers_dir
 
-__all__ = ["build_accelerator", "has_accelerator_device"]
+__all__ = ["build_accelerator", "check_engine", "has_accelerator_device"]
 
 
 def has_accelerator_device() -> bool:
@@ -23,10 +24,12 @@ def build_accelerator(
     non_blocking: bool = True,
     report_to: str | list[str] = "none",
     output_dir: str | None = None,
+    ddp_timeout: int = 1800,
     **kwargs,
 ) -> Accelerator:
     """An Accelerator configured by `accelerate launch` / its config file, plus what recipes always need.
 
+    - `ddp_timeout` for the process group's collectives (the start-up check has its own, shorter one).
     - The trackers of `report_to` (see `tunebook.trackers`), writing local files under `output_dir/runs`.
     - `cpu=True` when the machine has no accelerator: with accelerate 1.15 a multi-process launch on a CPU-only
       machine otherwise starts processes that each train alone instead of forming a gloo group.
@@ -46,8 +49,10 @@ def build_accelerator(
         gradient_accumulation_steps=gradient_accumulation_steps,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=non_blocking),
         step_scheduler_with_optimizer=False,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=ddp_timeout))],
         **kwargs,
     )
+    check_engine(accelerator)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != accelerator.num_processes:
         raise ConfigError(
@@ -56,3 +61,24 @@ def build_accelerator(
             "accelerate_configs/multi_cpu.yaml; on GPUs check the accelerate config"
         )
     return accelerator
+
+
+def check_engine(accelerator: Accelerator) -> None:
+    """Stop if the accelerate config asked for FSDP or DeepSpeed and Accelerate is not running it.
+
+    Accelerate silently drops its FSDP plugin without CUDA (plain DDP, or one process, trains instead), so a run
+    would look fine while sharding, its memory savings and its checkpoint format are absent.
+    """
+    from accelerate.utils import DistributedType, str_to_bool
+
+    wanted = {
+        "FSDP": (str_to_bool(os.environ.get("ACCELERATE_USE_FSDP", "false")), DistributedType.FSDP),
+        "DeepSpeed": (str_to_bool(os.environ.get("ACCELERATE_USE_DEEPSPEED", "false")), DistributedType.DEEPSPEED),
+    }
+    for engine, (requested, distributed_type) in wanted.items():
+        if requested and accelerator.distributed_type != distributed_type:
+            raise ConfigError(
+                f"the accelerate config asks for {engine} but Accelerate started {accelerator.distributed_type.value} "
+                f"on {accelerator.device.type} ({accelerator.num_processes} process(es)): {engine} needs CUDA GPUs "
+                "here. Use accelerate_configs/cpu.yaml or multi_cpu.yaml on a CPU"
+            )

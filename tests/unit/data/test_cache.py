@@ -58,3 +58,13 @@ def test_everything_dropped_is_an_error_that_says_why(tiny_tokenizer, tmp_path):
         _prepare(ASSETS / "chat.jsonl", tiny_tokenizer, tmp_path, max_seq_length=8, overlong="drop")
     with pytest.raises(DataError, match=r"no examples left.*2 had no loss-bearing tokens left"):
         _prepare(ASSETS / "chat.jsonl", tiny_tokenizer, tmp_path, max_seq_length=8)
+
+
+def test_tokenizer_fingerprint_ignores_truncation_state_left_by_tokenising(tiny_tokenizer):
+    from tunebook.data.cache import tokenizer_fingerprint
+
+    before = tokenizer_fingerprint(tiny_tokenizer)
+    tiny_tokenizer(["hello world " * 20], truncation=True, max_length=8)  # sets the backend's truncation state
+    assert tiny_tokenizer.backend_tokenizer.truncation is not None
+    assert tokenizer_fingerprint(tiny_tokenizer) == before
+    tiny_tokenizer.backend_tokenizer.no_truncation()

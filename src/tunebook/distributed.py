@@ -1,0 +1,177 @@
+"""Starting several processes (one machine or many) so that a bad start fails loudly instead of hanging.
+
+Two rules:
+- Data is prepared before the processes wait for each other, never inside a collective. With Accelerate's
+  `main_process_first()` the other ranks wait in a barrier while the main process tokenises; a barrier has the
+  process group's timeout (NCCL's watchdog kills it after 10 minutes by default), so a large data set killed the
+  run. Here every process takes a file lock on the cache instead: the first one builds, the others wait on the
+  lock (no timeout) and then map the finished files.
+- Then a preflight check joins all ranks with its own, short timeout and compares what they must agree on: world
+  size, the resolved config, the prepared data and the library versions. A node that never started, a rank that
+  crashed while preparing, or nodes launched with different configs or data are named in one message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import socket
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = [
+    "PreflightError",
+    "data_fingerprint",
+    "preflight_check",
+    "prepare_then_join",
+    "preparation_lock",
+    "run_facts",
+]
+
+logger = logging.getLogger("tunebook")
+
+
+class PreflightError(ConfigError):
+    """The processes of a launch could not meet, or do not agree on what they are about to train."""
+
+
+@contextmanager
+def preparation_lock(cache_dir: str | Path):
+    """Hold the data-preparation lock of `cache_dir`: one process at a time prepares (or loads) data there.
+
+    A file lock, not a collective: waiting for another process's tokenisation has no timeout. On a shared file
+    system the lock also orders the nodes; with node-local caches each node prepares its own copy, and the
+    preflight check then verifies that all copies hold the same data.
+    """
+    from filelock import FileLock, Timeout
+
+    path = Path(cache_dir).expanduser() / "locks" / "prepare.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(path))
+    try:
+        lock.acquire(timeout=2)
+    except Timeout:
+        logger.info("Waiting for another process to finish preparing data in %s (lock: %s)", cache_dir, path)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def data_fingerprint(dataset) -> str | None:
+    """A content hash of a prepared data set: its size, columns and 64 rows spread over it.
+
+    Cheap at any size, and it differs when two nodes prepared different data (other files, tokenizer, length or
+    packing settings), which a hash of the file names would miss.
+    """
+    if dataset is None:
+        return None
+    n = len(dataset)
+    rows = sorted({i * (n - 1) // 63 for i in range(64)}) if n else []
+    sample = dataset.select(rows).to_dict() if rows else {}
+    blob = json.dumps([n, sorted(dataset.column_names), sample], sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def run_facts(config, data, num_processes: int) -> dict[str, Any]:
+    """What every rank must agree on before training: world size, config, data, library versions."""
+    from .config import config_to_dict
+    from .logging import versions
+
+    resolved = config_to_dict(config)
+    resolved.pop("cache_dir", None)  # node-local caches may live at different paths
+    return {
+        "world_size": num_processes,
+        "config": resolved,
+        "data": {"train": data_fingerprint(data.train), "eval": data_fingerprint(getattr(data, "eval", None))},
+        "versions": versions(),
+    }
+
+
+_ADVICE = (
+    "Check that every node was started (the same command with machine_rank 0..num_machines-1 and the same "
+    "num_processes), that main_process_ip:main_process_port is reachable from every node (firewall; "
+    "NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME naming the right network interface), and the log of every rank for "
+    "an earlier error (data, model, out of memory). docs/distributed.md lists what to check."
+)
+
+
+def preflight_check(facts: dict[str, Any], timeout: float, rank: int, world_size: int) -> None:
+    """Meet all ranks within `timeout` seconds and compare their `facts`; raise `PreflightError` otherwise.
+
+    Runs over its own gloo group (CPU sockets, whatever the training backend) with `monitored_barrier`, which
+    names the ranks that did not arrive. Call it on every rank after data preparation and before training.
+    """
+    if world_size <= 1:
+        return
+    import torch.distributed as dist
+
+    facts = {**facts, "host": socket.gethostname(), "rank": rank}
+    wait = timedelta(seconds=timeout)
+    group = None
+    try:
+        group = dist.new_group(backend="gloo", timeout=wait)
+        dist.monitored_barrier(group=group, timeout=wait, wait_all_ranks=True)
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, facts, group=group)
+    except RuntimeError as e:  # DistBackendError and gloo's timeouts are RuntimeErrors
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise PreflightError(
+            f"preflight: rank {rank} on {facts['host']} could not meet all {world_size} processes within "
+            f"{timeout:.0f} s (preflight_timeout): {first}. {_ADVICE}"
+        ) from None
+    finally:
+        if group is not None:
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # the group may be broken by the failure above; nothing left to release
+                pass
+    problems = disagreements(gathered)
+    if problems:
+        raise PreflightError("preflight: the processes of this launch disagree:\n  " + "\n  ".join(problems))
+
+
+def disagreements(gathered: list[dict[str, Any]]) -> list[str]:
+    """Human-readable differences between the ranks' facts (empty when they all agree)."""
+    first = gathered[0]
+    where = lambda f: f"rank {f['rank']} ({f['host']})"  # noqa: E731
+    problems = []
+    for other in gathered[1:]:
+        if other["world_size"] != first["world_size"]:
+            problems.append(f"world size {first['world_size']} on {where(first)} vs {other['world_size']} on "
+                            f"{where(other)}: every node must be launched with the same num_processes")  # fmt: skip
+        keys = sorted(k for k in first["config"].keys() | other["config"].keys()
+                      if first["config"].get(k) != other["config"].get(k))  # fmt: skip
+        for key in keys:
+            problems.append(f"config key {key!r}: {first['config'].get(key)!r} on {where(first)} vs "
+                            f"{other['config'].get(key)!r} on {where(other)}")  # fmt: skip
+        for split in ("train", "eval"):
+            if first["data"][split] != other["data"][split]:
+                problems.append(f"prepared {split} data differ between {where(first)} and {where(other)} "
+                                "(content fingerprints): give every node the same data files, or one shared "
+                                "cache_dir prepared once with `tunebook prepare`")  # fmt: skip
+        for lib in sorted(first["versions"].keys() | other["versions"].keys()):
+            if first["versions"].get(lib) != other["versions"].get(lib):
+                problems.append(f"{lib} {first['versions'].get(lib)} on {where(first)} vs "
+                                f"{other['versions'].get(lib)} on {where(other)}")  # fmt: skip
+    return list(dict.fromkeys(problems))
+
+
+def prepare_then_join(accelerator, config, prepare, cache_dir: Path, log: logging.Logger):
+    """`prepare(config, cache_dir, log)` under the preparation lock, then the preflight check of all ranks.
+
+    What the recipes call instead of preparing inside `accelerator.main_process_first()` (see the module notes).
+    """
+    with preparation_lock(cache_dir):
+        data = prepare(config, cache_dir, log)
+    if accelerator.num_processes > 1:
+        facts = run_facts(config, data, accelerator.num_processes)
+        preflight_check(facts, config.preflight_timeout, accelerator.process_index, accelerator.num_processes)
+        log.info("Preflight: %d processes agree on config, data and versions", accelerator.num_processes)
+    return data

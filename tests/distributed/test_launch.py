@@ -1,0 +1,137 @@
+"""Multi-process and multi-node launches on CPU with gloo, through real `accelerate launch` processes.
+
+- Two "nodes" on loopback (two launch commands, `--num_machines 2 --machine_rank 0|1`, one process each, each with
+  its own data cache) train together: the result equals one process with the combined batch.
+- Nodes launched with different configs stop at the preflight check with one message naming the key, in seconds.
+- An FSDP config on a CPU stops at start-up instead of silently training with another engine.
+- Under DDP with gradient accumulation, gradients are all-reduced only on the last micro-batch of each step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import ROOT, TINY_TEST_MODEL, free_port, launch
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+TOL = 1e-5
+COMMON = [
+    "--model_config", json.dumps(TINY_TEST_MODEL),
+    *"""--disable_tqdm true --synthetic_train_size 200 --synthetic_eval_size 13 --max_steps 4 --logging_steps 1
+    --learning_rate 1e-3 --warmup_ratio 0 --eval_on_start false --generation_eval false --report_to none
+    --per_device_eval_batch_size 4""".split(),
+]  # fmt: skip
+
+
+def _node_command(rank: int, port: int, args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--quiet",
+            "--config_file", str(ROOT / "accelerate_configs" / "multi_cpu.yaml"),
+            "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
+            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+            str(ROOT / "recipes" / "sft.py"), *args]  # fmt: skip
+
+
+def _two_nodes(tmp_path, args_of_node):
+    """Start both node commands at once; returns their CompletedProcess-like (returncode, output) pairs."""
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs = [
+        subprocess.Popen(
+            _node_command(r, port, args_of_node(r)),
+            cwd=ROOT,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        for r in (0, 1)
+    ]
+    results = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        results.append((p.returncode, out))
+    return results
+
+
+def _model(path):
+    from safetensors.torch import load_file
+
+    return load_file(path / "model.safetensors")
+
+
+def test_two_nodes_on_loopback_train_together_like_one_process(tmp_path):
+    out = tmp_path / "two-nodes"
+    nodes = _two_nodes(
+        tmp_path,
+        lambda r: [
+            *COMMON,
+            "--per_device_train_batch_size",
+            "2",
+            "--output_dir",
+            str(out),
+            "--cache_dir",
+            str(tmp_path / f"cache-node{r}"),
+        ],  # fmt: skip  (node-local caches)
+    )
+    for rank, (code, log) in enumerate(nodes):
+        assert code == 0, f"node {rank}:\n{log[-4000:]}"
+    assert "Preflight: 2 processes agree" in nodes[0][1]
+    one = tmp_path / "one"
+    single = launch("recipes/sft.py", [*COMMON, "--per_device_train_batch_size", "4", "--output_dir", str(one)])
+    assert single.returncode == 0, single.stderr[-3000:]
+    two_summary, one_summary = (json.loads((d / "summary.json").read_text()) for d in (out, one))
+    assert two_summary["num_processes"] == 2 and two_summary["train_tokens"] == one_summary["train_tokens"]
+    a, b = _model(one), _model(out)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=TOL, rtol=TOL, msg=f"parameter {name}")
+
+
+def test_nodes_with_different_configs_stop_at_the_preflight_check(tmp_path):
+    start = time.monotonic()
+    nodes = _two_nodes(
+        tmp_path,
+        lambda r: [*COMMON, "--output_dir", str(tmp_path / "out"), "--learning_rate", ["1e-3", "2e-3"][r]],
+    )
+    assert time.monotonic() - start < 120
+    for rank, (code, log) in enumerate(nodes):
+        assert code != 0, f"node {rank} should have stopped"
+        assert f"tunebook: error (rank {rank}): preflight: the processes of this launch disagree" in log
+        assert "config key 'learning_rate': 0.001 on rank 0" in log and "0.002 on rank 1" in log
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_fsdp_config_on_a_cpu_stops_instead_of_training_with_another_engine(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("FSDP runs on this machine")
+    out = tmp_path / "fsdp"
+    result = launch("recipes/sft.py", [*COMMON, "--output_dir", str(out)], accelerate_config="fsdp.yaml",
+                    launcher_args=("--num_processes", "1"))  # fmt: skip
+    text = result.stdout + result.stderr
+    assert result.returncode != 0 and "the accelerate config asks for FSDP but Accelerate started" in text
+    assert not (out / "model.safetensors").exists()
+
+
+def test_ddp_all_reduces_gradients_only_on_the_last_micro_batch_of_each_step(tmp_path):
+    k, steps = 4, 3
+    out = tmp_path / "count"
+    args = [*COMMON, "--max_steps", str(steps), "--gradient_accumulation_steps", str(k),
+            "--per_device_train_batch_size", "2", "--output_dir", str(out)]  # fmt: skip
+    result = launch("tests/distributed/count_allreduces.py", args, accelerate_config="multi_cpu.yaml")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for rank in (0, 1):
+        record = json.loads((out / f"allreduces-rank{rank}.json").read_text())
+        assert record["backward_passes"] == k * steps
+        # Every bucket's all-reduce fired during the backward of a step's last micro-batch, and every step had one.
+        assert record["allreduce_at"] and all(at % k == 0 for at in record["allreduce_at"]), record
+        assert sorted(set(record["allreduce_at"])) == [k * (s + 1) for s in range(steps)]
