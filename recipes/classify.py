@@ -49,6 +49,7 @@ from tunebook.training import (
     build_accelerator,
     build_optimizer,
     build_scheduler,
+    efficiency_summary,
     eval_due,
     exit_code,
     is_nonfinite,
@@ -97,10 +98,10 @@ def main(config: ClassifyConfig) -> dict:
     if accelerator.is_main_process:
         save_config(config, output_dir / "config.yaml")
     log.info("Resolved config:\n%s", "\n".join(f"  {k}: {v!r}" for k, v in config_to_dict(config).items()))
-    log.info("%d process(es), device %s, mixed precision %s", accelerator.num_processes, accelerator.device,
-             accelerator.mixed_precision)  # fmt: skip
+    log.info("%d process(es), %s, device %s, mixed precision %s", accelerator.num_processes,
+             accelerator.distributed_type.value, accelerator.device, accelerator.mixed_precision)  # fmt: skip
 
-    # --- data: the main process tokenises into the cache, the others then map the same files
+    # --- data: prepared under a file lock (the first process builds, the others map the files), then all meet
     data = prepare_then_join(accelerator, config, prepare_classification_data, cache_dir, log)
     tokenizer = data.tokenizer
     log.info("Data ready in %.1f s (%s); labels %s", data.seconds,
@@ -288,6 +289,10 @@ def main(config: ClassifyConfig) -> dict:
         "versions": versions(),
         "output_dir": str(output_dir),
     }
+    # model FLOPs per token, MFU (GPUs of known peak, or peak_flops), peak device memory
+    summary.update(
+        efficiency_summary(accelerator, model, data.train, summary["train_tokens_per_second"], config.peak_flops)
+    )
     if accelerator.is_main_process:
         write_summary(output_dir / "summary.json", summary)
         log.info("Model and tokenizer: %s", output_dir if total_steps > 0 else "(not saved: max_steps=0)")

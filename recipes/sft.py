@@ -62,6 +62,7 @@ from tunebook.training import (
     build_scheduler,
     causal_lm_token_losses,
     count_loss_tokens,
+    efficiency_summary,
     eval_due,
     exit_code,
     is_nonfinite,
@@ -139,13 +140,14 @@ def main(config: SFTConfig) -> dict:
         save_config(config, output_dir / "config.yaml")
     log.info("Resolved config:\n%s", "\n".join(f"  {k}: {v!r}" for k, v in config_to_dict(config).items()))
     log.info(
-        "%d process(es), device %s, mixed precision %s",
+        "%d process(es), %s, device %s, mixed precision %s",
         accelerator.num_processes,
+        accelerator.distributed_type.value,
         accelerator.device,
         accelerator.mixed_precision,
     )
 
-    # --- data: the main process tokenises (and packs) into the cache, the others then map the same files
+    # --- data: prepared under a file lock (the first process builds, the others map the files), then all meet
     data = prepare_then_join(accelerator, config, prepare_sft_data, cache_dir, log)
     tokenizer = data.tokenizer
     log.info(
@@ -352,6 +354,10 @@ def main(config: SFTConfig) -> dict:
         "versions": versions(),
         "output_dir": str(output_dir),
     }
+    # model FLOPs per token, MFU (GPUs of known peak, or peak_flops), peak device memory
+    summary.update(
+        efficiency_summary(accelerator, model, data.train, summary["train_tokens_per_second"], config.peak_flops)
+    )
     if accelerator.is_main_process:
         write_summary(output_dir / "summary.json", summary)
         log.info("Model and tokenizer: %s", output_dir if total_steps > 0 else "(not saved: max_steps=0)")

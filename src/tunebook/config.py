@@ -100,6 +100,10 @@ class TrainConfig:
         "that update and count it.",
         "stop",
     )
+    peak_flops: float | None = _help(
+        "Peak FLOP/s of one device for the MFU figure (default: the data-sheet bf16 value of known GPUs; none on CPU).",
+        None,
+    )
     report_to: str | list[str] = _help(
         "Experiment trackers (through Accelerate): tensorboard, trackio, wandb, mlflow, a list of them, auto "
         "(tensorboard when installed) or none. They get the config and every metrics.jsonl record; local ones write "

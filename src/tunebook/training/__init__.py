@@ -2,6 +2,7 @@
 
 from .accelerator import build_accelerator, has_accelerator_device
 from .best import BestModel, infer_greater_is_better
+from .flops import efficiency_summary, model_flops_per_token
 from .guard import StopSignals, TrainCounters, exit_code, is_nonfinite, nonfinite_stop
 from .loss import (
     causal_lm_token_losses,
@@ -15,6 +16,8 @@ from .optim import build_optimizer, build_scheduler
 from .steps import accumulation_windows, eval_due, save_due, total_optimizer_steps
 
 __all__ = [
+    "efficiency_summary",
+    "model_flops_per_token",
     "BestModel",
     "infer_greater_is_better",
     "nonfinite_stop",
