@@ -46,7 +46,6 @@ from tunebook.training import (
     StopSignals,
     TrainCounters,
     accumulation_windows,
-    build_accelerator,
     build_optimizer,
     build_scheduler,
     efficiency_summary,
@@ -54,6 +53,7 @@ from tunebook.training import (
     exit_code,
     is_nonfinite,
     nonfinite_stop,
+    recipe_accelerator,
     save_due,
     step_loss_scale,
     total_optimizer_steps,
@@ -84,13 +84,7 @@ def evaluate(config: ClassifyConfig, model, data: ClassificationData, eval_loade
 
 def main(config: ClassifyConfig) -> dict:
     timer = RunTimer()
-    accelerator = build_accelerator(
-        config.gradient_accumulation_steps,
-        non_blocking=config.dataloader_non_blocking,
-        report_to=config.report_to,
-        output_dir=config.output_dir,
-        ddp_timeout=config.ddp_timeout,
-    )
+    accelerator = recipe_accelerator(config)  # engine, trackers, timeouts from the config and the launcher
     log = setup_logging(accelerator.is_main_process, config.log_level)
     set_seed(config.seed)
     output_dir = Path(config.output_dir)

@@ -54,7 +54,6 @@ from tunebook.training import (
     StopSignals,
     TrainCounters,
     accumulation_windows,
-    build_accelerator,
     build_optimizer,
     build_scheduler,
     causal_lm_token_losses,
@@ -64,6 +63,7 @@ from tunebook.training import (
     exit_code,
     is_nonfinite,
     nonfinite_stop,
+    recipe_accelerator,
     save_due,
     step_loss_scale,
     total_optimizer_steps,
@@ -92,13 +92,7 @@ def evaluate(config: PretrainConfig, model, eval_loader, attn: str, accelerator)
 
 def main(config: PretrainConfig) -> dict:
     timer = RunTimer()
-    accelerator = build_accelerator(
-        config.gradient_accumulation_steps,
-        non_blocking=config.dataloader_non_blocking,
-        report_to=config.report_to,
-        output_dir=config.output_dir,
-        ddp_timeout=config.ddp_timeout,
-    )
+    accelerator = recipe_accelerator(config)  # engine, trackers, timeouts from the config and the launcher
     log = setup_logging(accelerator.is_main_process, config.log_level)
     set_seed(config.seed)
     output_dir = Path(config.output_dir)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import sys
 import types
 import typing
@@ -269,6 +270,24 @@ _TRUE = {"true", "yes", "1", "on"}
 _FALSE = {"false", "no", "0", "off"}
 
 
+_EXPONENT_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
+def _yaml_floats(value: Any) -> Any:
+    """Numbers like 1e-5 inside lists and dicts (a model_config's rms_norm_eps, say) as floats.
+
+    YAML 1.1, which PyYAML implements, reads a float only with a dot (1.0e-5), so `1e-5` and even JSON's `1e-05`
+    arrive as strings; top-level fields are converted by their type, nested values need this.
+    """
+    if isinstance(value, dict):
+        return {k: _yaml_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_yaml_floats(v) for v in value]
+    if isinstance(value, str) and _EXPONENT_FLOAT.match(value.strip()):
+        return float(value)
+    return value
+
+
 def _coerce(hint: Any, value: Any) -> Any:
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
@@ -338,7 +357,7 @@ def _coerce(hint: Any, value: Any) -> Any:
                 raise ValueError(f"expected a {target.__name__} in YAML syntax, got {value!r}") from None
         if not isinstance(value, target):
             raise ValueError(f"expected a {target.__name__}, got {value!r}")
-        return value
+        return _yaml_floats(value)
     raise TypeError(f"unsupported config field type {hint!r}")
 
 

@@ -1,4 +1,4 @@
-"""On a CUDA GPU: the recipe under FSDP2 (fsdp.yaml, one process) in bf16 trains, saves a full Hugging Face
+"""On a CUDA GPU: the recipe under FSDP2 (fsdp.yaml), DeepSpeed ZeRO-2/3 and plain single-GPU, one process, bf16, trains, saves a full Hugging Face
 model from the sharded state, writes sharded checkpoints, and a run resumed from one continues the same run.
 
 Skipped without CUDA (CI has none); run on a GPU machine with `pytest -m gpu`. Resumption is compared with a
@@ -35,7 +35,19 @@ def _losses(out):
     }
 
 
-@pytest.mark.parametrize("accelerate_config", ["fsdp.yaml", "single_gpu.yaml"])
+def _deepspeed(config):
+    try:
+        import deepspeed  # noqa: F401
+
+        return config
+    except ImportError:
+        return pytest.param(config, marks=pytest.mark.skip(reason="deepspeed is not installed"))
+
+
+@pytest.mark.parametrize(
+    "accelerate_config",
+    ["fsdp.yaml", "single_gpu.yaml", _deepspeed("deepspeed_zero2.yaml"), _deepspeed("deepspeed_zero3.yaml")],
+)
 def test_gpu_engine_trains_saves_and_resumes(tmp_path, accelerate_config):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -45,7 +57,7 @@ def test_gpu_engine_trains_saves_and_resumes(tmp_path, accelerate_config):
         "recipes/sft.py", [*COMMON, "--output_dir", str(full)], accelerate_config, launcher_args=ONE_PROCESS
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    engine = "FSDP" if accelerate_config == "fsdp.yaml" else "NO"
+    engine = {"fsdp.yaml": "FSDP", "single_gpu.yaml": "NO"}.get(accelerate_config, "DEEPSPEED")
     assert f"1 process(es), {engine}, device cuda" in result.stdout
     summary = json.loads((full / "summary.json").read_text())
     assert summary["mixed_precision"] == "bf16" and summary["peak_device_memory_mb"] > 0 and summary["mfu"] > 0

@@ -32,6 +32,17 @@ def test_structured_values_from_the_command_line():
     assert load_config(SFTConfig, ["--eval_data", "null"]).eval_data is None
 
 
+def test_exponent_numbers_inside_a_model_config_are_floats(tmp_path):
+    """YAML 1.1 reads 1e-5 (and JSON's 1e-05) as strings; transformers' configs then reject rms_norm_eps."""
+    json_text = '{"rms_norm_eps": 1e-05, "rope_parameters": {"rope_theta": 1e+5}, "name": "x1e5", "layers": [2e0]}'
+    config = load_config(SFTConfig, ["--model_config", json_text])
+    assert config.model_config == {"rms_norm_eps": 1e-5, "rope_parameters": {"rope_theta": 1e5}, "name": "x1e5",
+                                   "layers": [2.0]}  # fmt: skip
+    path = tmp_path / "c.yaml"
+    path.write_text("model_config:\n  model_type: llama\n  rms_norm_eps: 1e-6\n")
+    assert load_config(SFTConfig, ["--config", str(path)]).model_config["rms_norm_eps"] == 1e-6
+
+
 def test_unknown_key_names_the_closest(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown config key 'lerning_rate'.*did you mean 'learning_rate'"):
         load_config(SFTConfig, ["--lerning_rate", "1"])

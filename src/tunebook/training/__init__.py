@@ -1,6 +1,6 @@
 """The pieces of the training loop, called by name from recipes (the loop itself stays in the recipes)."""
 
-from .accelerator import build_accelerator, has_accelerator_device
+from .accelerator import build_accelerator, has_accelerator_device, recipe_accelerator
 from .best import BestModel, infer_greater_is_better
 from .flops import efficiency_summary, model_flops_per_token
 from .guard import StopSignals, TrainCounters, exit_code, is_nonfinite, nonfinite_stop
@@ -16,6 +16,7 @@ from .optim import build_optimizer, build_scheduler
 from .steps import accumulation_windows, eval_due, save_due, total_optimizer_steps
 
 __all__ = [
+    "recipe_accelerator",
     "efficiency_summary",
     "model_flops_per_token",
     "BestModel",

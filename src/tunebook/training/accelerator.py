@@ -7,12 +7,12 @@ from datetime import timedelta
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, str_to_bool
 
 from ..errors import ConfigError
 from ..trackers import resolve_report_to, trackers_dir
 
-__all__ = ["build_accelerator", "check_engine", "has_accelerator_device"]
+__all__ = ["build_accelerator", "check_engine", "has_accelerator_device", "recipe_accelerator"]
 
 
 def has_accelerator_device() -> bool:
@@ -25,6 +25,7 @@ def build_accelerator(
     report_to: str | list[str] = "none",
     output_dir: str | None = None,
     ddp_timeout: int = 1800,
+    max_grad_norm: float = 1.0,
     **kwargs,
 ) -> Accelerator:
     """An Accelerator configured by `accelerate launch` / its config file, plus what recipes always need.
@@ -39,6 +40,9 @@ def build_accelerator(
       Accelerate's default steps it `num_processes` times per step, which only works if the schedule was built
       for `num_processes` times more steps.
     """
+    # Under DeepSpeed the engine clips inside its step, with Accelerate's "auto" value fixed at 1.0: hand it ours.
+    if str_to_bool(os.environ.get("ACCELERATE_USE_DEEPSPEED", "false")):
+        os.environ.setdefault("ACCELERATE_GRADIENT_CLIPPING", str(max_grad_norm))
     log_with = resolve_report_to(report_to)
     if log_with and output_dir is None:
         raise ValueError("build_accelerator: trackers need output_dir")
@@ -69,7 +73,7 @@ def check_engine(accelerator: Accelerator) -> None:
     Accelerate silently drops its FSDP plugin without CUDA (plain DDP, or one process, trains instead), so a run
     would look fine while sharding, its memory savings and its checkpoint format are absent.
     """
-    from accelerate.utils import DistributedType, str_to_bool
+    from accelerate.utils import DistributedType
 
     wanted = {
         "FSDP": (str_to_bool(os.environ.get("ACCELERATE_USE_FSDP", "false")), DistributedType.FSDP),
@@ -82,3 +86,21 @@ def check_engine(accelerator: Accelerator) -> None:
                 f"on {accelerator.device.type} ({accelerator.num_processes} process(es)): {engine} needs CUDA GPUs "
                 "here. Use accelerate_configs/cpu.yaml or multi_cpu.yaml on a CPU"
             )
+
+
+def recipe_accelerator(config) -> Accelerator:
+    """`build_accelerator` with a recipe config's settings (any `TrainConfig`), checked against the engine."""
+    accelerator = build_accelerator(
+        config.gradient_accumulation_steps,
+        non_blocking=config.dataloader_non_blocking,
+        report_to=config.report_to,
+        output_dir=config.output_dir,
+        ddp_timeout=config.ddp_timeout,
+        max_grad_norm=config.max_grad_norm,
+    )
+    if accelerator.distributed_type.value == "DEEPSPEED" and config.nan_policy == "skip":
+        raise ConfigError(
+            "nan_policy: skip does not work under DeepSpeed, whose engine applies the update inside backward; "
+            "use nan_policy: stop"
+        )
+    return accelerator
