@@ -87,7 +87,11 @@ def main():
         if done.returncode != 0:
             sys.exit(f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
         summary = json.loads((out / "summary.json").read_text())
+        summary["wall_seconds"] = wall
         summaries[name] = summary
+        if args.out:  # as each run finishes, so a cut-off session keeps what was measured
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "gpu_engines_summaries.json").write_text(json.dumps(summaries, indent=2))
         print(f"{name}: {summary['train_tokens_per_second']:.0f} tokens/s, MFU {summary['mfu']:.3f}, "
               f"peak {summary['peak_device_memory_mb']:.0f} MiB, {wall:.0f} s", flush=True)  # fmt: skip
         rows.append(

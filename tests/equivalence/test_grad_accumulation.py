@@ -43,7 +43,7 @@ def _examples(tokenizer, n=7):
 
 def _reference_step(model, rows, collate):
     """The plain computation: one padded batch of the whole step, mean over its loss tokens."""
-    batch = collate(rows)
+    batch = {k: v.to(model.device) for k, v in collate(rows).items()}
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     loss = token_loss_sum(logits, batch["labels"]) / count_loss_tokens(batch["labels"])
     loss.backward()
@@ -64,6 +64,7 @@ def test_accumulated_steps_equal_union_batches(
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    reference.to(accelerator.device)  # on a GPU machine Accelerate moved the model there: compare like with like
 
     steps, offset = 0, 0
     for _epoch in range(2):  # the second epoch checks the accumulation counter restarts cleanly

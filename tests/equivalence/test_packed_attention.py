@@ -23,7 +23,7 @@ def _backends():
     """(attn_implementation, device): every backend on the CPU, and on a CUDA GPU when there is one."""
     cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
     backends = [("sdpa", "cpu"), ("eager", "cpu"), (SEGMENT_SDPA, "cpu")]
-    backends += [pytest.param(attn, "cuda", marks=[pytest.mark.gpu, cuda]) for attn in ("sdpa", "eager")]
+    backends += [pytest.param(a, "cuda", marks=[pytest.mark.gpu, cuda]) for a in ("sdpa", "eager", SEGMENT_SDPA)]
     try:
         import flash_attn  # noqa: F401
 
@@ -71,12 +71,13 @@ def test_packed_token_losses_equal_losses_alone(attn, device, mode, tiny_tokeniz
     build_attn = "sdpa" if attn == SEGMENT_SDPA else attn
     model = build_causal_lm(tiny_tokenizer, model_config=tiny_model_config, attn_implementation=build_attn).to(device)
     if attn == SEGMENT_SDPA:
-        assert use_packed_attention(model, "cpu") == SEGMENT_SDPA
-    if attn.startswith("flash"):
+        assert use_packed_attention(model, device) == SEGMENT_SDPA
+    flash = attn.startswith("flash") or (attn == SEGMENT_SDPA and device == "cuda")  # torch's flash varlen kernel
+    if flash:
         model = model.to(torch.bfloat16)
     model.train(mode == "train")
     # flash kernels run in bf16 only; CUDA kernels sum in another order for the packed and the lone shapes
-    tol = 2e-2 if attn.startswith("flash") else (1e-4 if device == "cuda" else TOL)
+    tol = 2e-2 if flash else (1e-4 if device == "cuda" else TOL)
     with torch.no_grad():
         for in_row, alone in _packed_and_alone(model, tiny_tokenizer, attn, device):
             torch.testing.assert_close(in_row, alone, atol=tol, rtol=tol)

@@ -12,6 +12,8 @@ attention costs grow with the square of the row length. A packed row keeps the l
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import datasets
@@ -201,11 +203,13 @@ SEGMENT_SDPA = "tunebook_segment_sdpa"
 
 
 def segment_sdpa_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Causal SDPA run separately on every packed example: the varlen kernel that CPUs lack.
+    """Causal attention run separately on every packed example: a varlen kernel for transformers' `sdpa` models.
 
-    With a block-diagonal mask, SDPA still computes the whole row's `length x length` scores and throws most of
-    them away; one causal call per example (given as `cu_seq_lens_q` over the flattened batch, the flash-attention
-    convention) computes only what is kept: about 1.7x faster per attention layer for rows of ~4 examples here.
+    With a block-diagonal mask, SDPA computes the whole row's `length x length` scores and throws most of them
+    away, and on CUDA a mask also rules out the flash kernel. Given the examples' boundaries (`cu_seq_lens_q` over
+    the flattened batch, the flash-attention convention) this computes only what is kept: on CUDA in bf16/fp16
+    with PyTorch's flash varlen kernel (`torch.nn.attention.varlen`), elsewhere with one causal SDPA call per
+    example (about 1.7x faster per attention layer than the mask on a CPU for rows of ~4 examples).
     Batches without `cu_seq_lens_q` (padded evaluation, generation) go to transformers' SDPA unchanged.
     """
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
@@ -218,18 +222,23 @@ def segment_sdpa_attention(module, query, key, value, attention_mask, scaling=No
     batch, heads, length, dim = query.shape
     if key.shape[1] != heads:
         key, value = repeat_kv(key, heads // key.shape[1]), repeat_kv(value, heads // value.shape[1])
+    dropout_p = dropout if module.training else 0.0
+    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and dropout_p == 0.0 and _cuda_varlen():
+        q, k, v = (t.transpose(1, 2).reshape(batch * length, heads, -1) for t in (query, key, value))
+        out = _cuda_varlen()(q, k, v, cu, cu, kwargs["max_length_q"], kwargs["max_length_k"], scaling)
+        return out.reshape(batch, length, heads, -1), None
     q, k, v = (t.transpose(0, 1).reshape(heads, batch * length, -1)[None] for t in (query, key, value))
     # `split`, not one slice per example: the backward of a slice writes its gradient into a zero tensor of the
     # whole input, so n slices cost n full-size fills and adds (10% of a training step here); split's is one cat.
     sizes = (cu[1:] - cu[:-1]).tolist()
-    dropout_p = dropout if module.training else 0.0
-    # Attend in float32 under bf16/fp16: PyTorch's CPU flash-attention backward is ~3x slower in bf16 than in fp32
-    # at these sizes (measured on a Zen 4 CPU with avx512_bf16), while the matmuls around it gain 2x from bf16.
+    # On a CPU attend in float32 under bf16/fp16: PyTorch's CPU flash-attention backward is ~3x slower in bf16
+    # than in fp32 at these sizes (measured on a Zen 4 CPU with avx512_bf16), while the matmuls gain 2x from bf16.
     dtype = q.dtype
+    compute = torch.float32 if q.device.type == "cpu" else dtype
     with torch.autocast(q.device.type, enabled=False):
         parts = [
             F.scaled_dot_product_attention(
-                qi.float(), ki.float(), vi.float(), is_causal=True, scale=scaling, dropout_p=dropout_p
+                qi.to(compute), ki.to(compute), vi.to(compute), is_causal=True, scale=scaling, dropout_p=dropout_p
             )
             for qi, ki, vi in zip(q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2))
         ]
@@ -237,14 +246,37 @@ def segment_sdpa_attention(module, query, key, value, attention_mask, scaling=No
     return out.permute(1, 2, 0, 3).contiguous(), None
 
 
+@functools.cache
+def _cuda_varlen():
+    """PyTorch's flash varlen attention as `f(q, k, v, cu_q, cu_k, max_q, max_k, scale)`, causal; None if absent.
+
+    `torch.nn.attention.varlen.varlen_attn` appeared in PyTorch 2.9 with `is_causal`, later versions take
+    `window_size=(-1, 0)` for causal attention instead.
+    """
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    causal = (
+        {"window_size": (-1, 0)} if "window_size" in inspect.signature(varlen_attn).parameters else {"is_causal": True}
+    )
+
+    def attend(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, **causal)
+
+    return attend
+
+
 def use_packed_attention(model, device: torch.device | str) -> str:
     """Pick the attention implementation for packed training and switch `model` to it; returns its name.
 
-    On a CPU, `sdpa` becomes `segment_sdpa_attention` (no FLOPs spent across examples). Elsewhere the model keeps
-    its backend and `attention_inputs` supplies what isolates the examples for it.
+    `sdpa` becomes `segment_sdpa_attention` (no FLOPs spent across examples) on a CPU, and on a CUDA GPU where
+    PyTorch has its flash varlen kernel. Otherwise the model keeps its backend and `attention_inputs` supplies what
+    isolates the examples for it (a block-diagonal mask for sdpa and eager).
     """
     attn = model.config._attn_implementation
-    if attn == "sdpa" and torch.device(device).type == "cpu":
+    kind = torch.device(device).type
+    if attn == "sdpa" and (kind == "cpu" or (kind == "cuda" and _cuda_varlen() is not None)):
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -261,7 +293,10 @@ def packing_mechanism(attn_implementation: str) -> str:
     if attn_implementation in VARLEN_BACKENDS:
         return "varlen kernel: position ids restarting per example, no attention mask"
     if attn_implementation == SEGMENT_SDPA:
-        return "causal SDPA per example over cumulative lengths (CPU varlen) + position ids restarting per example"
+        return (
+            "causal attention per example over cumulative lengths (PyTorch's flash varlen kernel on CUDA in bf16, "
+            "one SDPA call per example otherwise) + position ids restarting per example"
+        )
     if attn_implementation == "sdpa":
         return "explicit block-diagonal causal 4D boolean mask + position ids restarting per example"
     if attn_implementation == "eager":
