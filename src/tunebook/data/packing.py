@@ -270,13 +270,16 @@ def _cuda_varlen():
 def use_packed_attention(model, device: torch.device | str) -> str:
     """Pick the attention implementation for packed training and switch `model` to it; returns its name.
 
-    `sdpa` becomes `segment_sdpa_attention` (no FLOPs spent across examples) on a CPU, and on a CUDA GPU where
-    PyTorch has its flash varlen kernel. Otherwise the model keeps its backend and `attention_inputs` supplies what
-    isolates the examples for it (a block-diagonal mask for sdpa and eager).
+    `sdpa` becomes `segment_sdpa_attention` (no FLOPs spent across examples) on a CPU. Otherwise the model keeps its
+    backend and `attention_inputs` supplies what isolates the examples for it (a block-diagonal mask for sdpa and
+    eager).
     """
     attn = model.config._attn_implementation
-    kind = torch.device(device).type
-    if attn == "sdpa" and (kind == "cpu" or (kind == "cuda" and _cuda_varlen() is not None)):
+    # On CUDA the mask path stays: with PyTorch 2.11 on an H200, the flash varlen kernel made training of a 135M
+    # model 5.6x slower than SDPA with the block-diagonal mask (17k vs 97k tokens/s, benchmarks/gpu_engines.py),
+    # though its results were right (tests/equivalence/test_packed_attention.py); `segment_sdpa_attention` keeps
+    # that path for models switched to it by hand.
+    if attn == "sdpa" and torch.device(device).type == "cpu":
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
