@@ -135,3 +135,44 @@ def test_ddp_all_reduces_gradients_only_on_the_last_micro_batch_of_each_step(tmp
         # Every bucket's all-reduce fired during the backward of a step's last micro-batch, and every step had one.
         assert record["allreduce_at"] and all(at % k == 0 for at in record["allreduce_at"]), record
         assert sorted(set(record["allreduce_at"])) == [k * (s + 1) for s in range(steps)]
+
+
+SRUN = """#!/bin/bash
+# Stand-in for Slurm's srun: the command once per node of the allocation, concurrently, with SLURM_NODEID set.
+n=$SLURM_NNODES
+while [[ "$1" == --* ]]; do [[ "$1" == --nodes=1 ]] && n=1; shift; done
+pids=()
+for ((i = 0; i < n; i++)); do SLURM_NODEID=$i "$@" & pids+=($!); done
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=1; done
+exit $rc
+"""
+
+
+def test_the_slurm_script_prepares_once_then_launches_every_node(tmp_path):
+    """scripts/slurm/train.sbatch under stand-ins for srun and scontrol: 2 "nodes" on loopback, CPU processes."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "srun").write_text(SRUN)
+    (stubs / "scontrol").write_text("#!/bin/bash\necho 127.0.0.1\n")
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{stubs}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+        "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_ID": "4242", "GPUS_PER_NODE": "1",
+        "MAIN_PROCESS_PORT": str(free_port()), "ACCELERATE_CONFIG": "accelerate_configs/multi_cpu.yaml",
+        "TUNEBOOK_CACHE": str(tmp_path / "shared-cache"), "PYTHONUNBUFFERED": "1",
+    }  # fmt: skip
+    out = tmp_path / "run"
+    result = subprocess.run(
+        ["bash", "scripts/slurm/train.sbatch", "recipes/sft.py", *COMMON, "--output_dir", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-5000:]
+    assert "tunebook: 2 node(s) x 1 GPU(s), main 127.0.0.1:" in log
+    assert "train tokenisation" in log  # `tunebook prepare` built the caches ...
+    assert "Data ready" in log and "(all cached)" in log  # ... and the launched recipe only loaded them
+    assert "Preflight: 2 processes agree" in log
+    assert json.loads((out / "summary.json").read_text())["num_processes"] == 2
