@@ -149,13 +149,6 @@ def resume_training(accelerator: Accelerator, output_dir, spec: str | None, coun
     if checkpoint is None:
         return None, {"global_step": 0, "epoch": 0, "batches_in_epoch": 0}
     accelerator.load_state(str(checkpoint))
-    # Put each scheduler's learning rate back into its optimizer. A torch optimizer's state dict carries it, but
-    # DeepSpeed's ZeRO optimizers restore their states without the param groups' rates, so the first step after a
-    # resume ran at the schedule's base rate (seen as diverging losses on a GPU).
-    for scheduler in accelerator._schedulers:
-        inner = getattr(scheduler, "scheduler", scheduler)
-        for group, lr in zip(inner.optimizer.param_groups, inner.get_last_lr()):
-            group["lr"] = lr
     state = load_trainer_state(checkpoint)
     counters.load_state_dict(load_process_state(checkpoint, accelerator.process_index))
     if best is not None and state.get("best"):
