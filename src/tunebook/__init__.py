@@ -1,25 +1,64 @@
 """Tunebook: readable, correct, fast fine-tuning recipes on Hugging Face Accelerate.
 
-The recipes in `recipes/` are built from the functions re-exported here; import them to write your own loop.
+Run a recipe from Python with `load_recipe` (see `tunebook.recipe`), or write your own loop from the building
+blocks the recipes use, all importable from here (loaded on first use, so `import tunebook` stays light):
+
+- data: `load_source`, `parse_sources`, `prepare_sft_data`, `prepare_classification_data`, `prepare_text_data`,
+  `cached_dataset`, `pack_dataset`, `PackedCollator`, `PadCollator`, `build_loader`, `attention_inputs`;
+- training: `recipe_accelerator`, `build_accelerator`, `build_optimizer`, `build_scheduler`,
+  `accumulation_windows`, `count_loss_tokens`, `step_loss_scale`, `causal_lm_token_losses`, `token_loss_sum`;
+- checkpoints: `save_checkpoint`, `resume_training`, `save_final_model`, `list_checkpoints`;
+- evaluation: `evaluate_loss`, `generation_exact_match`, `evaluate_classifier`, `load_metric`;
+- models: `build_causal_lm`, `build_sequence_classifier`, `train_chat_tokenizer`.
 """
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-from .checkpoint import list_checkpoints, save_checkpoint, save_final_model  # noqa: E402
+from .checkpoint import list_checkpoints, resume_training, save_checkpoint, save_final_model  # noqa: E402
 from .config import TrainConfig, load_config, parse_config, save_config  # noqa: E402
 from .errors import ConfigError, DataError, ModelError, TunebookError  # noqa: E402
+from .recipe import Recipe, load_recipe  # noqa: E402
+
+_LAZY = {
+    "tunebook.data": [
+        "load_source", "parse_sources", "prepare_sft_data", "prepare_classification_data", "prepare_text_data",
+        "cached_dataset", "pack_dataset", "PackedCollator", "PadCollator", "build_loader", "attention_inputs",
+    ],
+    "tunebook.training": [
+        "recipe_accelerator", "build_accelerator", "build_optimizer", "build_scheduler", "accumulation_windows",
+        "count_loss_tokens", "step_loss_scale", "causal_lm_token_losses", "token_loss_sum",
+    ],
+    "tunebook.evaluation": ["evaluate_loss", "generation_exact_match", "evaluate_classifier", "load_metric"],
+    "tunebook.models": ["build_causal_lm", "build_sequence_classifier", "train_chat_tokenizer"],
+}  # fmt: skip
+_WHERE = {name: module for module, names in _LAZY.items() for name in names}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'tunebook' has no attribute {name!r}")
+
 
 __all__ = [
     "ConfigError",
     "DataError",
     "ModelError",
+    "Recipe",
     "TrainConfig",
     "TunebookError",
     "__version__",
     "list_checkpoints",
     "load_config",
+    "load_recipe",
     "parse_config",
+    "resume_training",
     "save_checkpoint",
     "save_config",
     "save_final_model",
+    *_WHERE,
 ]

@@ -149,7 +149,7 @@ def test_eval_only_loss_is_the_same_packed_and_padded(tmp_path):
         result = _ok(launch("recipes/sft.py", [*args, "--generation_eval", "false"]))
         summaries[packing] = json.loads((out / "summary.json").read_text())
         assert summaries[packing]["train_steps"] == 0 and not (out / "model.safetensors").exists()
-    assert "causal SDPA per example over cumulative lengths" in result.stdout
+    assert "causal attention per example over cumulative lengths" in result.stdout
     padded, packed = summaries["false"]["eval"], summaries["true"]["eval"]
     assert packed["eval_tokens"] == padded["eval_tokens"] > 0
     assert packed["eval_loss"] == pytest.approx(padded["eval_loss"], rel=1e-5)

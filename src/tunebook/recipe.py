@@ -1,0 +1,73 @@
+"""Run a recipe from Python: a notebook, a test or your own script, with the code `accelerate launch` runs.
+
+    from tunebook import load_recipe
+
+    sft = load_recipe("sft")                       # or "classify", "pretrain", or a path to a recipe file
+    config = sft.config(max_steps=100, learning_rate=1e-3)           # keyword overrides, checked like the CLI
+    config = sft.config("recipes/configs/sft/default.yaml", seed=1)  # a YAML file, then overrides
+    summary = sft.main(config)                     # trains in this process; returns what summary.json holds
+
+The recipes are the files in `recipes/`. In a checkout or an editable install they are that folder; an
+installed wheel carries them as the package `tunebook.recipes` (pyproject maps the folder there).
+Importing a recipe has no side effects: it trains only when `main` is called.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from .config import parse_config
+from .errors import ConfigError
+
+__all__ = ["RECIPES", "Recipe", "load_recipe"]
+
+RECIPES = ("sft", "classify", "pretrain")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A loaded recipe: its module, its config class, and `config(...)` / `main(config)` to use them."""
+
+    name: str
+    module: ModuleType
+    config_class: type
+
+    def config(self, config_file: str | Path | None = None, **overrides: Any):
+        """The recipe's config: dataclass defaults < `config_file` (YAML) < `overrides`, validated."""
+        return parse_config(self.config_class, config_file, overrides)
+
+    def main(self, config) -> dict[str, Any]:
+        """Train (and evaluate) in this process; returns the run's summary."""
+        if not isinstance(config, self.config_class):
+            raise ConfigError(
+                f"recipe {self.name!r} takes a {self.config_class.__name__}, got {type(config).__name__}: "
+                f"build it with load_recipe({self.name!r}).config(...)"
+            )
+        return self.module.main(config)
+
+
+def load_recipe(name_or_path: str | Path) -> Recipe:
+    """The recipe `name_or_path`: one of `RECIPES`, or the path of a recipe file with a `main(config)`."""
+    path = Path(name_or_path)
+    if str(name_or_path) in RECIPES:
+        module = importlib.import_module(f"tunebook.recipes.{name_or_path}")
+    elif path.suffix == ".py" and path.is_file():
+        spec = importlib.util.spec_from_file_location(f"tunebook_recipe_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        raise ConfigError(
+            f"unknown recipe {str(name_or_path)!r}: use one of {', '.join(RECIPES)} or a recipe .py file"
+        )
+    if not callable(getattr(module, "main", None)):
+        raise ConfigError(f"{module.__file__} has no main(config) function")
+    config_class = typing.get_type_hints(module.main).get("config")
+    if config_class is None:
+        raise ConfigError(f"{module.__file__}: main's `config` parameter needs a type annotation (its config class)")
+    return Recipe(path.stem if path.suffix == ".py" else str(name_or_path), module, config_class)
