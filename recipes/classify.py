@@ -32,14 +32,12 @@ from tunebook.evaluation import classifier_inputs, evaluate_classifier
 from tunebook.logging import (
     MetricsWriter,
     RunTimer,
-    data_wait_advice,
-    peak_rss_mb,
     setup_logging,
-    versions,
     write_summary,
 )
 from tunebook.models import TINY_BERT, build_sequence_classifier
 from tunebook.recipe_configs import ClassifyConfig
+from tunebook.summary import run_summary
 from tunebook.trackers import start_trackers
 from tunebook.training import (
     BestModel,
@@ -48,7 +46,6 @@ from tunebook.training import (
     accumulation_windows,
     build_optimizer,
     build_scheduler,
-    efficiency_summary,
     eval_due,
     exit_code,
     is_nonfinite,
@@ -242,7 +239,6 @@ def main(config: ClassifyConfig) -> dict:
         model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)
         accelerator.end_training()
         raise stop
-    train_runtime = timer.train_runtime()
 
     # --- final evaluation and outputs (of the best checkpoint's weights with load_best_model_at_end)
     if config.load_best_model_at_end and best is not None and best.best_checkpoint:
@@ -254,39 +250,16 @@ def main(config: ClassifyConfig) -> dict:
         metrics_log.write({"step": global_step, **final_eval})
     if total_steps > 0:
         save_final_model(accelerator, model, tokenizer, output_dir)
-    counts = accelerator.reduce(torch.stack([counters.tokens_seen, counters.fed_tokens]), "sum").tolist()
-    data_wait = accelerator.reduce(torch.tensor(timer.data_wait_fraction(), device=accelerator.device), "mean").item()
-    if advice := data_wait_advice(data_wait, config.dataloader_num_workers, config.dataloader_prefetch_factor):
-        log.warning(advice)
-    summary = {
-        "recipe": "classify",
-        "train_steps": global_step,
-        "train_tokens": int(counts[0]),
-        "train_runtime_seconds": train_runtime,
-        "train_tokens_per_second": counts[0] / train_runtime if train_runtime > 0 else 0.0,
-        "time_to_first_step_seconds": timer.time_to_first_step,
-        "data_prep_seconds": data.seconds,
-        "data_wait_fraction": data_wait,
-        "final_train_loss": final_train_loss,
-        "eval": final_eval,
-        "eval_before_training": eval_history.get(0, {}),
-        "best": best.state_dict() if best else None,
-        "stopped_early": best is not None and best.should_stop(),
-        "skipped_updates": skipped_updates,
-        "resumed_from": str(checkpoint) if checkpoint else None,
-        "padding_fraction": 1 - counts[0] / counts[1] if counts[1] else 0.0,
-        "labels": data.label_names,
-        "data": data.stats,
-        "peak_rss_mb": peak_rss_mb(),
-        "num_processes": accelerator.num_processes,
-        "mixed_precision": accelerator.mixed_precision,
-        "versions": versions(),
-        "output_dir": str(output_dir),
-    }
-    # model FLOPs per token, MFU (GPUs of known peak, or peak_flops), peak device memory
-    summary.update(
-        efficiency_summary(accelerator, model, data.train, summary["train_tokens_per_second"], config.peak_flops)
-    )
+    summary = run_summary(
+        "classify", config, accelerator, model, data, timer, counters, best,
+        global_step=global_step,
+        final_train_loss=final_train_loss,
+        final_eval=final_eval,
+        eval_before=eval_history.get(0, {}),
+        skipped_updates=skipped_updates,
+        resumed_from=checkpoint,
+        labels=data.label_names,
+    )  # fmt: skip
     if accelerator.is_main_process:
         write_summary(output_dir / "summary.json", summary)
         log.info("Model and tokenizer: %s", output_dir if total_steps > 0 else "(not saved: max_steps=0)")

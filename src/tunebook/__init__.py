@@ -9,7 +9,8 @@ blocks the recipes use, all importable from here (loaded on first use, so `impor
   `accumulation_windows`, `count_loss_tokens`, `step_loss_scale`, `causal_lm_token_losses`, `token_loss_sum`;
 - checkpoints: `save_checkpoint`, `resume_training`, `save_final_model`, `list_checkpoints`;
 - evaluation: `evaluate_loss`, `generation_exact_match`, `evaluate_classifier`, `load_metric`;
-- models: `build_causal_lm`, `build_sequence_classifier`, `train_chat_tokenizer`.
+- models: `build_causal_lm`, `build_sequence_classifier`, `train_chat_tokenizer`;
+- the run summary every recipe returns: `run_summary`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ _LAZY = {
     ],
     "tunebook.evaluation": ["evaluate_loss", "generation_exact_match", "evaluate_classifier", "load_metric"],
     "tunebook.models": ["build_causal_lm", "build_sequence_classifier", "train_chat_tokenizer"],
+    "tunebook.summary": ["run_summary"],
 }  # fmt: skip
 _WHERE = {name: module for module, names in _LAZY.items() for name in names}
 
