@@ -60,7 +60,7 @@ def prepare(argv: list[str]) -> dict:
         "recipe": recipe,
         "cache_dir": str(cache_dir),
         "train_rows": len(data.train),
-        "train_tokens": data.stats.get("train_tokens_per_epoch", sum(map(len, data.train["input_ids"]))),
+        "train_tokens": data.stats.get("train_tokens_per_epoch") or _token_count(data.train),
         "eval_rows": 0 if data.eval is None else len(data.eval),
         "packing_efficiency": data.stats.get("packing_efficiency"),
         "train_fingerprint": data_fingerprint(data.train),  # what the preflight check compares across nodes
@@ -72,6 +72,13 @@ def prepare(argv: list[str]) -> dict:
         shown = f"{value:.4f}" if isinstance(value, float) else value
         print(f"{key:<{width}}  {shown}")
     return figures
+
+
+def _token_count(dataset) -> int:
+    """Tokens of a prepared data set, from its Arrow list lengths (no Python lists built)."""
+    import pyarrow.compute as pc
+
+    return pc.sum(pc.list_value_length(dataset.data.column("input_ids"))).as_py() or 0
 
 
 def _pop_option(argv: list[str], name: str, default: str) -> tuple[str, list[str]]:

@@ -13,8 +13,6 @@ Two rules:
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import socket
 from contextlib import contextmanager
@@ -72,11 +70,12 @@ def data_fingerprint(dataset) -> str | None:
     """
     if dataset is None:
         return None
+    from .data.cache import fingerprint
+
     n = len(dataset)
     rows = sorted({i * (n - 1) // 63 for i in range(64)}) if n else []
     sample = dataset.select(rows).to_dict() if rows else {}
-    blob = json.dumps([n, sorted(dataset.column_names), sample], sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
+    return fingerprint({"rows": n, "columns": sorted(dataset.column_names), "sample": sample})
 
 
 def run_facts(config, data, num_processes: int) -> dict[str, Any]:

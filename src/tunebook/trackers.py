@@ -18,8 +18,7 @@ from .errors import ConfigError
 
 __all__ = ["TRACKERS", "resolve_report_to", "start_trackers", "tracker_values", "trackers_dir"]
 
-TRACKERS = ("tensorboard", "trackio", "wandb", "mlflow")
-_PACKAGES = {"tensorboard": "tensorboard", "trackio": "trackio", "wandb": "wandb", "mlflow": "mlflow"}
+TRACKERS = ("tensorboard", "trackio", "wandb", "mlflow")  # each installs as the package of its name
 
 
 def resolve_report_to(report_to: str | list[str]) -> list[str]:
@@ -47,7 +46,7 @@ def resolve_report_to(report_to: str | list[str]) -> list[str]:
             )
         if name not in available:
             raise ConfigError(
-                f"report_to asks for {name} but it is not installed: pip install {_PACKAGES[name]} "
+                f"report_to asks for {name} but it is not installed: pip install {name} "
                 "(or pip install 'tunebook[trackers]'), or set report_to: none"
             )
         if name not in chosen:

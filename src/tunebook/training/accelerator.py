@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, str_to_bool
+from accelerate.utils import DataLoaderConfiguration, DistributedType, InitProcessGroupKwargs, str_to_bool
 
 from ..errors import ConfigError
 from ..trackers import resolve_report_to, trackers_dir
@@ -73,8 +73,6 @@ def check_engine(accelerator: Accelerator) -> None:
     Accelerate silently drops its FSDP plugin without CUDA (plain DDP, or one process, trains instead), so a run
     would look fine while sharding, its memory savings and its checkpoint format are absent.
     """
-    from accelerate.utils import DistributedType
-
     wanted = {
         "FSDP": (str_to_bool(os.environ.get("ACCELERATE_USE_FSDP", "false")), DistributedType.FSDP),
         "DeepSpeed": (str_to_bool(os.environ.get("ACCELERATE_USE_DEEPSPEED", "false")), DistributedType.DEEPSPEED),
@@ -98,7 +96,7 @@ def recipe_accelerator(config) -> Accelerator:
         ddp_timeout=config.ddp_timeout,
         max_grad_norm=config.max_grad_norm,
     )
-    if accelerator.distributed_type.value == "DEEPSPEED" and config.nan_policy == "skip":
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and config.nan_policy == "skip":
         raise ConfigError(
             "nan_policy: skip does not work under DeepSpeed, whose engine applies the update inside backward; "
             "use nan_policy: stop"
