@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from accelerate.utils import set_seed
-from tqdm.auto import tqdm
 from transformers import DataCollatorWithPadding
 
 from tunebook.checkpoint import resume_training, save_final_model, save_training_state
@@ -29,19 +28,16 @@ from tunebook.config import config_to_dict, load_config, save_config
 from tunebook.data import ClassificationData, build_loader, default_cache_dir, prepare_classification_data
 from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import classifier_inputs, evaluate_classifier
-from tunebook.logging import (
-    MetricsWriter,
-    RunTimer,
-    setup_logging,
-    write_summary,
-)
-from tunebook.models import TINY_BERT, build_sequence_classifier
+from tunebook.logging import MetricsWriter, RunTimer, progress_bar, setup_logging, show_progress
+from tunebook.models import TINY_BERT, apply_lora, build_sequence_classifier, describe_parameters
 from tunebook.recipe_configs import ClassifyConfig
+from tunebook.report import finish_run
 from tunebook.summary import run_summary
 from tunebook.trackers import start_trackers
 from tunebook.training import (
     BestModel,
     StopSignals,
+    Throughput,
     TrainCounters,
     accumulation_windows,
     build_optimizer,
@@ -82,7 +78,7 @@ def evaluate(config: ClassifyConfig, model, data: ClassificationData, eval_loade
 def main(config: ClassifyConfig) -> dict:
     timer = RunTimer()
     accelerator = recipe_accelerator(config)  # engine, trackers, timeouts from the config and the launcher
-    log = setup_logging(accelerator.is_main_process, config.log_level)
+    log = setup_logging(accelerator.is_main_process, config.log_level, config.disable_tqdm)
     set_seed(config.seed)
     output_dir = Path(config.output_dir)
     cache_dir = Path(config.cache_dir).expanduser() if config.cache_dir else default_cache_dir()
@@ -107,8 +103,11 @@ def main(config: ClassifyConfig) -> dict:
         attn_implementation=config.attn_implementation,
         gradient_checkpointing=config.gradient_checkpointing,
         trust_remote_code=config.trust_remote_code,
+        load_in_4bit=config.load_in_4bit,
     )
-    log.info("Model: %s, %.2fM parameters", type(model).__name__, sum(p.numel() for p in model.parameters()) / 1e6)
+    if config.use_peft:  # LoRA: the base stays frozen; checkpoints and the output hold only the adapters
+        model = apply_lora(model, config, "classification")
+    log.info("Model: %s, %s", type(model).__name__, describe_parameters(model))
     optimizer = build_optimizer(
         model, config.learning_rate, config.weight_decay, (config.adam_beta1, config.adam_beta2), config.adam_epsilon
     )
@@ -152,8 +151,9 @@ def main(config: ClassifyConfig) -> dict:
 
     # --- training loop
     final_train_loss = None
-    progress = tqdm(total=total_steps, initial=global_step, desc="Training",
-                    disable=config.disable_tqdm or not accelerator.is_main_process)  # fmt: skip
+    progress = progress_bar(accelerator.is_main_process, config.disable_tqdm, total=total_steps, initial=global_step,
+                            desc="Training")  # fmt: skip
+    throughput = Throughput(accelerator, model, data.train, timer, counters, config.peak_flops)  # per-log figures
     model.train()
     timer.start_training()
     stop = None  # the exception that ends the run early, raised once the model and process group are released
@@ -175,8 +175,7 @@ def main(config: ClassifyConfig) -> dict:
                         loss_sum = F.cross_entropy(logits.float(), batch["labels"], reduction="sum")
                         accelerator.backward(loss_sum * scale)
                     step_loss += loss_sum.detach().double()
-                    counters.tokens_seen += batch["attention_mask"].sum()
-                    counters.fed_tokens += batch["attention_mask"].numel()
+                    counters.add_batch(batch)  # tokens, padding and examples, for the logs and the summary
                 batches_in_epoch += len(window)
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm or float("inf"))
                 if is_nonfinite(step_loss, grad_norm, accelerator):
@@ -198,18 +197,16 @@ def main(config: ClassifyConfig) -> dict:
 
                 if global_step % config.logging_steps == 0 or global_step == total_steps:
                     final_train_loss = counters.pop_window_loss(accelerator)
-                    all_tokens = int(accelerator.reduce(counters.tokens_seen, "sum"))
                     record = {
                         "step": global_step,
                         "epoch": round(global_step / steps_per_epoch, 3),
                         "loss": final_train_loss,
                         "learning_rate": lr_scheduler.get_last_lr()[0],
                         "grad_norm": float(grad_norm),
-                        **timer.window(all_tokens),  # tokens_per_second, data_wait_fraction
-                        "train_tokens": all_tokens,
+                        **throughput.window(),  # tokens/s, samples/s, data wait, MFU, peak memory: all processes
                     }
                     metrics_log.write(record)
-                    progress.set_postfix(loss=f"{final_train_loss:.4f}", lr=f"{record['learning_rate']:.2e}")
+                    show_progress(progress, record, total_steps, log)
                 epoch_done = batches_in_epoch == len(train_loader)
                 new_best = False
                 if eval_loader is not None and eval_due(config, global_step, total_steps, epoch_done):
@@ -249,9 +246,9 @@ def main(config: ClassifyConfig) -> dict:
         final_eval = evaluate(config, model, data, eval_loader, accelerator)
         metrics_log.write({"step": global_step, **final_eval})
     if total_steps > 0:
-        save_final_model(accelerator, model, tokenizer, output_dir)
+        save_final_model(accelerator, model, tokenizer, output_dir, config.merge_adapter)
     summary = run_summary(
-        "classify", config, accelerator, model, data, timer, counters, best,
+        "classify", config, accelerator, throughput, data, timer, counters, best,
         global_step=global_step,
         final_train_loss=final_train_loss,
         final_eval=final_eval,
@@ -261,7 +258,7 @@ def main(config: ClassifyConfig) -> dict:
         labels=data.label_names,
     )  # fmt: skip
     if accelerator.is_main_process:
-        write_summary(output_dir / "summary.json", summary)
+        finish_run(output_dir, summary, log)  # summary.json, report.png, the table
         log.info("Model and tokenizer: %s", output_dir if total_steps > 0 else "(not saved: max_steps=0)")
         log.info("Summary: %s", output_dir / "summary.json")
         before = summary["eval_before_training"].get("eval_accuracy")

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import set_seed
-from tqdm.auto import tqdm
 
 from tunebook.checkpoint import resume_training, save_final_model, save_training_state
 from tunebook.config import config_to_dict, load_config, save_config
@@ -40,19 +39,16 @@ from tunebook.data import (
 )
 from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import evaluate_loss, generation_exact_match
-from tunebook.logging import (
-    MetricsWriter,
-    RunTimer,
-    setup_logging,
-    write_summary,
-)
-from tunebook.models import TINY_LLAMA, build_causal_lm
+from tunebook.logging import MetricsWriter, RunTimer, progress_bar, setup_logging, show_progress
+from tunebook.models import TINY_LLAMA, apply_lora, build_causal_lm, describe_parameters
 from tunebook.recipe_configs import SFTConfig
+from tunebook.report import finish_run
 from tunebook.summary import run_summary
 from tunebook.trackers import start_trackers
 from tunebook.training import (
     BestModel,
     StopSignals,
+    Throughput,
     TrainCounters,
     accumulation_windows,
     build_optimizer,
@@ -123,7 +119,7 @@ def evaluate(config: SFTConfig, model, data: SFTData, eval_loader, attn: str, ac
 def main(config: SFTConfig) -> dict:
     timer = RunTimer()
     accelerator = recipe_accelerator(config)  # engine, trackers, timeouts from the config and the launcher
-    log = setup_logging(accelerator.is_main_process, config.log_level)
+    log = setup_logging(accelerator.is_main_process, config.log_level, config.disable_tqdm)
     set_seed(config.seed)
     output_dir = Path(config.output_dir)
     cache_dir = Path(config.cache_dir).expanduser() if config.cache_dir else default_cache_dir()
@@ -158,8 +154,11 @@ def main(config: SFTConfig) -> dict:
         attn_implementation=config.attn_implementation,
         gradient_checkpointing=config.gradient_checkpointing,
         trust_remote_code=config.trust_remote_code,
+        load_in_4bit=config.load_in_4bit,
     )
-    log.info("Model: %s, %.2fM parameters", type(model).__name__, sum(p.numel() for p in model.parameters()) / 1e6)
+    if config.use_peft:  # LoRA: the base stays frozen; checkpoints and the output hold only the adapters
+        model = apply_lora(model, config)
+    log.info("Model: %s, %s", type(model).__name__, describe_parameters(model))
     attn, dtype = model.config._attn_implementation, model.dtype
     if config.packing:  # on a CPU, sdpa becomes our per-example (varlen) SDPA
         attn = use_packed_attention(model, accelerator.device)
@@ -213,8 +212,9 @@ def main(config: SFTConfig) -> dict:
 
     # --- training loop
     final_train_loss = None
-    progress = tqdm(total=total_steps, initial=global_step, desc="Training",
-                    disable=config.disable_tqdm or not accelerator.is_main_process)  # fmt: skip
+    progress = progress_bar(accelerator.is_main_process, config.disable_tqdm, total=total_steps, initial=global_step,
+                            desc="Training")  # fmt: skip
+    throughput = Throughput(accelerator, model, data.train, timer, counters, config.peak_flops)  # per-log figures
     model.train()
     timer.start_training()
     stop = None  # the exception that ends the run early, raised once the model and process group are released
@@ -236,8 +236,7 @@ def main(config: SFTConfig) -> dict:
                         loss_sum = causal_lm_token_losses(model, attention_inputs(batch, attn, dtype), batch)[0].sum()
                         accelerator.backward(loss_sum * scale)
                     step_loss += loss_sum.detach().double()
-                    counters.tokens_seen += batch["attention_mask"].sum()
-                    counters.fed_tokens += batch["attention_mask"].numel()
+                    counters.add_batch(batch)  # tokens, padding and examples, for the logs and the summary
                 batches_in_epoch += len(window)
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm or float("inf"))
                 if is_nonfinite(step_loss, grad_norm, accelerator):
@@ -259,22 +258,16 @@ def main(config: SFTConfig) -> dict:
 
                 if global_step % config.logging_steps == 0 or global_step == total_steps:
                     final_train_loss = counters.pop_window_loss(accelerator)
-                    all_tokens = int(accelerator.reduce(counters.tokens_seen, "sum"))
                     record = {
                         "step": global_step,
                         "epoch": round(global_step / steps_per_epoch, 3),
                         "loss": final_train_loss,
                         "learning_rate": lr_scheduler.get_last_lr()[0],
                         "grad_norm": float(grad_norm),
-                        **timer.window(all_tokens),  # tokens_per_second, data_wait_fraction
-                        "train_tokens": all_tokens,
+                        **throughput.window(),  # tokens/s, samples/s, data wait, MFU, peak memory: all processes
                     }
                     metrics_log.write(record)
-                    progress.set_postfix(
-                        loss=f"{final_train_loss:.4f}",
-                        lr=f"{record['learning_rate']:.2e}",
-                        tok_s=f"{record['tokens_per_second']:.0f}",
-                    )
+                    show_progress(progress, record, total_steps, log)
                 epoch_done = batches_in_epoch == len(train_loader)
                 new_best = False
                 if eval_loader is not None and eval_due(config, global_step, total_steps, epoch_done):
@@ -314,9 +307,9 @@ def main(config: SFTConfig) -> dict:
         final_eval = evaluate(config, model, data, eval_loader, attn, accelerator, log)
         metrics_log.write({"step": global_step, **final_eval})
     if total_steps > 0:
-        save_final_model(accelerator, model, tokenizer, output_dir)
+        save_final_model(accelerator, model, tokenizer, output_dir, config.merge_adapter)
     summary = run_summary(
-        "sft", config, accelerator, model, data, timer, counters, best,
+        "sft", config, accelerator, throughput, data, timer, counters, best,
         global_step=global_step,
         final_train_loss=final_train_loss,
         final_eval=final_eval,
@@ -325,7 +318,7 @@ def main(config: SFTConfig) -> dict:
         resumed_from=checkpoint,
     )  # fmt: skip
     if accelerator.is_main_process:
-        write_summary(output_dir / "summary.json", summary)
+        finish_run(output_dir, summary, log)  # summary.json, report.png, the table
         log.info("Model and tokenizer: %s", output_dir if total_steps > 0 else "(not saved: max_steps=0)")
         log.info("Summary: %s", output_dir / "summary.json")
         if "eval_exact_match" in final_eval:

@@ -70,6 +70,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def assert_png(path) -> None:
+    """`path` is a PNG image that matplotlib reads back, of a plausible size."""
+    from matplotlib.image import imread
+
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    height, width, _ = imread(path).shape
+    assert width >= 600 and height >= 400, (width, height)
+
+
 def launch_command(
     script: str, args: list[str], accelerate_config: str = "cpu.yaml", launcher_args: tuple[str, ...] = ()
 ) -> list[str]:

@@ -179,11 +179,17 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def save_final_model(accelerator: Accelerator, model, tokenizer, output_dir: str | Path) -> None:
+def save_final_model(accelerator: Accelerator, model, tokenizer, output_dir: str | Path, merge_adapter=False) -> None:
     """Save a Hugging Face model directory (safetensors) and tokenizer that `from_pretrained` loads.
 
-    `get_state_dict` gathers sharded states (FSDP, ZeRO-3) on every process; only the main process writes.
+    `get_state_dict` gathers sharded states (FSDP, ZeRO-3) on every process; only the main process writes. A LoRA
+    model is saved as its adapter directory instead, and with `merge_adapter` also merged (`models.save_adapter`).
     """
+    from .models.lora import is_peft_model, save_adapter
+
+    if is_peft_model(accelerator.unwrap_model(model)):
+        save_adapter(accelerator, model, tokenizer, output_dir, merge=merge_adapter)
+        return
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)

@@ -3,13 +3,16 @@
     tunebook prepare [--recipe sft|classify|pretrain] --config FILE.yaml [--key value ...]
     tunebook export CHECKPOINT OUT_DIR
     tunebook convert-gguf MODEL.gguf OUT_DIR
+    tunebook report RUN_DIR [RUN_DIR ...] [--output FILE.png]
 
 `prepare` builds the tokenised (and packed) data caches exactly as the recipe (`recipes/sft.py` by default) with the
 same config would, without loading model weights or starting training, prints what it built and the data's content
 fingerprint, and exits. Point `cache_dir` at a shared file system and a CPU machine can prepare data for a GPU job
 (or for every node of a multi-node one). `export` turns any checkpoint (of any number of
 processes) into a `from_pretrained`-ready model directory. `convert-gguf` dequantises a GGUF checkpoint into a
-safetensors model directory (once; the recipes then load it with `model_name_or_path`).
+safetensors model directory (once; the recipes then load it with `model_name_or_path`). `report` re-renders each
+run's `report.png` from its `metrics.jsonl` and prints the runs' summaries side by side, led by the config keys that
+differ; `--output` also draws all the runs into one figure.
 """
 
 from __future__ import annotations
@@ -18,17 +21,19 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["main", "prepare"]
+__all__ = ["main", "prepare", "report"]
 
 
 USAGE = """usage: tunebook prepare [--recipe sft|classify|pretrain] --config FILE.yaml [--key value ...]
        tunebook export CHECKPOINT OUT_DIR
        tunebook convert-gguf MODEL.gguf OUT_DIR
+       tunebook report RUN_DIR [RUN_DIR ...] [--output FILE.png]
 
 commands:
   prepare   build the tokenised (and packed) data caches of a recipe config, then exit
   export    write a Hugging Face model directory (safetensors + tokenizer) from a training checkpoint
   convert-gguf  write a Hugging Face model directory (float32 safetensors + tokenizer) from a GGUF file
+  report    re-render runs' report.png and print their summaries side by side
 """
 
 
@@ -74,6 +79,23 @@ def prepare(argv: list[str]) -> dict:
     return figures
 
 
+def report(argv: list[str]) -> str:
+    """Re-render each run's report.png (and with --output, one figure of all runs); print the comparison table."""
+    from .report import compare_runs, render_report
+
+    output, run_dirs = _pop_option(argv, "--output", "")
+    if not run_dirs or any(d.startswith("-") for d in run_dirs):
+        print(f"tunebook: error: report takes RUN_DIR [RUN_DIR ...] [--output FILE.png], got {argv}", file=sys.stderr)
+        raise SystemExit(2)
+    for run_dir in run_dirs:
+        print(f"wrote {render_report([run_dir], Path(run_dir) / 'report.png')}")
+    if output:
+        print(f"wrote {render_report(run_dirs, output)}")
+    table = compare_runs(run_dirs)
+    print(table)
+    return table
+
+
 def _token_count(dataset) -> int:
     """Tokens of a prepared data set, from its Arrow list lengths (no Python lists built)."""
     import pyarrow.compute as pc
@@ -107,6 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     command, rest = argv[0], argv[1:]
     if command == "prepare":
         prepare(rest)
+    elif command == "report":
+        report(rest)
     elif command in ("export", "convert-gguf"):
         if len(rest) != 2:
             what = "CHECKPOINT" if command == "export" else "MODEL.gguf"

@@ -1,4 +1,4 @@
-"""Main-process logging, `metrics.jsonl`, throughput counters and `summary.json`."""
+"""Logging (one format, each message once), progress bars, `metrics.jsonl`, run timing and `summary.json`."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ __all__ = [
     "RunTimer",
     "data_wait_advice",
     "peak_rss_mb",
+    "progress_bar",
     "setup_logging",
+    "show_progress",
     "versions",
     "write_summary",
 ]
@@ -27,20 +29,58 @@ __all__ = [
 logger = logging.getLogger("tunebook")
 
 
-def setup_logging(is_main_process: bool, level: str = "INFO") -> logging.Logger:
-    """One format for Tunebook and the libraries; only the main process logs below WARNING."""
-    logging.basicConfig(
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", stream=sys.stdout, force=True
-    )
-    logger.setLevel(level if is_main_process else "WARNING")
+def setup_logging(is_main_process: bool, level: str = "INFO", disable_tqdm: bool = False) -> logging.Logger:
+    """One format for Tunebook, the libraries and Python warnings; each message once, not once per process.
+
+    The main process logs at `level`. Every process runs the same code and would repeat the same warnings, so
+    the others keep only errors and records logged with `extra={"all_ranks": True}`, prefixed with their rank.
+    Progress bars of datasets and transformers (data preparation, weight loading) show on the main process only,
+    and not at all with `disable_tqdm` or when stderr is not a terminal (a log file, CI).
+    """
     import datasets
     import transformers
 
+    rank = os.environ.get("RANK", "0")
+    prefix = "" if is_main_process else f"[rank {rank}] "
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    if not is_main_process:
+        handler.addFilter(_OtherRanksFilter())
+    logging.basicConfig(handlers=[handler], force=True)
+    logging.captureWarnings(True)  # warnings.warn goes through the handler and its filter too
+    logger.setLevel(level if is_main_process else "WARNING")
     if not is_main_process:
         datasets.utils.logging.set_verbosity_error()
         transformers.utils.logging.set_verbosity_error()
+    if not is_main_process or disable_tqdm or not sys.stderr.isatty():
         datasets.disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
     return logger
+
+
+class _OtherRanksFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or getattr(record, "all_ranks", False)
+
+
+def progress_bar(main_process: bool, disable: bool, **kwargs):
+    """A tqdm bar on the main process only; off with `disable` (disable_tqdm) and when stderr is not a terminal."""
+    from tqdm.auto import tqdm
+
+    # tqdm's disable=None means: off when the output is not a TTY.
+    return tqdm(disable=True if disable or not main_process else None, dynamic_ncols=True, **kwargs)
+
+
+def show_progress(progress, record: dict[str, Any], total_steps: int, log: logging.Logger = logger) -> None:
+    """A logging step's figures in the progress bar, or as a log line when there is no bar (CI, files, workers)."""
+    shown = {"loss": f"{record['loss']:.4f}", "lr": f"{record['learning_rate']:.2e}"}
+    shown["tok/s"] = f"{record['tokens_per_second']:,.0f}"
+    if "mfu" in record:
+        shown["mfu"] = f"{100 * record['mfu']:.1f}%"
+    if progress.disable:
+        log.info("Step %d/%d: %s", record["step"], total_steps, ", ".join(f"{k} {v}" for k, v in shown.items()))
+    else:
+        progress.set_postfix(shown, refresh=False)
 
 
 class MetricsWriter:
@@ -84,7 +124,7 @@ class RunTimer:
 
     Time since process start to the first optimizer step; training time that excludes evaluation and
     checkpointing inside the loop (`paused()`); the time the loop waited for its next batch (`add_data_wait`);
-    and, per logging window, tokens/s and the share of the window spent waiting for data.
+    and, per logging window, the training time and data wait that `tunebook.training.Throughput` turns into rates.
     """
 
     def __init__(self):
@@ -93,11 +133,11 @@ class RunTimer:
         self.first_step_done: float | None = None
         self.paused_seconds = 0.0
         self.data_wait_seconds = 0.0
-        self._mark = (time.perf_counter(), 0, 0.0, 0.0)  # time, tokens, paused, data wait at the last window
+        self._mark = (time.perf_counter(), 0.0, 0.0)  # time, paused and data wait at the last window
 
     def start_training(self) -> None:
         self.train_start = time.perf_counter()
-        self._mark = (self.train_start, 0, self.paused_seconds, self.data_wait_seconds)
+        self._mark = (self.train_start, self.paused_seconds, self.data_wait_seconds)
 
     def step_done(self) -> None:
         if self.first_step_done is None:
@@ -115,16 +155,12 @@ class RunTimer:
         finally:
             self.paused_seconds += time.perf_counter() - start
 
-    def window(self, tokens_total: int) -> dict[str, float]:
-        """`tokens_per_second` and `data_wait_fraction` since the previous call (or the start of training)."""
+    def window(self) -> tuple[float, float]:
+        """(training seconds, seconds waited for data) since the previous call or the start of training."""
         now = time.perf_counter()
-        then, tokens, paused, waited = self._mark
-        busy = max(now - then - (self.paused_seconds - paused), 1e-9)
-        self._mark = (now, tokens_total, self.paused_seconds, self.data_wait_seconds)
-        return {
-            "tokens_per_second": (tokens_total - tokens) / busy,
-            "data_wait_fraction": min((self.data_wait_seconds - waited) / busy, 1.0),
-        }
+        then, paused, waited = self._mark
+        self._mark = (now, self.paused_seconds, self.data_wait_seconds)
+        return max(now - then - (self.paused_seconds - paused), 1e-9), self.data_wait_seconds - waited
 
     @property
     def time_to_first_step(self) -> float | None:

@@ -36,6 +36,34 @@ class ModelDataConfig(TrainConfig):
     attn_implementation: str | None = _help(
         "Attention kernel: sdpa, eager, flash_attention_2 (None: model default).", "sdpa"
     )
+    # --- LoRA / QLoRA through peft (pip install 'tunebook[peft]')
+    use_peft: bool = _help(
+        "Train LoRA adapters instead of all weights: the base stays frozen, checkpoints hold only the adapters and "
+        "the output is a peft adapter directory.",
+        False,
+    )
+    lora_r: int = _help("Rank of the LoRA update matrices.", 16)
+    lora_alpha: float = _help("LoRA scale numerator: the update is scaled by lora_alpha / lora_r.", 32)
+    lora_dropout: float = _help("Dropout on the input of the LoRA update.", 0.05)
+    lora_target_modules: str | list[str] = _help(
+        "Modules that get adapters: all-linear (every linear layer except the output head), a module name, or a "
+        "list of names (e.g. [q_proj, v_proj]).",
+        "all-linear",
+    )
+    modules_to_save: list[str] | None = _help(
+        "Modules trained in full and saved with the adapters (e.g. [embed_tokens, lm_head] when the tokenizer has "
+        "new tokens); a classifier's head is always trained.",
+        None,
+    )
+    merge_adapter: bool = _help(
+        "Also write the adapters folded into the base weights, as a plain model directory in output_dir/merged.",
+        False,
+    )
+    load_in_4bit: bool = _help(
+        "QLoRA: load the base model quantised to 4-bit NF4 through bitsandbytes (CUDA only; needs use_peft and "
+        "model_name_or_path).",
+        False,
+    )
     # --- data
     train_data: str | list | None = _help(
         "Local json/jsonl/csv/parquet file or folder, Hub data set name, or a list of them (entries may be "
@@ -70,6 +98,15 @@ class ModelDataConfig(TrainConfig):
                 raise ConfigError(f"{what} path not found: {value} ({key})")
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
             raise ConfigError(f"pad_to_multiple_of must be >= 1 or null, got {self.pad_to_multiple_of}")
+        if self.use_peft and (self.lora_r < 1 or not 0 <= self.lora_dropout < 1):
+            raise ConfigError(
+                f"lora_r must be >= 1 and lora_dropout in [0, 1), got {self.lora_r}, {self.lora_dropout}"
+            )
+        for key in ("merge_adapter", "load_in_4bit"):
+            if getattr(self, key) and not self.use_peft:
+                raise ConfigError(f"{key}: true needs use_peft: true")
+        if self.load_in_4bit and not self.model_name_or_path:
+            raise ConfigError("load_in_4bit quantises pretrained weights: set model_name_or_path")
         for key in ("synthetic_train_size", "synthetic_eval_size", "tokenizer_vocab_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")

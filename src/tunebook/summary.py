@@ -9,7 +9,6 @@ from typing import Any
 import torch
 
 from .logging import data_wait_advice, peak_rss_mb, versions
-from .training.flops import efficiency_summary
 
 __all__ = ["run_summary"]
 
@@ -20,7 +19,7 @@ def run_summary(
     recipe: str,
     config,
     accelerator,
-    model,
+    throughput,
     data,
     timer,
     counters,
@@ -36,12 +35,13 @@ def run_summary(
 ) -> dict[str, Any]:
     """Everything a run reports, totalled over all processes; call it on every process (it reduces across them).
 
-    `timer` is the run's `RunTimer`, `counters` its `TrainCounters` (tokens seen and fed), `best` its `BestModel`
-    or None, `data` the prepared data (its `seconds`, `stats` and `train`). `extra` adds recipe-specific keys.
+    `throughput` is the run's `Throughput` (FLOPs per token, device peak), `timer` its `RunTimer`, `counters` its
+    `TrainCounters` (tokens and examples seen, tokens fed), `best` its `BestModel` or None, `data` the prepared data (its `seconds`, `stats` and `train`). `extra` adds recipe-specific keys.
     Logs the data-loading advice when the loop waited for data.
     """
     train_runtime = timer.train_runtime()
-    tokens, fed = accelerator.reduce(torch.stack([counters.tokens_seen, counters.fed_tokens]), "sum").tolist()
+    totals = torch.stack([counters.tokens_seen, counters.fed_tokens, counters.samples_seen])
+    tokens, fed, samples = accelerator.reduce(totals, "sum").tolist()
     local_wait = torch.tensor(timer.data_wait_fraction(), device=accelerator.device)
     data_wait = accelerator.reduce(local_wait, "mean").item()
     if advice := data_wait_advice(data_wait, config.dataloader_num_workers, config.dataloader_prefetch_factor):
@@ -52,6 +52,8 @@ def run_summary(
         "train_tokens": int(tokens),
         "train_runtime_seconds": train_runtime,
         "train_tokens_per_second": tokens / train_runtime if train_runtime > 0 else 0.0,
+        "train_samples": int(samples),
+        "train_samples_per_second": samples / train_runtime if train_runtime > 0 else 0.0,
         "time_to_first_step_seconds": timer.time_to_first_step,
         "data_prep_seconds": data.seconds,
         "data_wait_fraction": data_wait,
@@ -66,13 +68,12 @@ def run_summary(
         "packing_efficiency": tokens / fed if getattr(config, "packing", False) and fed else None,
         **extra,
         "data": data.stats,
-        "peak_rss_mb": peak_rss_mb(),
+        "peak_rss_mb": peak_rss_mb(),  # host memory, on a GPU too
         "num_processes": accelerator.num_processes,
         "mixed_precision": accelerator.mixed_precision,
         "versions": versions(),
         "output_dir": str(Path(config.output_dir)),
     }
-    # model FLOPs per token, MFU (GPUs of known peak, or peak_flops), peak device memory
-    tokens_per_second = summary["train_tokens_per_second"]
-    summary.update(efficiency_summary(accelerator, model, data.train, tokens_per_second, config.peak_flops))
+    # model FLOPs per token, MFU (GPUs of known peak, or peak_flops), peak memory
+    summary.update(throughput.summary(summary["train_tokens_per_second"]))
     return summary

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import yaml
-from conftest import ASSETS, ROOT, TINY_TEST_MODEL, launch
+from conftest import ASSETS, ROOT, TINY_TEST_MODEL, assert_png, launch
 
 pytestmark = pytest.mark.slow
 TINY = ["--model_config", json.dumps(TINY_TEST_MODEL), "--disable_tqdm", "true"]
@@ -28,10 +28,12 @@ def _ok(result):
 
 def test_sft_writes_a_loadable_model_and_standard_outputs(tmp_path):
     out = tmp_path / "run"
-    first = _ok(
-        launch("recipes/sft.py", [*SMALL, "--output_dir", str(out), "--save_steps", "3", "--report_to", "tensorboard"])
-    )
+    args = [*SMALL, "--output_dir", str(out), "--save_steps", "3", "--report_to", "tensorboard", "--peak_flops", "1e12"]  # fmt: skip
+    first = _ok(launch("recipes/sft.py", args))
     assert "tokenised and cached" in first.stdout
+    # No progress bar (disable_tqdm): each logging step is a log line; the summary ends the run as a table.
+    assert "INFO tunebook: Step 4/6: loss " in first.stdout and "tok/s" in first.stdout
+    assert "Run summary:" in first.stdout and "train_samples_per_second" in first.stdout
 
     from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
@@ -70,9 +72,16 @@ def test_sft_writes_a_loadable_model_and_standard_outputs(tmp_path):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train_records = [r for r in records if "loss" in r]
     assert [r["step"] for r in train_records] == [2, 4, 6]
-    assert all(
-        {"learning_rate", "tokens_per_second", "grad_norm", "data_wait_fraction"} <= set(r) for r in train_records
-    )
+    per_log = {"learning_rate", "tokens_per_second", "samples_per_second", "grad_norm", "data_wait_fraction"}
+    assert all(per_log | {"mfu", "peak_rss_mb", "train_tokens"} <= set(r) for r in train_records)
+    previous = 0
+    for r in train_records:
+        window_tokens, previous = r["train_tokens"] - previous, r["train_tokens"]
+        # 2 steps x 8 examples per logging window, over the same training time as its tokens
+        assert r["tokens_per_second"] / r["samples_per_second"] == pytest.approx(window_tokens / 16)
+        assert r["mfu"] == pytest.approx(summary["model_flops_per_token"] * r["tokens_per_second"] / 1e12, rel=1e-9)
+    assert summary["train_samples"] == 6 * 8 and summary["mfu"] > 0
+    assert_png(out / "report.png")
     assert 0 <= summary["data_wait_fraction"] <= 1 and summary["data_prep_seconds"] > 0
     assert summary["packing_efficiency"] is None  # not packed
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-3", "step-6"]
@@ -193,10 +202,15 @@ def test_user_error_under_accelerate_launch_has_no_traceback(tmp_path):
 @pytest.mark.multiprocess
 def test_two_process_gloo_launch(tmp_path):
     out = tmp_path / "ddp"
-    result = _ok(launch("recipes/sft.py", [*SMALL, "--output_dir", str(out)], accelerate_config="multi_cpu.yaml"))
+    args = [*SMALL, "--output_dir", str(out), "--max_seq_length", "26"]  # some examples truncated: a warning
+    result = _ok(launch("recipes/sft.py", args, accelerate_config="multi_cpu.yaml"))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_processes"] == 2
     assert "2 process(es)" in result.stdout
+    # Both processes hit the same warning; it is printed once, by the main process.
+    assert result.stdout.count("truncated and 0 dropped at max_seq_length=26") == 2  # train and eval data
+    assert "[rank 1]" not in result.stdout
+    assert result.stdout.count("Run summary:") == 1 and summary["train_samples"] == 6 * 8 * 2
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(out)

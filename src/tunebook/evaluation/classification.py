@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 
+from ..logging import progress_bar
 from .metrics import load_metrics
 
 __all__ = ["classifier_inputs", "evaluate_classifier"]
@@ -31,14 +32,14 @@ def evaluate_classifier(
     the duplicates that even out the last batch across processes) and added to the metrics, so memory stays
     flat and the result equals a single-process evaluation. Every process computes the same metrics.
     """
-    from tqdm.auto import tqdm
-
     was_training = model.training
     model.eval()
     combined = load_metrics(metrics, average)
     total_loss = torch.zeros((), dtype=torch.float64)
     count = 0
-    for batch in tqdm(loader, desc="Evaluating", disable=disable_tqdm or not accelerator.is_main_process, leave=False):
+    for batch in progress_bar(
+        accelerator.is_main_process, disable_tqdm, iterable=loader, desc="Evaluating", leave=False
+    ):
         logits = model(**classifier_inputs(batch)).logits
         losses = F.cross_entropy(logits.float(), batch["labels"], reduction="none")
         predictions, labels, losses = accelerator.gather_for_metrics((logits.argmax(-1), batch["labels"], losses))

@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from ..data.tokenize import IGNORE_INDEX
+from ..logging import progress_bar
 from .metrics import load_metric
 
 __all__ = ["PromptCollator", "generation_exact_match"]
@@ -65,8 +66,6 @@ def generation_exact_match(
     Both sides are decoded without special tokens and stripped of surrounding whitespace. Returns the metrics
     and a few (prediction, reference) samples from the main process for the log.
     """
-    from tqdm.auto import tqdm
-
     if max_samples:
         dataset = dataset.select(range(min(max_samples, len(dataset))))
     dataset = dataset.select_columns(["input_ids", "labels", "prompt_length"])
@@ -77,7 +76,9 @@ def generation_exact_match(
     was_training = unwrapped.training
     unwrapped.eval()
     exact_match, samples = load_metric("exact_match"), []
-    for batch in tqdm(loader, desc="Generating", disable=disable_tqdm or not accelerator.is_main_process, leave=False):
+    for batch in progress_bar(
+        accelerator.is_main_process, disable_tqdm, iterable=loader, desc="Generating", leave=False
+    ):
         out = unwrapped.generate(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],

@@ -6,6 +6,7 @@ import torch
 from accelerate import Accelerator
 
 from ..data.packing import attention_inputs
+from ..logging import progress_bar
 from ..training.loss import causal_lm_token_losses
 from .metrics import load_metric
 
@@ -26,14 +27,14 @@ def evaluate_loss(
     counts go through `gather_for_metrics`, which drops the duplicates Accelerate adds to
     even out the last batch, so the result does not depend on the number of processes.
     """
-    from tqdm.auto import tqdm
-
     was_training = model.training
     dtype = next(model.parameters()).dtype
     model.eval()
     perplexity = load_metric("perplexity")  # Tunebook's offline module: token-weighted loss and exp(loss)
     total_tokens = 0
-    for batch in tqdm(loader, desc="Evaluating", disable=disable_tqdm or not accelerator.is_main_process, leave=False):
+    for batch in progress_bar(
+        accelerator.is_main_process, disable_tqdm, iterable=loader, desc="Evaluating", leave=False
+    ):
         losses, positions = causal_lm_token_losses(model, attention_inputs(batch, attn_implementation, dtype), batch)
         # Per-row sums, so gather_for_metrics can drop the rows Accelerate duplicated.
         rows = positions // batch["labels"].shape[1]

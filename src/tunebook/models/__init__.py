@@ -1,6 +1,15 @@
 """Model and tokenizer construction."""
 
 from .build import build_causal_lm, build_sequence_classifier, read_model_config
+from .lora import (
+    apply_lora,
+    describe_parameters,
+    is_peft_model,
+    merge_adapter_dir,
+    parameter_counts,
+    register_adapter_checkpoints,
+    save_adapter,
+)
 from .tiny import TINY_BERT, TINY_LLAMA
 from .tokenizer import (
     CHATML_TEMPLATE,
@@ -14,7 +23,14 @@ __all__ = [
     "CHATML_TEMPLATE",
     "TINY_BERT",
     "TINY_LLAMA",
+    "apply_lora",
     "build_causal_lm",
+    "describe_parameters",
+    "is_peft_model",
+    "merge_adapter_dir",
+    "parameter_counts",
+    "register_adapter_checkpoints",
+    "save_adapter",
     "build_sequence_classifier",
     "load_or_train_tokenizer",
     "load_tokenizer",

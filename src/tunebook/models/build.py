@@ -47,15 +47,16 @@ def build_causal_lm(
     attn_implementation: str | None = None,
     gradient_checkpointing: bool = False,
     trust_remote_code: bool = False,
+    load_in_4bit: bool = False,
 ) -> PreTrainedModel:
     """Load or build the model and make its embeddings and special token ids agree with `tokenizer`.
 
     Weights load as safetensors where the directory has them; `trust_remote_code` (running Python shipped with a
-    model) stays off unless the config turns it on.
+    model) stays off unless the config turns it on. `load_in_4bit` quantises the weights for QLoRA (CUDA only).
     """
     model = _load_or_build(
         AutoModelForCausalLM, "a causal LM", tokenizer, model_name_or_path, model_config, attn_implementation,
-        trust_remote_code, {},
+        trust_remote_code, {}, **quantization(load_in_4bit),
     )  # fmt: skip
     return _finish(model, tokenizer, model_name_or_path, gradient_checkpointing)
 
@@ -69,6 +70,7 @@ def build_sequence_classifier(
     attn_implementation: str | None = None,
     gradient_checkpointing: bool = False,
     trust_remote_code: bool = False,
+    load_in_4bit: bool = False,
 ) -> PreTrainedModel:
     """`AutoModelForSequenceClassification` with one output per label and the label names in its config
     (`id2label`/`label2id`), so `pipeline("text-classification", model=output_dir)` prints them.
@@ -82,12 +84,36 @@ def build_sequence_classifier(
         "label2id": {name: i for i, name in enumerate(label_names)},
         "problem_type": "single_label_classification",
     }
-    extra = {"ignore_mismatched_sizes": True} if model_name_or_path else {}
+    extra = {"ignore_mismatched_sizes": True, **quantization(load_in_4bit)} if model_name_or_path else {}
     model = _load_or_build(
         AutoModelForSequenceClassification, "a sequence classifier", tokenizer, model_name_or_path, model_config,
         attn_implementation, trust_remote_code, labels, **extra,
     )  # fmt: skip
     return _finish(model, tokenizer, model_name_or_path, gradient_checkpointing)
+
+
+def quantization(load_in_4bit: bool) -> dict[str, Any]:
+    """`from_pretrained` arguments for 4-bit NF4 weights with bf16 compute (QLoRA), on this process's GPU."""
+    if not load_in_4bit:
+        return {}
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError("load_in_4bit (QLoRA) needs a CUDA GPU: bitsandbytes' 4-bit layers do not run on a CPU")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ConfigError("load_in_4bit needs bitsandbytes: pip install 'tunebook[qlora]'") from None
+    from accelerate import PartialState
+    from transformers import BitsAndBytesConfig
+
+    config = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    return {"quantization_config": config, "device_map": {"": PartialState().local_process_index}}
 
 
 def _load_or_build(

@@ -2,7 +2,7 @@
 
 from .accelerator import build_accelerator, has_accelerator_device, recipe_accelerator
 from .best import BestModel, infer_greater_is_better
-from .flops import efficiency_summary, model_flops_per_token
+from .flops import model_flops_per_token
 from .guard import StopSignals, TrainCounters, exit_code, is_nonfinite, nonfinite_stop
 from .loss import (
     causal_lm_token_losses,
@@ -14,10 +14,12 @@ from .loss import (
 )
 from .optim import build_optimizer, build_scheduler
 from .steps import accumulation_windows, eval_due, save_due, total_optimizer_steps
+from .throughput import Throughput, peak_memory
 
 __all__ = [
     "recipe_accelerator",
-    "efficiency_summary",
+    "Throughput",
+    "peak_memory",
     "model_flops_per_token",
     "BestModel",
     "infer_greater_is_better",

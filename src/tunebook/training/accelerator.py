@@ -10,6 +10,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, DistributedType, InitProcessGroupKwargs, str_to_bool
 
 from ..errors import ConfigError
+from ..models.lora import register_adapter_checkpoints
 from ..trackers import resolve_report_to, trackers_dir
 
 __all__ = ["build_accelerator", "check_engine", "has_accelerator_device", "recipe_accelerator"]
@@ -96,6 +97,7 @@ def recipe_accelerator(config) -> Accelerator:
         ddp_timeout=config.ddp_timeout,
         max_grad_norm=config.max_grad_norm,
     )
+    register_adapter_checkpoints(accelerator, config.output_dir)  # a LoRA model's checkpoints hold only its adapters
     if accelerator.distributed_type == DistributedType.DEEPSPEED and config.nan_policy == "skip":
         raise ConfigError(
             "nan_policy: skip does not work under DeepSpeed, whose engine applies the update inside backward; "

@@ -17,7 +17,6 @@ __all__ = [
     "PEAK_FLOPS",
     "attention_span",
     "dataset_flop_shape",
-    "efficiency_summary",
     "device_peak_flops",
     "mfu",
     "model_flops_per_token",
@@ -93,27 +92,6 @@ def dataset_flop_shape(dataset) -> tuple[float, float]:
         labels = pc.list_flatten(table.column("labels"))
         fraction = pc.sum(pc.not_equal(labels, -100)).as_py() / max(len(labels), 1)
     return span, fraction
-
-
-def efficiency_summary(accelerator, model, dataset, tokens_per_second: float, peak_override=None) -> dict:
-    """What a run's summary reports about its use of the hardware: model FLOPs per token, MFU and peak memory.
-
-    `tokens_per_second` is over all processes. MFU is None where the device's peak is unknown (CPUs, unlisted
-    GPUs) unless `peak_override` (the config's `peak_flops`) gives it.
-    """
-    span, fraction = dataset_flop_shape(dataset)
-    flops = model_flops_per_token(accelerator.unwrap_model(model), span, fraction)
-    peak = device_peak_flops(accelerator.device, peak_override)
-    summary = {
-        "model_flops_per_token": flops,
-        "attention_span": span,
-        "peak_flops_per_device": peak,
-        "mfu": mfu(flops, tokens_per_second, accelerator.num_processes, peak),
-    }
-    if accelerator.device.type == "cuda":
-        summary["peak_device_memory_mb"] = torch.cuda.max_memory_allocated(accelerator.device) / 2**20
-        summary["peak_device_memory_reserved_mb"] = torch.cuda.max_memory_reserved(accelerator.device) / 2**20
-    return summary
 
 
 def device_peak_flops(device: torch.device | str, override: float | None = None) -> float | None:

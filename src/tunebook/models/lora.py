@@ -1,0 +1,169 @@
+"""LoRA through peft: adapters on a model, adapter-only checkpoints, the adapter directory and its merged model.
+
+A LoRA run trains and saves only the adapters (and `modules_to_save`, such as a new classification head). Its
+checkpoints hold them and the trainer state, not the frozen base weights; its output is a peft adapter directory
+that `peft.AutoPeftModelForCausalLM.from_pretrained` loads (it finds the base through `base_model_name_or_path`),
+and with `merge_adapter` also a plain merged model directory. A base model built from a config (the tiny defaults)
+has no path to point to, so its weights are saved once, as `output_dir/base_model/`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+
+from ..errors import ConfigError
+
+__all__ = [
+    "apply_lora",
+    "describe_parameters",
+    "is_peft_model",
+    "merge_adapter_dir",
+    "parameter_counts",
+    "register_adapter_checkpoints",
+    "save_adapter",
+]
+
+ADAPTER_DIR = "adapter"  # inside a checkpoint
+BASE_MODEL_DIR = "base_model"  # inside output_dir, for a base built from a config
+TASK_TYPES = {"causal_lm": "CAUSAL_LM", "classification": "SEQ_CLS"}
+
+
+def apply_lora(model: torch.nn.Module, config, task: str = "causal_lm") -> torch.nn.Module:
+    """`model` with LoRA adapters from the config's `lora_*` keys (`use_peft`); only they (and
+    `modules_to_save`) are trainable. A 4-bit model (`load_in_4bit`) is first prepared for k-bit training."""
+    try:
+        from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    except ImportError:
+        raise ConfigError("use_peft needs peft: pip install 'tunebook[peft]'") from None
+    if getattr(model, "is_loaded_in_4bit", False):
+        # Non-reentrant checkpointing is set up by build_*; peft must not switch it back to reentrant.
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    targets = config.lora_target_modules
+    lora = LoraConfig(
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=targets if targets == "all-linear" or isinstance(targets, list) else [targets],
+        modules_to_save=config.modules_to_save,
+        task_type=TASK_TYPES[task],
+    )
+    try:
+        return get_peft_model(model, lora)
+    except ValueError as error:  # e.g. target modules not found in the model
+        raise ConfigError(f"lora_target_modules: {str(error).splitlines()[0]}") from None
+
+
+def is_peft_model(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
+    """Trainable and total parameters (each shared tensor once)."""
+    params = list(model.parameters())
+    return {
+        "trainable_parameters": sum(p.numel() for p in params if p.requires_grad),
+        "total_parameters": sum(p.numel() for p in params),
+    }
+
+
+def describe_parameters(model: torch.nn.Module) -> str:
+    """'1.09M parameters' or, with frozen weights, '1.09M parameters, 0.05M trainable (4.6%)'."""
+    counts = parameter_counts(model)
+    total, trainable = counts["total_parameters"], counts["trainable_parameters"]
+    text = f"{total / 1e6:.2f}M parameters"
+    return text if trainable == total else f"{text}, {trainable / 1e6:.3f}M trainable ({100 * trainable / total:.2f}%)"
+
+
+def register_adapter_checkpoints(accelerator, run_dir: str | Path) -> None:
+    """Make `save_state`/`load_state` keep only a peft model's adapters, in `<checkpoint>/adapter/`.
+
+    Accelerate would save the whole state dict, base weights included; its pre-hooks take the peft model out of
+    what it saves and loads (as diffusers' LoRA scripts do), and the adapters go through peft instead. The
+    adapter's config points at the base model (saved once into `run_dir/base_model/` if it was built from a
+    config), so `tunebook export --merge` can rebuild the model from a checkpoint. Other models save as before.
+    """
+    from safetensors.torch import load_file
+
+    def save_hook(models: list, weights: list, output_dir: str) -> None:
+        for i in reversed(range(len(models))):
+            model = accelerator.unwrap_model(models[i])
+            if is_peft_model(model):
+                if accelerator.is_main_process:
+                    _point_at_base(model, _base_model_path(model, Path(run_dir)))
+                    model.save_pretrained(Path(output_dir) / ADAPTER_DIR, safe_serialization=True)
+                weights.pop(i)
+
+    def load_hook(models: list, input_dir: str) -> None:
+        from peft import set_peft_model_state_dict
+
+        for i in reversed(range(len(models))):
+            model = accelerator.unwrap_model(models[i])
+            if is_peft_model(model):
+                path = Path(input_dir) / ADAPTER_DIR / "adapter_model.safetensors"
+                if not path.is_file():
+                    raise ConfigError(f"{input_dir} holds no adapter weights ({path}): not a checkpoint of a LoRA run")
+                result = set_peft_model_state_dict(model, load_file(path, device=str(accelerator.device)))
+                if getattr(result, "unexpected_keys", None):
+                    raise ConfigError(f"{path}: adapter weights do not fit the model: {result.unexpected_keys[:3]}")
+                models.pop(i)
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
+
+
+def save_adapter(accelerator, model, tokenizer, output_dir: str | Path, merge: bool = False) -> Path:
+    """Write the adapter directory (adapters, `adapter_config.json`, tokenizer) into `output_dir`; with `merge`,
+    also the merged model into `output_dir/merged`. Call on every process (sharded states are gathered)."""
+    output_dir = Path(output_dir)
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        peft_model = accelerator.unwrap_model(model)
+        _point_at_base(peft_model, _base_model_path(peft_model, output_dir))
+        peft_model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(output_dir)
+        if merge:
+            merge_adapter_dir(output_dir, output_dir / "merged")
+    accelerator.wait_for_everyone()
+    return output_dir
+
+
+def _point_at_base(peft_model, base_path: str) -> None:
+    for peft_config in peft_model.peft_config.values():
+        peft_config.base_model_name_or_path = base_path
+
+
+def _base_model_path(peft_model, output_dir: Path) -> str:
+    """Where the adapter's base model loads from: the path or Hub name it was loaded from, or a copy of its weights
+    saved in `output_dir/base_model/` now. The copy is made for a base built from a config, which has no path, and
+    for classifiers, whose base has our label set and head size (loading the original would give another)."""
+    name = getattr(peft_model.get_base_model(), "name_or_path", "") or ""
+    task = next(iter(peft_model.peft_config.values())).task_type
+    if name and task != "SEQ_CLS":
+        return str(Path(name).expanduser().resolve()) if Path(name).expanduser().exists() else name
+    base_dir = output_dir / BASE_MODEL_DIR
+    if not (base_dir / "config.json").is_file():
+        # unload() strips the adapters from a copy, leaving the frozen base weights (built once, never trained).
+        base = copy.deepcopy(peft_model).unload()
+        base.save_pretrained(base_dir, safe_serialization=True)
+    return str(base_dir.resolve())
+
+
+def merge_adapter_dir(adapter_dir: str | Path, out_dir: str | Path) -> Path:
+    """Load an adapter directory with its base model, fold the adapters into the weights and save a plain model
+    directory (with the tokenizer, when the adapter directory has one)."""
+    from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification
+
+    adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
+    task = json.loads((adapter_dir / "adapter_config.json").read_text()).get("task_type")
+    auto_class = AutoPeftModelForSequenceClassification if task == "SEQ_CLS" else AutoPeftModelForCausalLM
+    merged = auto_class.from_pretrained(adapter_dir, dtype="auto").merge_and_unload()
+    merged.save_pretrained(out_dir, safe_serialization=True)
+    if (adapter_dir / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(out_dir)
+    return out_dir

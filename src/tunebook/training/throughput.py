@@ -1,0 +1,85 @@
+"""How fast a run goes and how well it uses the hardware: per logging window and for the whole run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..logging import peak_rss_mb
+from ..models.lora import parameter_counts
+from .flops import dataset_flop_shape, device_peak_flops, mfu, model_flops_per_token
+
+__all__ = ["Throughput", "peak_memory"]
+
+
+class Throughput:
+    """Tokens/s, samples/s, data wait, MFU and peak memory of each logging window, over all processes.
+
+    Build it after resuming (it starts from the restored counters, so the first window after a resume counts only
+    its own tokens) and call `window()` on every process at each logging step: it reduces across processes.
+
+    Args:
+        accelerator: the run's `Accelerator`.
+        model: the (prepared) model; its linear layers and config give the FLOPs per token.
+        dataset: the prepared training set; its example lengths and label share give the attention span and
+            the LM head's share of the FLOPs (`dataset_flop_shape`).
+        timer: the run's `RunTimer` (training time without pauses, data wait).
+        counters: the run's `TrainCounters` (tokens and examples seen by this process).
+        peak_flops: peak FLOP/s of one device (the config's `peak_flops`); default from the GPU table.
+    """
+
+    def __init__(self, accelerator, model, dataset, timer, counters, peak_flops: float | None = None):
+        self.accelerator, self.timer, self.counters = accelerator, timer, counters
+        self.attention_span, head_fraction = dataset_flop_shape(dataset)
+        unwrapped = accelerator.unwrap_model(model)
+        self.flops_per_token = model_flops_per_token(unwrapped, self.attention_span, head_fraction)
+        self.parameters = parameter_counts(unwrapped)  # trainable vs total: LoRA trains a small share
+        self.peak_flops = device_peak_flops(accelerator.device, peak_flops)
+        self._seen = self._totals()[:2]
+
+    def _totals(self, data_wait_fraction: float = 0.0) -> list[float]:
+        """[tokens, samples, sum of the processes' data-wait fractions] over all processes."""
+        c = self.counters
+        wait = torch.tensor(data_wait_fraction, dtype=torch.float64, device=c.tokens_seen.device)
+        return self.accelerator.reduce(
+            torch.stack([c.tokens_seen.double(), c.samples_seen.double(), wait]), "sum"
+        ).tolist()
+
+    def window(self) -> dict[str, Any]:
+        """The figures of the logging window since the previous call (one all-reduce)."""
+        seconds, waited = self.timer.window()
+        tokens, samples, wait_sum = self._totals(min(waited / seconds, 1.0))
+        new_tokens, new_samples = tokens - self._seen[0], samples - self._seen[1]
+        self._seen = [tokens, samples]
+        record = {
+            "tokens_per_second": new_tokens / seconds,
+            "samples_per_second": new_samples / seconds,
+            "data_wait_fraction": wait_sum / self.accelerator.num_processes,
+            "train_tokens": int(tokens),
+        }
+        utilisation = mfu(self.flops_per_token, new_tokens / seconds, self.accelerator.num_processes, self.peak_flops)
+        if utilisation is not None:
+            record["mfu"] = utilisation
+        return {**record, **peak_memory(self.accelerator.device)}
+
+    def summary(self, tokens_per_second: float) -> dict[str, Any]:
+        """The run summary's efficiency keys, for the run's mean `tokens_per_second` over all processes."""
+        return {
+            "model_flops_per_token": self.flops_per_token,
+            "attention_span": self.attention_span,
+            "peak_flops_per_device": self.peak_flops,
+            "mfu": mfu(self.flops_per_token, tokens_per_second, self.accelerator.num_processes, self.peak_flops),
+            **self.parameters,
+            **peak_memory(self.accelerator.device),
+        }
+
+
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """Peak memory so far: the CUDA caching allocator's on a GPU (allocated and reserved), else the process's RSS."""
+    if device.type == "cuda":
+        return {
+            "peak_device_memory_mb": torch.cuda.max_memory_allocated(device) / 2**20,
+            "peak_device_memory_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20,
+        }
+    return {"peak_rss_mb": peak_rss_mb()}
