@@ -198,8 +198,11 @@ def save_final_model(accelerator: Accelerator, model, tokenizer, output_dir: str
     accelerator.wait_for_everyone()
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, merge: bool = False) -> Path:
     """Write a Hugging Face model directory (safetensors + tokenizer) from a training checkpoint.
+
+    A LoRA checkpoint gives its adapter directory (with the tokenizer), or with `merge` the adapters folded into
+    the base model as a plain model directory.
 
     The architecture comes from the checkpoint's `config.yaml` (a fresh model of the same config, no pretrained
     weights loaded), the weights from the checkpoint: Accelerate's `model.safetensors`, or the sharded state of an
@@ -218,6 +221,18 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     checkpoint = Path(checkpoint)
     if not (checkpoint / TRAINER_STATE).is_file():
         raise ConfigError(f"{checkpoint} is not a complete Tunebook checkpoint (no {TRAINER_STATE})")
+    if (checkpoint / "adapter").is_dir():
+        from .models.lora import merge_adapter_dir
+
+        out_dir = Path(out_dir)
+        if merge:
+            merge_adapter_dir(checkpoint / "adapter", out_dir)
+        else:
+            shutil.copytree(checkpoint / "adapter", out_dir, dirs_exist_ok=True)
+        AutoTokenizer.from_pretrained(checkpoint / "tokenizer").save_pretrained(out_dir)
+        return out_dir
+    if merge:
+        raise ConfigError(f"--merge: {checkpoint} is not a LoRA checkpoint (no adapter/), its model is whole already")
     config = parse_config(SFTConfig, config_file=checkpoint / "config.yaml")
     tokenizer = AutoTokenizer.from_pretrained(checkpoint / "tokenizer")
     # Same architecture as training, built from the config: a pretrained model's own config.json, or model_config.

@@ -1,7 +1,7 @@
 """The `tunebook` command.
 
     tunebook prepare [--recipe sft|classify|pretrain] --config FILE.yaml [--key value ...]
-    tunebook export CHECKPOINT OUT_DIR
+    tunebook export CHECKPOINT OUT_DIR [--merge]
     tunebook convert-gguf MODEL.gguf OUT_DIR
     tunebook report RUN_DIR [RUN_DIR ...] [--output FILE.png]
 
@@ -25,13 +25,14 @@ __all__ = ["main", "prepare", "report"]
 
 
 USAGE = """usage: tunebook prepare [--recipe sft|classify|pretrain] --config FILE.yaml [--key value ...]
-       tunebook export CHECKPOINT OUT_DIR
+       tunebook export CHECKPOINT OUT_DIR [--merge]
        tunebook convert-gguf MODEL.gguf OUT_DIR
        tunebook report RUN_DIR [RUN_DIR ...] [--output FILE.png]
 
 commands:
   prepare   build the tokenised (and packed) data caches of a recipe config, then exit
-  export    write a Hugging Face model directory (safetensors + tokenizer) from a training checkpoint
+  export    write a Hugging Face model directory (safetensors + tokenizer) from a training checkpoint;
+            of a LoRA run: its adapter directory, or with --merge the merged model
   convert-gguf  write a Hugging Face model directory (float32 safetensors + tokenizer) from a GGUF file
   report    re-render runs' report.png and print their summaries side by side
 """
@@ -132,15 +133,20 @@ def main(argv: list[str] | None = None) -> None:
     elif command == "report":
         report(rest)
     elif command in ("export", "convert-gguf"):
+        merge = command == "export" and "--merge" in rest
+        rest = [a for a in rest if a != "--merge"] if command == "export" else rest
         if len(rest) != 2:
             what = "CHECKPOINT" if command == "export" else "MODEL.gguf"
             print(f"tunebook: error: {command} takes {what} OUT_DIR, got {rest}\n{USAGE}", file=sys.stderr)
             raise SystemExit(2)
         if command == "export":
-            from .checkpoint import export_checkpoint as convert
+            from .checkpoint import export_checkpoint
+
+            print(f"wrote {export_checkpoint(rest[0], rest[1], merge=merge)} from {rest[0]}")
         else:
-            from .models.gguf import convert_gguf as convert
-        print(f"wrote {convert(rest[0], rest[1])} from {rest[0]}")
+            from .models.gguf import convert_gguf
+
+            print(f"wrote {convert_gguf(rest[0], rest[1])} from {rest[0]}")
     else:
         print(f"tunebook: error: unknown command {command!r}\n{USAGE}", file=sys.stderr)
         raise SystemExit(2)

@@ -4,7 +4,7 @@ The uninterrupted run saves a checkpoint every 3 steps and keeps them all; each 
 interrupted run would have left there. Resuming a copy of the run directory from step 3 (in the middle of the
 first epoch) and from step 6 (in the middle of the second) must log, at every later step, the same loss as the
 uninterrupted run, and end with the same weights, byte for byte. With shuffling, gradient accumulation over
-micro-batches of different lengths, packing, length grouping, and 2 processes.
+micro-batches of different lengths, packing, length grouping, LoRA (adapter-only checkpoints), and 2 processes.
 """
 
 from __future__ import annotations
@@ -52,12 +52,14 @@ def _check(tmp_path, extra, accelerate_config="cpu.yaml"):
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         assert f"Resumed from {run / 'checkpoints' / f'step-{step}'}" in result.stdout
         assert _losses(run) == reference  # every step once, the same losses to the last bit
-        assert (run / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
+        weights = "adapter_model.safetensors" if "--use_peft" in extra else "model.safetensors"
+        assert (run / weights).read_bytes() == (full / weights).read_bytes()
 
 
 @pytest.mark.parametrize(
-    "extra", [[], ["--packing", "true", "--max_seq_length", "64"], ["--group_by_length", "true"]],
-    ids=["shuffled", "packed", "length-grouped"],
+    "extra",
+    [[], ["--packing", "true", "--max_seq_length", "64"], ["--group_by_length", "true"], ["--use_peft", "true"]],
+    ids=["shuffled", "packed", "length-grouped", "lora"],
 )  # fmt: skip
 def test_resume_is_bit_identical(tmp_path, extra):
     _check(tmp_path, extra)
