@@ -1,6 +1,6 @@
 """The `tunebook` command.
 
-    tunebook prepare [--recipe sft|classify|pretrain] --config FILE.yaml [--key value ...]
+    tunebook prepare [--recipe sft|classify|pretrain|dpo] --config FILE.yaml [--key value ...]
     tunebook export CHECKPOINT OUT_DIR [--merge]
     tunebook convert-gguf MODEL.gguf OUT_DIR
     tunebook report RUN_DIR [RUN_DIR ...] [--output FILE.png]
@@ -24,7 +24,7 @@ from pathlib import Path
 __all__ = ["main", "prepare", "report"]
 
 
-USAGE = """usage: tunebook prepare [--recipe sft|classify|pretrain] --config FILE.yaml [--key value ...]
+USAGE = """usage: tunebook prepare [--recipe sft|classify|pretrain|dpo] --config FILE.yaml [--key value ...]
        tunebook export CHECKPOINT OUT_DIR [--merge]
        tunebook convert-gguf MODEL.gguf OUT_DIR
        tunebook report RUN_DIR [RUN_DIR ...] [--output FILE.png]
@@ -41,16 +41,23 @@ commands:
 def prepare(argv: list[str]) -> dict:
     """Build the caches a recipe run with these arguments would use; returns the printed figures."""
     from .config import load_config
-    from .data import default_cache_dir, prepare_classification_data, prepare_sft_data, prepare_text_data
+    from .data import (
+        default_cache_dir,
+        prepare_classification_data,
+        prepare_preference_data,
+        prepare_sft_data,
+        prepare_text_data,
+    )
     from .distributed import data_fingerprint, preparation_lock
     from .errors import ConfigError
     from .logging import setup_logging
-    from .recipe_configs import ClassifyConfig, PretrainConfig, SFTConfig
+    from .recipe_configs import ClassifyConfig, DPOConfig, PretrainConfig, SFTConfig
 
     recipes = {
         "sft": (SFTConfig, prepare_sft_data),
         "classify": (ClassifyConfig, prepare_classification_data),
         "pretrain": (PretrainConfig, prepare_text_data),
+        "dpo": (DPOConfig, prepare_preference_data),
     }
     recipe, argv = _pop_option(argv, "--recipe", "sft")
     if recipe not in recipes:
@@ -101,7 +108,8 @@ def _token_count(dataset) -> int:
     """Tokens of a prepared data set, from its Arrow list lengths (no Python lists built)."""
     import pyarrow.compute as pc
 
-    return pc.sum(pc.list_value_length(dataset.data.column("input_ids"))).as_py() or 0
+    columns = [c for c in dataset.column_names if c.endswith("input_ids")]  # both responses of preference pairs
+    return sum(pc.sum(pc.list_value_length(dataset.data.column(c))).as_py() or 0 for c in columns)
 
 
 def _pop_option(argv: list[str], name: str, default: str) -> tuple[str, list[str]]:

@@ -10,7 +10,7 @@ from .config import TrainConfig, _help
 from .errors import ConfigError
 from .models.tokenizer import looks_like_local_path
 
-__all__ = ["ClassifyConfig", "ModelDataConfig", "PretrainConfig", "SFTConfig"]
+__all__ = ["ClassifyConfig", "DPOConfig", "ModelDataConfig", "PretrainConfig", "SFTConfig"]
 
 
 @dataclass
@@ -240,3 +240,66 @@ class PretrainConfig(ModelDataConfig):
     num_train_epochs: float = _help("Epochs to train when max_steps is -1.", 2.0)
     synthetic_train_size: int = _help("Documents of the synthetic corpus (when train_data is None).", 2000)
     synthetic_eval_size: int = _help("Held-out documents of the synthetic corpus (when train_data is None).", 100)
+
+
+@dataclass
+class DPOConfig(ModelDataConfig):
+    """Direct Preference Optimization of a causal LM on (prompt, chosen, rejected) pairs.
+
+    The defaults are the embedded offline run: generated preference pairs over the SFT default's digit task (the
+    correct answer chosen, a plausible wrong one rejected), a locally trained tokenizer and a tiny Llama that a
+    brief SFT warm-up on the chosen answers first teaches the task format.
+    """
+
+    # --- data
+    overlong_examples: Literal["truncate", "drop"] = _help(
+        "Pairs longer than max_seq_length: cut the responses to fit (the prompt is kept whole) or drop the pair.",
+        "truncate",
+    )
+    # --- DPO
+    beta: float = _help(
+        "Strength of the KL penalty towards the reference model: the implicit reward is beta x the log-ratio of "
+        "policy to reference (TRL's default 0.1; lower lets the policy move further).",
+        0.1,
+    )
+    label_smoothing: float = _help(
+        "Assumed probability that a preference label is flipped (conservative DPO, cDPO); 0 is plain DPO.", 0.0
+    )
+    precompute_ref_log_probs: bool = _help(
+        "Compute the reference model's log-probabilities of every pair once before training and cache them with "
+        "the data (no reference forward, or second model, during training).",
+        False,
+    )
+    sft_warmup_steps: int | None = _help(
+        "Optimizer steps of plain SFT on the chosen responses before DPO, for a model that has not learnt the task "
+        "format; None: 150 for a fresh model built from a config (the embedded default), 0 for a loaded one.",
+        None,
+    )
+
+    # The embedded default run (see the class docstring).
+    output_dir: str = _help("Where the model, checkpoints, metrics.jsonl and summary.json go.", "outputs/dpo-default")
+    max_seq_length: int = _help("Longest prompt + response in tokens.", 64)
+    learning_rate: float = _help("Peak AdamW learning rate.", 2e-3)
+    warmup_ratio: float = _help("Fraction of the optimizer steps spent warming up linearly from 0.", 0.1)
+    per_device_train_batch_size: int = _help("Pairs per micro-batch per process.", 32)
+    per_device_eval_batch_size: int = _help("Pairs per evaluation batch per process.", 64)
+    max_steps: int = _help("Optimizer steps to train (-1: num_train_epochs).", 100)
+    logging_steps: int = _help("Log train metrics every N optimizer steps.", 10)
+    synthetic_train_size: int = _help("Preference pairs of the synthetic task (when train_data is None).", 4000)
+    synthetic_eval_size: int = _help("Held-out pairs of the synthetic task (when train_data is None).", 200)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.beta <= 0:
+            raise ConfigError(f"beta must be > 0, got {self.beta}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ConfigError(f"label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.sft_warmup_steps is not None and self.sft_warmup_steps < 0:
+            raise ConfigError(f"sft_warmup_steps must be >= 0 or null, got {self.sft_warmup_steps}")
+
+    @property
+    def warmup_steps(self) -> int:
+        """`sft_warmup_steps` resolved: None is 150 for a fresh model and 0 for one loaded from a path."""
+        if self.sft_warmup_steps is not None:
+            return self.sft_warmup_steps
+        return 0 if self.model_name_or_path else 150

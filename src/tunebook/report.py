@@ -22,7 +22,7 @@ __all__ = ["compare_runs", "finish_run", "flatten", "format_table", "read_metric
 logger = logging.getLogger("tunebook")
 
 # Eval keys that are counts or timings, not scores: not plotted as metrics.
-_NOT_SCORES = {"eval_loss", "eval_tokens", "eval_examples", "eval_perplexity"}
+_NOT_SCORES = {"eval_loss", "eval_tokens", "eval_examples", "eval_pairs", "eval_perplexity"}
 
 
 def finish_run(output_dir: str | Path, summary: dict[str, Any], log: logging.Logger = logger) -> None:

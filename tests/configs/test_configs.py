@@ -8,15 +8,15 @@ import pytest
 from conftest import ROOT
 
 from tunebook.config import parse_config
-from tunebook.recipe_configs import ClassifyConfig, PretrainConfig, SFTConfig
+from tunebook.recipe_configs import ClassifyConfig, DPOConfig, PretrainConfig, SFTConfig
 
 RECIPE_CONFIGS = sorted((ROOT / "recipes" / "configs").rglob("*.yaml"))
-CONFIG_CLASSES = {"sft": SFTConfig, "classify": ClassifyConfig, "pretrain": PretrainConfig}
+CONFIG_CLASSES = {"sft": SFTConfig, "classify": ClassifyConfig, "pretrain": PretrainConfig, "dpo": DPOConfig}
 ACCELERATE_CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
 
 
 def test_all_configs_are_found():
-    assert len(RECIPE_CONFIGS) >= 4
+    assert len(RECIPE_CONFIGS) >= 6
     assert {p.name for p in ACCELERATE_CONFIGS} >= {
         "cpu.yaml",
         "multi_cpu.yaml",
@@ -100,7 +100,12 @@ def test_default_yaml_is_the_embedded_default():
 
 
 @pytest.mark.parametrize(
-    "task, cls, model", [("classify", ClassifyConfig, "TINY_BERT"), ("pretrain", PretrainConfig, "TINY_LLAMA")]
+    "task, cls, model",
+    [
+        ("classify", ClassifyConfig, "TINY_BERT"),
+        ("pretrain", PretrainConfig, "TINY_LLAMA"),
+        ("dpo", DPOConfig, "TINY_LLAMA"),
+    ],
 )
 def test_other_default_yamls_are_the_embedded_defaults(task, cls, model):
     import tunebook.models

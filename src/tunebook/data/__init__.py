@@ -16,6 +16,7 @@ from .packing import (
     use_packed_attention,
 )
 from .pipeline import conversation_texts, load_conversations, prepare_sft_dataset, sft_cache_key
+from .preference import PairCollator, PreferenceData, prepare_preference_data, write_synthetic_preferences
 from .prepare import SFTData, prepare_sft_data
 from .sources import DataSource, fingerprint_sources, load_source, parse_sources
 from .synthetic import write_synthetic_task
@@ -23,6 +24,10 @@ from .text import TextData, chunk_documents, prepare_text_data
 from .tokenize import IGNORE_INDEX, assistant_spans, format_loss_mask, tokenize_conversations
 
 __all__ = [
+    "PairCollator",
+    "PreferenceData",
+    "prepare_preference_data",
+    "write_synthetic_preferences",
     "TextData",
     "chunk_documents",
     "prepare_text_data",

@@ -4,6 +4,7 @@ from .classification import classifier_inputs, evaluate_classifier
 from .generate import PromptCollator, generation_exact_match
 from .loss import evaluate_loss
 from .metrics import LOCAL_METRICS, load_metric, load_metrics
+from .preference import evaluate_preferences
 
 __all__ = [
     "LOCAL_METRICS",
@@ -11,6 +12,7 @@ __all__ = [
     "classifier_inputs",
     "evaluate_classifier",
     "evaluate_loss",
+    "evaluate_preferences",
     "generation_exact_match",
     "load_metric",
     "load_metrics",

@@ -13,12 +13,26 @@ from .loss import (
     token_loss_sum,
 )
 from .optim import build_optimizer, build_scheduler
+from .preference import (
+    RewardStats,
+    dpo_loss,
+    policy_and_reference_log_probs,
+    precompute_reference_log_probs,
+    sequence_log_probs,
+    weights_fingerprint,
+)
 from .steps import accumulation_windows, eval_due, save_due, total_optimizer_steps
 from .throughput import Throughput, peak_memory
 
 __all__ = [
     "recipe_accelerator",
     "Throughput",
+    "RewardStats",
+    "dpo_loss",
+    "policy_and_reference_log_probs",
+    "precompute_reference_log_probs",
+    "sequence_log_probs",
+    "weights_fingerprint",
     "peak_memory",
     "model_flops_per_token",
     "BestModel",

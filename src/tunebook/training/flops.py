@@ -75,23 +75,26 @@ def attention_span(lengths: Iterable[int] | np.ndarray) -> float:
 def dataset_flop_shape(dataset) -> tuple[float, float]:
     """(`attention_span`, fraction of tokens with a label) of a prepared data set, read from its Arrow columns.
 
-    Examples are the packed `seq_lengths` when present, else the rows; the label fraction is 1 unless `labels`
-    is a per-token column (-100 marks a position without loss).
+    Examples are the packed `seq_lengths` when present, else the rows of every `*input_ids` column (both
+    responses of preference pairs); the label fraction is 1 unless the `*labels` columns are per-token (-100
+    marks a position without loss).
     """
     import pyarrow as pa
     import pyarrow.compute as pc
 
     table = dataset.data
     if "seq_lengths" in table.column_names:
-        lengths = pc.list_flatten(table.column("seq_lengths"))
+        lengths = [pc.list_flatten(table.column("seq_lengths"))]
     else:
-        lengths = pc.list_value_length(table.column("input_ids"))
-    span = attention_span(np.asarray(lengths.to_numpy(zero_copy_only=False)))
-    fraction = 1.0
-    if "labels" in table.column_names and pa.types.is_list(table.column("labels").type):
-        labels = pc.list_flatten(table.column("labels"))
-        fraction = pc.sum(pc.not_equal(labels, -100)).as_py() / max(len(labels), 1)
-    return span, fraction
+        lengths = [pc.list_value_length(table.column(c)) for c in table.column_names if c.endswith("input_ids")]
+    lengths = np.concatenate([np.asarray(part.to_numpy(zero_copy_only=False)) for part in lengths])
+    span = attention_span(lengths)
+    labels = [c for c in table.column_names if c.endswith("labels") and pa.types.is_list(table.column(c).type)]
+    if not labels:
+        return span, 1.0
+    flat = [pc.list_flatten(table.column(c)) for c in labels]
+    labelled = sum(pc.sum(pc.not_equal(part, -100)).as_py() or 0 for part in flat)
+    return span, labelled / max(sum(len(part) for part in flat), 1)
 
 
 def device_peak_flops(device: torch.device | str, override: float | None = None) -> float | None:

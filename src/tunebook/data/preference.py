@@ -1,0 +1,204 @@
+"""Preference pairs for DPO: (prompt, chosen, rejected) rows rendered with the chat template, tokenised, cached.
+
+A prompt is a string (one user message) or a list of chat messages; a response is a string (one assistant
+message) or a list of messages. Each pair becomes `chosen_input_ids/labels` and `rejected_input_ids/labels`: the
+prompt rendered with the generation prompt, then the response's own tokens, which alone carry labels.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from ..errors import DataError
+from ..models.tokenizer import load_or_train_tokenizer, load_tokenizer
+from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
+from .collate import PadCollator
+from .formats import _check_chat
+from .sources import DataSource, config_sources, fingerprint_sources, load_source
+from .synthetic import _write_disjoint, make_example
+from .tokenize import IGNORE_INDEX
+
+__all__ = [
+    "PairCollator",
+    "PreferenceData",
+    "prepare_preference_data",
+    "tokenize_pairs",
+    "write_synthetic_preferences",
+]
+
+PAIR_COLUMNS = ("prompt", "chosen", "rejected")
+
+
+@dataclass
+class PreferenceData:
+    """The prepared data of a DPO run."""
+
+    tokenizer: PreTrainedTokenizerBase
+    train: datasets.Dataset
+    eval: datasets.Dataset | None
+    keys: dict[str, str]  # cache keys of the tokenised splits (reference log-probabilities are cached under them)
+    stats: dict[str, Any] = field(default_factory=dict)
+    built: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def prepare_preference_data(config, cache_dir: Path, log: logging.Logger) -> PreferenceData:
+    """Sources -> tokenizer -> tokenised train and eval pairs, each from the cache when unchanged (`DPOConfig`)."""
+    start, built = time.perf_counter(), []
+    train_sources, eval_sources = config_sources(config, cache_dir, write_synthetic_preferences)
+    if config.tokenizer_name_or_path or config.model_name_or_path:
+        tokenizer = load_tokenizer(
+            config.tokenizer_name_or_path or config.model_name_or_path, config.trust_remote_code
+        )
+    else:
+        tokenizer, trained = load_or_train_tokenizer(
+            cache_dir, fingerprint_sources(train_sources), lambda: _texts(train_sources, cache_dir, config.seed),
+            config.tokenizer_vocab_size,
+        )  # fmt: skip
+        built += ["tokenizer"] if trained else []
+    keys, splits, stats = {}, {}, {}
+    for name, sources in (("train", train_sources), ("eval", eval_sources)):
+        if not sources:
+            continue
+        keys[name] = fingerprint(
+            {"pairs": fingerprint_sources(sources), "tokenizer": tokenizer_fingerprint(tokenizer),
+             "max_seq_length": config.max_seq_length, "overlong": config.overlong_examples,
+             "version": PREPROCESSING_VERSION}
+        )  # fmt: skip
+        build = lambda scratch, s=sources: _build(s, tokenizer, config, cache_dir, scratch)  # noqa: E731
+        splits[name], split_stats, cached = cached_dataset(cache_dir, keys[name], build)
+        built += [] if cached else [f"{name} tokenisation"]
+        log.info("%s pairs: %d (%s); %s", name, len(splits[name]), "cached" if cached else "tokenised", split_stats)
+        if split_stats["truncated"] or split_stats["dropped"]:
+            log.warning("%s pairs: %d truncated and %d dropped at max_seq_length=%d", name,
+                        split_stats["truncated"], split_stats["dropped"], config.max_seq_length)  # fmt: skip
+        stats = stats or dict(split_stats)
+    train, evaluation = splits["train"], splits.get("eval")
+    if evaluation is None and config.eval_split_ratio > 0:
+        parts = train.train_test_split(test_size=config.eval_split_ratio, seed=config.seed)
+        train, evaluation = parts["train"], parts["test"]
+        keys["eval"] = f"{keys['train']}-split{config.eval_split_ratio}-{config.seed}"
+        keys["train"] = f"{keys['train']}-rest{config.eval_split_ratio}-{config.seed}"
+    return PreferenceData(tokenizer, train, evaluation, keys, stats, built, time.perf_counter() - start)
+
+
+def _texts(sources: list[DataSource], cache_dir: Path, seed: int):
+    """Every prompt and response as text, to train a tokenizer on."""
+    for source in sources:
+        for row in load_source(source, cache_dir, seed):
+            for column in PAIR_COLUMNS:
+                value = row.get(column)
+                yield value if isinstance(value, str) else "\n".join(str(m.get("content", "")) for m in value or [])
+
+
+def _build(sources: list[DataSource], tokenizer, config, cache_dir: Path, scratch: Path):
+    parts = []
+    for source in sources:
+        raw = load_source(source, cache_dir, config.seed)
+        missing = [c for c in PAIR_COLUMNS if c not in raw.column_names]
+        if missing:
+            raise DataError(f"{source.path}: preference data needs columns {list(PAIR_COLUMNS)}; missing {missing} "
+                            f"(found {raw.column_names})")  # fmt: skip
+        parts.append(
+            raw.map(
+                tokenize_pairs, batched=True, with_indices=True, remove_columns=raw.column_names,
+                fn_kwargs={"tokenizer": tokenizer, "max_seq_length": config.max_seq_length,
+                           "overlong": config.overlong_examples, "where": source.path},
+                cache_file_name=str(scratch / f"pairs-{len(parts)}.arrow"), desc=f"Tokenising {Path(source.path).name}",
+            )
+        )  # fmt: skip
+    dataset = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+    read = len(dataset)
+    truncated = sum(dataset["truncated"])
+    dataset = dataset.filter(lambda keep: keep, input_columns="keep", cache_file_name=str(scratch / "kept.arrow"))
+    if len(dataset) == 0:
+        raise DataError(f"no preference pair of {', '.join(s.path for s in sources)} fits max_seq_length")
+    stats = {"pairs_read": read, "truncated": truncated, "dropped": read - len(dataset), "pairs_kept": len(dataset)}
+    return dataset.remove_columns(["keep", "truncated"]), stats
+
+
+def _messages(value: Any, role: str, where: str) -> list[dict[str, str]]:
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    return _check_chat(value, where)
+
+
+def tokenize_pairs(batch: dict[str, list], indices: list[int], *, tokenizer, max_seq_length: int, overlong: str,
+                   where: str) -> dict[str, list]:  # fmt: skip
+    """Batched `datasets.map` function: rows of prompt/chosen/rejected -> token ids and labels of both responses.
+
+    The prompt is rendered with the generation prompt and the response is the rest of the full conversation's
+    rendering, tokenised separately (as TRL does), so the split between them never falls inside a token.
+    """
+    out: dict[str, list] = {k: [] for k in ("chosen_input_ids", "chosen_labels", "rejected_input_ids",
+                                            "rejected_labels", "keep", "truncated")}  # fmt: skip
+    for i, row in enumerate(indices):
+        where_row = f"{where}, row {row + 1}"
+        prompt = _messages(batch["prompt"][i], "user", where_row)
+        prompt_text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+        keep, cut = len(prompt_ids) < max_seq_length, False
+        for side in ("chosen", "rejected"):
+            response = _messages(batch[side][i], "assistant", where_row)
+            full_text = tokenizer.apply_chat_template(prompt + response, tokenize=False)
+            if not full_text.startswith(prompt_text):
+                raise DataError(f"{where_row}: the chat template renders the prompt differently inside the full "
+                                "conversation; cannot tell the response tokens apart")  # fmt: skip
+            response_ids = tokenizer(full_text[len(prompt_text) :], add_special_tokens=False)["input_ids"]
+            room = max_seq_length - len(prompt_ids)
+            if len(response_ids) > room:
+                cut = True
+                keep = keep and overlong == "truncate"
+                response_ids = response_ids[: max(room, 0)]
+            out[f"{side}_input_ids"].append(prompt_ids + response_ids)
+            out[f"{side}_labels"].append([IGNORE_INDEX] * len(prompt_ids) + response_ids)
+        out["keep"].append(keep)
+        out["truncated"].append(cut and keep)
+    return out
+
+
+class PairCollator:
+    """A batch of B pairs as one padded batch of 2B sequences, the chosen first: one forward pass scores both
+    (and under DDP one all-reduce covers both). Precomputed reference log-probabilities come along as tensors."""
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None):
+        self.pad = PadCollator(pad_token_id, pad_to_multiple_of)
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        sequences = [
+            {"input_ids": f[f"{side}_input_ids"], "labels": f[f"{side}_labels"]}
+            for side in ("chosen", "rejected")
+            for f in features
+        ]
+        batch = self.pad(sequences)
+        for key in ("ref_chosen_logps", "ref_rejected_logps"):
+            if key in features[0]:
+                batch[key] = torch.tensor([f[key] for f in features], dtype=torch.float32)
+        return batch
+
+
+def make_preference(rng: random.Random) -> dict[str, str]:
+    """A digit-task pair: the right answer chosen; rejected, the digits unchanged or the answer with one digit
+    changed (the mistakes a model that half-knows the task makes)."""
+    example = make_example(rng)
+    answer = example["output"]
+    wrong = example["input"]
+    if wrong == answer or rng.random() < 0.5:
+        i = rng.randrange(len(answer))
+        wrong = answer[:i] + rng.choice([d for d in "0123456789" if d != answer[i]]) + answer[i + 1 :]
+    return {"prompt": f"{example['instruction']}\n{example['input']}", "chosen": answer, "rejected": wrong}
+
+
+def write_synthetic_preferences(directory: str | Path, num_train: int, num_eval: int, seed: int):
+    """Write disjoint `train.jsonl`/`eval.jsonl` of digit-task preference pairs; returns their paths."""
+    directory = Path(directory) / f"preferences-{num_train}-{num_eval}-seed{seed}"
+    return _write_disjoint(directory, num_train, num_eval, seed, make_preference, "prompt")
