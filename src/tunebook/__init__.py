@@ -4,13 +4,15 @@ Run a recipe from Python with `load_recipe` (see `tunebook.recipe`), or write yo
 blocks the recipes use, all importable from here (loaded on first use, so `import tunebook` stays light):
 
 - data: `load_source`, `parse_sources`, `prepare_sft_data`, `prepare_classification_data`, `prepare_text_data`,
-  `cached_dataset`, `pack_dataset`, `PackedCollator`, `PadCollator`, `build_loader`, `attention_inputs`;
+  `prepare_preference_data`, `cached_dataset`, `pack_dataset`, `PackedCollator`, `PadCollator`, `PairCollator`,
+  `build_loader`, `attention_inputs`;
 - training: `recipe_accelerator`, `build_accelerator`, `build_optimizer`, `build_scheduler`,
-  `accumulation_windows`, `count_loss_tokens`, `step_loss_scale`, `causal_lm_token_losses`, `token_loss_sum`;
+  `accumulation_windows`, `count_loss_tokens`, `step_loss_scale`, `causal_lm_token_losses`, `token_loss_sum`,
+  `Throughput`, `dpo_loss`, `sequence_log_probs`;
 - checkpoints: `save_checkpoint`, `resume_training`, `save_final_model`, `list_checkpoints`;
 - evaluation: `evaluate_loss`, `generation_exact_match`, `evaluate_classifier`, `load_metric`;
-- models: `build_causal_lm`, `build_sequence_classifier`, `train_chat_tokenizer`;
-- the run summary every recipe returns: `run_summary`.
+- models: `build_causal_lm`, `build_sequence_classifier`, `train_chat_tokenizer`, `apply_lora`;
+- the run summary every recipe returns: `run_summary`; its report: `render_report`, `compare_runs`.
 """
 
 from __future__ import annotations
@@ -28,14 +30,17 @@ _LAZY = {
     "tunebook.data": [
         "load_source", "parse_sources", "prepare_sft_data", "prepare_classification_data", "prepare_text_data",
         "cached_dataset", "pack_dataset", "PackedCollator", "PadCollator", "build_loader", "attention_inputs",
+        "prepare_preference_data", "PairCollator",
     ],
     "tunebook.training": [
         "recipe_accelerator", "build_accelerator", "build_optimizer", "build_scheduler", "accumulation_windows",
-        "count_loss_tokens", "step_loss_scale", "causal_lm_token_losses", "token_loss_sum",
+        "count_loss_tokens", "step_loss_scale", "causal_lm_token_losses", "token_loss_sum", "Throughput", "dpo_loss",
+        "sequence_log_probs",
     ],
     "tunebook.evaluation": ["evaluate_loss", "generation_exact_match", "evaluate_classifier", "load_metric"],
-    "tunebook.models": ["build_causal_lm", "build_sequence_classifier", "train_chat_tokenizer"],
+    "tunebook.models": ["build_causal_lm", "build_sequence_classifier", "train_chat_tokenizer", "apply_lora"],
     "tunebook.summary": ["run_summary"],
+    "tunebook.report": ["render_report", "compare_runs"],
 }  # fmt: skip
 _WHERE = {name: module for module, names in _LAZY.items() for name in names}
 

@@ -80,3 +80,42 @@ def test_gpu_engine_trains_saves_and_resumes(tmp_path, accelerate_config):
     a, b = load_file(full / "model.safetensors"), load_file(run / "model.safetensors")
     for name in a:
         torch.testing.assert_close(b[name], a[name], atol=2e-3, rtol=2e-3, msg=f"parameter {name}")
+
+
+@pytest.mark.parametrize("accelerate_config", ["single_gpu.yaml", "fsdp.yaml"])
+def test_gpu_lora_trains_saves_adapters_and_resumes(tmp_path, accelerate_config):
+    """LoRA in bf16 on one GPU and under FSDP2: adapter-only checkpoints, an adapter directory, the same resumed run."""
+    pytest.importorskip("peft")
+    from peft import AutoPeftModelForCausalLM
+
+    args = [*COMMON, "--use_peft", "true", "--gradient_checkpointing", "true"]
+    full = tmp_path / "full"
+    result = launch("recipes/sft.py", [*args, "--output_dir", str(full)], accelerate_config, launcher_args=ONE_PROCESS)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert (full / "checkpoints/step-3/adapter/adapter_model.safetensors").is_file()
+    AutoPeftModelForCausalLM.from_pretrained(full)
+    run = tmp_path / "resumed"
+    shutil.copytree(full, run)
+    shutil.rmtree(run / "checkpoints" / "step-6")
+    resume = [*args, "--output_dir", str(run), "--resume_from_checkpoint", "latest"]
+    result = launch("recipes/sft.py", resume, accelerate_config, launcher_args=ONE_PROCESS)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    reference, resumed = _losses(full), _losses(run)
+    assert [resumed[s] for s in range(4, 7)] == pytest.approx([reference[s] for s in range(4, 7)], rel=2e-3)
+
+
+def test_gpu_qlora_trains_4bit_base(tmp_path, tiny_tokenizer, tiny_model_config):
+    """QLoRA: a saved tiny model loaded in 4-bit NF4 through bitsandbytes trains LoRA adapters on one GPU."""
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("peft")
+    from tunebook.models import build_causal_lm
+
+    base = tmp_path / "base"
+    build_causal_lm(tiny_tokenizer, model_config=tiny_model_config).save_pretrained(base)
+    tiny_tokenizer.save_pretrained(base)
+    args = [*COMMON[2:], "--model_name_or_path", str(base), "--use_peft", "true", "--load_in_4bit", "true"]
+    out = tmp_path / "qlora"
+    result = launch("recipes/sft.py", [*args, "--output_dir", str(out)], "single_gpu.yaml", launcher_args=ONE_PROCESS)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert (out / "adapter_model.safetensors").is_file()
+    assert json.loads((out / "summary.json").read_text())["trainable_parameters"] > 0

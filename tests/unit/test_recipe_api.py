@@ -36,8 +36,9 @@ def test_config_overrides_are_checked_like_the_command_line():
 def test_a_recipe_file_path_and_unknown_names():
     recipe = load_recipe(ROOT / "recipes" / "pretrain.py")
     assert recipe.config_class is PretrainConfig and recipe.name == "pretrain"
-    with pytest.raises(ConfigError, match="unknown recipe 'dpo'"):
-        load_recipe("dpo")
+    assert load_recipe("dpo").config().beta == 0.1
+    with pytest.raises(ConfigError, match="unknown recipe 'ppo'"):
+        load_recipe("ppo")
 
 
 def test_the_building_blocks_are_importable_from_tunebook_with_docstrings():
