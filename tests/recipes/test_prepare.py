@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY_TEST_MODEL, launch
+from conftest import ASSETS, ROOT, TINY_TEST_MODEL, launch
 
 pytestmark = pytest.mark.slow
 TUNEBOOK = str(Path(sys.executable).parent / "tunebook")
@@ -62,3 +62,15 @@ def test_prepare_other_recipes_prints_a_stable_content_fingerprint(tmp_path):
     assert figures[0]["train_fingerprint"] == figures[1]["train_fingerprint"]
     bad = _tunebook("prepare", "--recipe", "sfft")
     assert bad.returncode != 0 and "unknown recipe 'sfft'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_prepare_dpo_pairs_and_a_file_without_pair_columns(tmp_path):
+    result = _tunebook("prepare", "--recipe", "dpo", "--cache_dir", str(tmp_path), "--synthetic_train_size", "100")
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = dict(line.split(None, 1) for line in result.stdout.splitlines() if line.strip())
+    assert figures["recipe"] == "dpo" and int(figures["train_rows"]) == 100 and int(figures["train_tokens"]) > 0
+    bad = _tunebook(
+        "prepare", "--recipe", "dpo", "--cache_dir", str(tmp_path), "--train_data", str(ASSETS / "alpaca.json")
+    )
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert "alpaca.json: preference data needs columns ['prompt', 'chosen', 'rejected']" in bad.stderr
