@@ -64,7 +64,9 @@ def render_report(run_dirs: list[str | Path], path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     runs = [(Path(d).name, *read_metrics(d)) for d in run_dirs]
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8), constrained_layout=True)
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    # Fixed margins: constrained_layout measured every tick label and doubled the time to draw (~0.45 s -> ~0.2 s).
+    fig.subplots_adjust(left=0.06, right=0.98, bottom=0.07, top=0.92, wspace=0.22, hspace=0.32)
     panels = [
         (axes[0, 0], "Loss", [("loss", "train", "-"), ("eval_loss", "eval", "o--")], "log"),
         (axes[0, 1], "Eval metrics", None, "linear"),
