@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import ConfigError, DataError
-from ..models.tokenizer import load_or_train_tokenizer, load_tokenizer
+from ..models.tokenizer import config_tokenizer
 from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
 from .sources import DataSource, config_sources, fingerprint_sources, load_source
 from .synthetic import write_synthetic_classification
@@ -50,17 +50,9 @@ def prepare_classification_data(config, cache_dir: Path, log: logging.Logger) ->
     train_raw = _load(train_sources, columns, cache_dir, config.seed)
     label_names = config.label_names or label_names_of(train_raw.data.column(config.label_column))
 
-    if config.tokenizer_name_or_path or config.model_name_or_path:
-        tokenizer = load_tokenizer(
-            config.tokenizer_name_or_path or config.model_name_or_path, config.trust_remote_code
-        )
-    else:
-        texts = lambda: (t for c in columns[:-1] for t in train_raw[c])  # noqa: E731
-        key = fingerprint_sources(train_sources) + "|" + "|".join(columns)
-        tokenizer, trained = load_or_train_tokenizer(cache_dir, key, texts, config.tokenizer_vocab_size, "encoder")
-        built += ["tokenizer"] if trained else []
-        log.info("%s a %d-token WordPiece tokenizer on the training data", "Trained" if trained else "Reusing",
-                 len(tokenizer))  # fmt: skip
+    texts = lambda: (t for c in columns[:-1] for t in train_raw[c])  # noqa: E731
+    key = fingerprint_sources(train_sources) + "|" + "|".join(columns)
+    tokenizer = config_tokenizer(config, cache_dir, key, texts, built, log, kind="encoder")
 
     def tokenised(sources: list[DataSource], raw: datasets.Dataset | None, name: str):
         key = fingerprint(

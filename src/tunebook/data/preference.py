@@ -19,7 +19,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import DataError
-from ..models.tokenizer import load_or_train_tokenizer, load_tokenizer
+from ..models.tokenizer import config_tokenizer
 from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
 from .collate import PadCollator
 from .formats import _check_chat
@@ -55,16 +55,8 @@ def prepare_preference_data(config, cache_dir: Path, log: logging.Logger) -> Pre
     """Sources -> tokenizer -> tokenised train and eval pairs, each from the cache when unchanged (`DPOConfig`)."""
     start, built = time.perf_counter(), []
     train_sources, eval_sources = config_sources(config, cache_dir, write_synthetic_preferences)
-    if config.tokenizer_name_or_path or config.model_name_or_path:
-        tokenizer = load_tokenizer(
-            config.tokenizer_name_or_path or config.model_name_or_path, config.trust_remote_code
-        )
-    else:
-        tokenizer, trained = load_or_train_tokenizer(
-            cache_dir, fingerprint_sources(train_sources), lambda: _texts(train_sources, cache_dir, config.seed),
-            config.tokenizer_vocab_size,
-        )  # fmt: skip
-        built += ["tokenizer"] if trained else []
+    texts = lambda: _texts(train_sources, cache_dir, config.seed)  # noqa: E731
+    tokenizer = config_tokenizer(config, cache_dir, fingerprint_sources(train_sources), texts, built, log)
     keys, splits, stats = {}, {}, {}
     for name, sources in (("train", train_sources), ("eval", eval_sources)):
         if not sources:

@@ -17,7 +17,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import ConfigError
-from ..models.tokenizer import load_or_train_tokenizer, load_tokenizer
+from ..models.tokenizer import config_tokenizer
 from .cache import cached_dataset, fingerprint
 from .packing import example_lengths, pack_dataset
 from .pipeline import conversation_texts, load_conversations, prepare_sft_dataset, sft_cache_key
@@ -53,22 +53,8 @@ def prepare_sft_data(config, cache_dir: Path, log: logging.Logger) -> SFTData:
     # No train_data: the embedded default's generated task.
     train_sources, eval_sources = config_sources(config, cache_dir, write_synthetic_task)
 
-    if config.tokenizer_name_or_path or config.model_name_or_path:
-        tokenizer = load_tokenizer(
-            config.tokenizer_name_or_path or config.model_name_or_path, config.trust_remote_code
-        )
-    else:
-        tokenizer, trained = load_or_train_tokenizer(
-            cache_dir,
-            fingerprint_sources(train_sources),
-            lambda: conversation_texts(load_conversations(train_sources, config.data_format, cache_dir, config.seed)),
-            config.tokenizer_vocab_size,
-        )
-        if trained:
-            built.append("tokenizer")
-        log.info(
-            "%s a %d-token BPE tokenizer on the training data", "Trained" if trained else "Reusing", len(tokenizer)
-        )
+    texts = lambda: conversation_texts(load_conversations(train_sources, config.data_format, cache_dir, config.seed))  # noqa: E731
+    tokenizer = config_tokenizer(config, cache_dir, fingerprint_sources(train_sources), texts, built, log)
 
     train, train_key, stats = _tokenised(config, train_sources, tokenizer, cache_dir, "train", built, log)
     eval_examples, eval_key = None, None

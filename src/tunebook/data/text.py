@@ -20,7 +20,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import ConfigError, DataError
-from ..models.tokenizer import load_or_train_tokenizer, load_tokenizer
+from ..models.tokenizer import config_tokenizer
 from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
 from .packing import example_lengths
 from .sources import DataSource, config_sources, fingerprint_sources, load_source
@@ -86,16 +86,8 @@ def prepare_text_data(config, cache_dir: Path, log: logging.Logger) -> TextData:
             parts.append(raw.select_columns([config.text_column]))
         return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
 
-    if config.tokenizer_name_or_path or config.model_name_or_path:
-        tokenizer = load_tokenizer(
-            config.tokenizer_name_or_path or config.model_name_or_path, config.trust_remote_code
-        )
-    else:
-        texts = lambda: iter(documents(train_sources)[config.text_column])  # noqa: E731
-        tokenizer, trained = load_or_train_tokenizer(
-            cache_dir, fingerprint_sources(train_sources), texts, config.tokenizer_vocab_size
-        )
-        built += ["tokenizer"] if trained else []
+    texts = lambda: iter(documents(train_sources)[config.text_column])  # noqa: E731
+    tokenizer = config_tokenizer(config, cache_dir, fingerprint_sources(train_sources), texts, built, log)
     if tokenizer.eos_token_id is None:
         raise ConfigError("the tokenizer has no EOS token to end documents with; set tokenizer_name_or_path")
 

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 from ..errors import ModelError, first_line
 
-__all__ = ["CHATML_TEMPLATE", "load_tokenizer", "train_chat_tokenizer", "train_encoder_tokenizer"]
+__all__ = ["CHATML_TEMPLATE", "config_tokenizer", "load_tokenizer", "train_chat_tokenizer", "train_encoder_tokenizer"]
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -113,6 +113,22 @@ def load_or_train_tokenizer(
     except OSError:  # another process finished first; its files are identical
         pass
     return AutoTokenizer.from_pretrained(directory), True
+
+
+def config_tokenizer(config, cache_dir, data_fingerprint: str, texts, built: list, log, kind: str = "chat"):
+    """The tokenizer a recipe config asks for: `tokenizer_name_or_path` or the model's, else one trained on
+    `texts()` (once; cached by `data_fingerprint`, see `load_or_train_tokenizer`). Adds "tokenizer" to `built`
+    when it trained one."""
+    if config.tokenizer_name_or_path or config.model_name_or_path:
+        return load_tokenizer(config.tokenizer_name_or_path or config.model_name_or_path, config.trust_remote_code)
+    tokenizer, trained = load_or_train_tokenizer(cache_dir, data_fingerprint, texts, config.tokenizer_vocab_size, kind)
+    if trained:
+        built.append("tokenizer")
+    what = "WordPiece" if kind == "encoder" else "BPE"
+    log.info(
+        "%s a %d-token %s tokenizer on the training data", "Trained" if trained else "Reusing", len(tokenizer), what
+    )
+    return tokenizer
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
