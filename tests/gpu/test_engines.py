@@ -35,6 +35,20 @@ def _losses(out):
     }
 
 
+def _resume_from_step_3(tmp_path, full, args, accelerate_config):
+    """Resume a copy of run `full` from its step-3 checkpoint; steps 4-6 must log the same losses (2e-3)."""
+    run = tmp_path / "resumed"
+    shutil.copytree(full, run)
+    shutil.rmtree(run / "checkpoints" / "step-6")
+    resume = [*args, "--output_dir", str(run), "--resume_from_checkpoint", "latest"]
+    result = launch("recipes/sft.py", resume, accelerate_config, launcher_args=ONE_PROCESS)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    reference, resumed = _losses(full), _losses(run)
+    assert sorted(resumed) == list(range(1, 7))
+    assert [resumed[s] for s in range(4, 7)] == pytest.approx([reference[s] for s in range(4, 7)], rel=2e-3)
+    return run
+
+
 def _deepspeed(config):
     try:
         import deepspeed  # noqa: F401
@@ -68,15 +82,7 @@ def test_gpu_engine_trains_saves_and_resumes(tmp_path, accelerate_config):
     model = AutoModelForCausalLM.from_pretrained(full)  # a full model directory gathered from the shards
     assert model.config.num_hidden_layers == TINY_TEST_MODEL["num_hidden_layers"]
 
-    run = tmp_path / "resumed"
-    shutil.copytree(full, run)
-    shutil.rmtree(run / "checkpoints" / "step-6")
-    args = [*COMMON, "--output_dir", str(run), "--resume_from_checkpoint", "latest"]
-    result = launch("recipes/sft.py", args, accelerate_config, launcher_args=ONE_PROCESS)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    reference, resumed = _losses(full), _losses(run)
-    assert sorted(resumed) == list(range(1, 7))
-    assert [resumed[s] for s in range(4, 7)] == pytest.approx([reference[s] for s in range(4, 7)], rel=2e-3)
+    run = _resume_from_step_3(tmp_path, full, COMMON, accelerate_config)
     a, b = load_file(full / "model.safetensors"), load_file(run / "model.safetensors")
     for name in a:
         torch.testing.assert_close(b[name], a[name], atol=2e-3, rtol=2e-3, msg=f"parameter {name}")
@@ -94,14 +100,7 @@ def test_gpu_lora_trains_saves_adapters_and_resumes(tmp_path, accelerate_config)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert (full / "checkpoints/step-3/adapter/adapter_model.safetensors").is_file()
     AutoPeftModelForCausalLM.from_pretrained(full)
-    run = tmp_path / "resumed"
-    shutil.copytree(full, run)
-    shutil.rmtree(run / "checkpoints" / "step-6")
-    resume = [*args, "--output_dir", str(run), "--resume_from_checkpoint", "latest"]
-    result = launch("recipes/sft.py", resume, accelerate_config, launcher_args=ONE_PROCESS)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    reference, resumed = _losses(full), _losses(run)
-    assert [resumed[s] for s in range(4, 7)] == pytest.approx([reference[s] for s in range(4, 7)], rel=2e-3)
+    _resume_from_step_3(tmp_path, full, args, accelerate_config)
 
 
 def test_gpu_qlora_trains_4bit_base(tmp_path, tiny_tokenizer, tiny_model_config):
