@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..logging import progress_bar
-from ..training.preference import dpo_loss, policy_and_reference_log_probs
+from ..training.preference import RewardStats, dpo_loss, policy_and_reference_log_probs
 
 __all__ = ["evaluate_preferences"]
 
@@ -23,7 +23,7 @@ def evaluate_preferences(
     """
     was_training = model.training
     model.eval()
-    sums = torch.zeros(5, dtype=torch.float64)
+    stats = RewardStats("cpu")
     for batch in progress_bar(accelerator.is_main_process, disable_tqdm, iterable=loader, desc="Evaluating",
                               leave=False):  # fmt: skip
         policy, ref = policy_and_reference_log_probs(model, reference, batch, attn, dtype, accelerator)
@@ -31,17 +31,6 @@ def evaluate_preferences(
         losses, chosen, rejected = dpo_loss(
             policy[:half], policy[half:], ref[:half], ref[half:], beta, label_smoothing
         )
-        losses, chosen, rejected = accelerator.gather_for_metrics((losses, chosen, rejected))
-        sums += torch.stack([torch.tensor(float(len(losses))), losses.sum().cpu(), chosen.sum().cpu(),
-                             rejected.sum().cpu(), (chosen > rejected).sum().cpu()]).double()  # fmt: skip
+        stats.add(*(t.cpu() for t in accelerator.gather_for_metrics((losses, chosen, rejected))))  # all pairs once
     model.train(was_training)
-    pairs, loss, chosen, rejected, correct = sums.tolist()
-    n = max(pairs, 1.0)
-    return {
-        "eval_loss": loss / n,
-        "eval_rewards/chosen": chosen / n,
-        "eval_rewards/rejected": rejected / n,
-        "eval_rewards/accuracy": correct / n,
-        "eval_rewards/margin": (chosen - rejected) / n,
-        "eval_pairs": int(pairs),
-    }
+    return {**stats.means("eval_"), "eval_pairs": int(stats.sums[0].item())}

@@ -81,10 +81,16 @@ class RewardStats:
         self.sums += torch.stack([torch.tensor(float(len(chosen)), device=chosen.device), *values]).double()
 
     def pop(self, accelerator, prefix: str = "") -> dict[str, float]:
-        """Means over all processes since the last call: loss, rewards/chosen, rewards/rejected, reward accuracy
-        and margin (as TRL names them); starts a new window."""
-        pairs, loss, chosen, rejected, correct = accelerator.reduce(self.sums.clone(), "sum").tolist()
+        """`means` over all processes since the last call; starts a new window."""
+        self.sums = accelerator.reduce(self.sums, "sum")
+        means = self.means(prefix)
         self.sums.zero_()
+        return means
+
+    def means(self, prefix: str = "") -> dict[str, float]:
+        """Mean loss, rewards/chosen, rewards/rejected, rewards/accuracy and rewards/margin (TRL's names) of the
+        pairs added so far."""
+        pairs, loss, chosen, rejected, correct = self.sums.tolist()
         n = max(pairs, 1.0)
         return {
             f"{prefix}loss": loss / n,
