@@ -36,8 +36,9 @@ def run_summary(
     """Everything a run reports, totalled over all processes; call it on every process (it reduces across them).
 
     `throughput` is the run's `Throughput` (FLOPs per token, device peak), `timer` its `RunTimer`, `counters` its
-    `TrainCounters` (tokens and examples seen, tokens fed), `best` its `BestModel` or None, `data` the prepared data (its `seconds`, `stats` and `train`). `extra` adds recipe-specific keys.
-    Logs the data-loading advice when the loop waited for data.
+    `TrainCounters` (tokens and examples seen, tokens fed), `best` its `BestModel` or None, `data` the prepared
+    data (its `seconds` and `stats`). `extra` adds recipe-specific keys. Logs the data-loading advice when the loop
+    waited for data.
     """
     train_runtime = timer.train_runtime()
     totals = torch.stack([counters.tokens_seen, counters.fed_tokens, counters.samples_seen])
