@@ -21,12 +21,13 @@ import importlib
 
 __version__ = "0.1.0"
 
-from .checkpoint import list_checkpoints, resume_training, save_checkpoint, save_final_model  # noqa: E402
 from .config import TrainConfig, load_config, parse_config, save_config  # noqa: E402
 from .errors import ConfigError, DataError, ModelError, TunebookError  # noqa: E402
 from .recipe import Recipe, load_recipe  # noqa: E402
 
+# Loaded on first use: `import tunebook` (and checking a config) must not import torch.
 _LAZY = {
+    "tunebook.checkpoint": ["list_checkpoints", "resume_training", "save_checkpoint", "save_final_model"],
     "tunebook.data": [
         "load_source", "parse_sources", "prepare_sft_data", "prepare_classification_data", "prepare_text_data",
         "cached_dataset", "pack_dataset", "PackedCollator", "PadCollator", "build_loader", "attention_inputs",
@@ -59,13 +60,9 @@ __all__ = [
     "TrainConfig",
     "TunebookError",
     "__version__",
-    "list_checkpoints",
     "load_config",
     "load_recipe",
     "parse_config",
-    "resume_training",
-    "save_checkpoint",
     "save_config",
-    "save_final_model",
     *_WHERE,
 ]

@@ -1,5 +1,6 @@
 """The `tunebook` command.
 
+    tunebook train [ACCELERATE LAUNCH OPTIONS] RECIPE [--config FILE.yaml] [--key value ...]
     tunebook prepare [--recipe sft|classify|pretrain|dpo] --config FILE.yaml [--key value ...]
     tunebook export CHECKPOINT OUT_DIR [--merge]
     tunebook convert-gguf MODEL.gguf OUT_DIR
@@ -24,12 +25,15 @@ from pathlib import Path
 __all__ = ["main", "prepare", "report"]
 
 
-USAGE = """usage: tunebook prepare [--recipe sft|classify|pretrain|dpo] --config FILE.yaml [--key value ...]
+USAGE = """usage: tunebook train [ACCELERATE LAUNCH OPTIONS] RECIPE [--config FILE.yaml] [--key value ...]
+       tunebook prepare [--recipe sft|classify|pretrain|dpo] --config FILE.yaml [--key value ...]
        tunebook export CHECKPOINT OUT_DIR [--merge]
        tunebook convert-gguf MODEL.gguf OUT_DIR
        tunebook report RUN_DIR [RUN_DIR ...] [--output FILE.png]
 
 commands:
+  train     accelerate launch a recipe (sft, classify, pretrain, dpo or a .py file): the config is checked first,
+            and a failure or a stop signal ends with the recipe's own lines, not a launcher traceback
   prepare   build the tokenised (and packed) data caches of a recipe config, then exit
   export    write a Hugging Face model directory (safetensors + tokenizer) from a training checkpoint;
             of a LoRA run: its adapter directory, or with --merge the merged model
@@ -41,6 +45,12 @@ commands:
 def prepare(argv: list[str]) -> dict:
     """Build the caches a recipe run with these arguments would use; returns the printed figures."""
     from .config import load_config
+    from .recipe import recipe_config_class
+
+    recipe, argv = _pop_option(argv, "--recipe", "sft")
+    config_class = recipe_config_class(recipe)
+    start = time.perf_counter()
+    config = load_config(config_class, argv)
     from .data import (
         default_cache_dir,
         prepare_classification_data,
@@ -49,22 +59,14 @@ def prepare(argv: list[str]) -> dict:
         prepare_text_data,
     )
     from .distributed import data_fingerprint, preparation_lock
-    from .errors import ConfigError
     from .logging import setup_logging
-    from .recipe_configs import ClassifyConfig, DPOConfig, PretrainConfig, SFTConfig
 
-    recipes = {
-        "sft": (SFTConfig, prepare_sft_data),
-        "classify": (ClassifyConfig, prepare_classification_data),
-        "pretrain": (PretrainConfig, prepare_text_data),
-        "dpo": (DPOConfig, prepare_preference_data),
-    }
-    recipe, argv = _pop_option(argv, "--recipe", "sft")
-    if recipe not in recipes:
-        raise ConfigError(f"tunebook prepare: unknown recipe {recipe!r}; choose from {', '.join(recipes)}")
-    config_class, prepare_data = recipes[recipe]
-    start = time.perf_counter()
-    config = load_config(config_class, argv)
+    prepare_data = {
+        "sft": prepare_sft_data,
+        "classify": prepare_classification_data,
+        "pretrain": prepare_text_data,
+        "dpo": prepare_preference_data,
+    }[recipe]
     log = setup_logging(True, config.log_level)
     cache_dir = Path(config.cache_dir).expanduser() if config.cache_dir else default_cache_dir()
     with preparation_lock(cache_dir):
@@ -136,7 +138,11 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE)
         raise SystemExit(0 if argv else 2)
     command, rest = argv[0], argv[1:]
-    if command == "prepare":
+    if command == "train":
+        from .launch import train
+
+        train(rest)
+    elif command == "prepare":
         prepare(rest)
     elif command == "report":
         report(rest)

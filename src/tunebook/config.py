@@ -19,9 +19,9 @@ from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
-from .errors import ConfigError, install_excepthook
+from .errors import ConfigError, install_excepthook, same_on_every_rank
 
-__all__ = ["TrainConfig", "config_to_dict", "load_config", "parse_config", "save_config"]
+__all__ = ["ALIASES", "TrainConfig", "aliases_used", "config_to_dict", "load_config", "parse_config", "save_config"]
 
 C = TypeVar("C")
 
@@ -177,35 +177,81 @@ class TrainConfig:
 # Loading
 
 
+# Other tools' names for our keys (TRL, older transformers): accepted, resolved to ours, each use logged once.
+ALIASES = {
+    "max_length": "max_seq_length",
+    "lora_modules_to_save": "modules_to_save",
+    "torch_dtype": "dtype",
+    "evaluation_strategy": "eval_strategy",
+}
+
+
 def load_config(cls: type[C], argv: list[str] | None = None) -> C:
     """Build `cls` from `--config FILE` and `--key value` / `--key=value` arguments (default: `sys.argv[1:]`).
 
-    Also installs the excepthook that prints Tunebook's user errors without a traceback, since this is the
-    first thing a recipe's `__main__` block calls.
+    A boolean key may be given bare (`--packing`) or negated (`--no_packing`). Also installs the excepthook that
+    prints Tunebook's user errors without a traceback, since this is the first thing a recipe's `__main__` block
+    calls.
     """
     install_excepthook()
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
         print(config_help(cls))
         raise SystemExit(0)
-    config_file, overrides = _split_argv(argv)
-    return parse_config(cls, config_file=config_file, overrides=overrides)
+    try:
+        config_file, overrides = _split_argv(argv, cls)
+        return parse_config(cls, config_file=config_file, overrides=overrides)
+    except ConfigError as error:
+        raise same_on_every_rank(error) from None
 
 
 def parse_config(cls: type[C], config_file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> C:
     """Defaults < YAML file < overrides. Override values may be strings (from a command line) or Python values."""
     values: dict[str, Any] = {}
+    aliases: dict[str, str] = {}
     if config_file is not None:
         data, lines = _read_yaml(Path(config_file))
-        values = {k: _coerce_field(cls, k, v, f"{config_file}, line {lines[k]}") for k, v in data.items()}
+        for key, value in data.items():
+            where = f"{config_file}, line {lines[key]}"
+            name = _resolve_alias(cls, key, aliases, where)
+            if name in values:
+                raise ConfigError(f"config key '{name}' is given twice in {config_file}: as '{name}' and as its alias")
+            values[name] = _coerce_field(cls, name, value, where)
+    given_here: set[str] = set()
     for key, value in (overrides or {}).items():
-        values[key] = _coerce_field(cls, key, value, "command line")
+        name = _resolve_alias(cls, key, aliases, "command line")
+        if name in given_here:
+            raise ConfigError(f"config key '{name}' is given twice on the command line (once by an alias)")
+        given_here.add(name)
+        values[name] = _coerce_field(cls, name, value, "command line")
     config = cls(**values)
     config.validate()
+    object.__setattr__(config, "_aliases_used", aliases)  # not a field: for the start-up log only
     return config
 
 
-def _split_argv(argv: list[str]) -> tuple[str | None, dict[str, str]]:
+def _resolve_alias(cls: type, key: str, used: dict[str, str], where: str) -> str:
+    names = {f.name for f in dataclasses.fields(cls)}
+    target = ALIASES.get(key)
+    if key in names or target is None or target not in names:
+        return key
+    used[key] = target
+    return target
+
+
+def aliases_used(config: Any) -> dict[str, str]:
+    """{alias: key} for every other tool's name (`ALIASES`) this config was given with."""
+    return dict(getattr(config, "_aliases_used", {}))
+
+
+def _bool_fields(cls: type) -> set[str]:
+    hints = typing.get_type_hints(cls)
+    return {f.name for f in dataclasses.fields(cls) if hints[f.name] is bool or hints[f.name] == bool | None}
+
+
+def _split_argv(argv: list[str], cls: type | None = None) -> tuple[str | None, dict[str, str]]:
+    booleans = _bool_fields(cls) if cls is not None else set()
+    booleans |= {alias for alias, key in ALIASES.items() if key in booleans}
     config_file = None
     overrides: dict[str, str] = {}
     i = 0
@@ -214,12 +260,21 @@ def _split_argv(argv: list[str]) -> tuple[str | None, dict[str, str]]:
         if not arg.startswith("--") or len(arg) == 2:
             raise ConfigError(f"unexpected argument {arg!r}: use --config FILE.yaml and --key value")
         key, eq, value = arg[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                raise ConfigError(f"--{key} needs a value (--{key} VALUE or --{key}=VALUE)")
-            value = argv[i + 1]
-            i += 1
         key = key.replace("-", "_")
+        following = argv[i + 1] if i + 1 < len(argv) else None
+        if eq:
+            pass
+        elif key.startswith("no_") and key[3:] in booleans:  # --no_packing
+            key, value = key[3:], "false"
+        elif following is None or following.startswith("--"):
+            if key in booleans:  # a bare flag: --packing
+                overrides[key] = "true"
+                i += 1
+                continue
+            raise ConfigError(f"--{key} needs a value (--{key} VALUE or --{key}=VALUE)")
+        else:
+            value = following
+            i += 1
         if key == "config":
             config_file = value
         else:

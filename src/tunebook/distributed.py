@@ -20,7 +20,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, TunebookError, same_on_every_rank
 
 __all__ = [
     "PreflightError",
@@ -168,7 +168,10 @@ def prepare_then_join(accelerator, config, prepare, cache_dir: Path, log: loggin
     What the recipes call instead of preparing inside `accelerator.main_process_first()` (see the module notes).
     """
     with preparation_lock(cache_dir):
-        data = prepare(config, cache_dir, log)
+        try:
+            data = prepare(config, cache_dir, log)
+        except TunebookError as error:  # every process meets it: one report per machine
+            raise same_on_every_rank(error) from None
     if accelerator.num_processes > 1:
         facts = run_facts(config, data, accelerator.num_processes)
         preflight_check(facts, config.preflight_timeout, accelerator.process_index, accelerator.num_processes)

@@ -1,12 +1,14 @@
 """User-facing errors: one readable message that names the file, line, key or value at fault.
 
 Anything a user can cause (a typo in a config, a malformed data file, a missing model path) is raised as a
-`TunebookError`. Recipes install `install_excepthook()` so these print as one line instead of a traceback;
-anything else is a bug in Tunebook or a library and keeps its full traceback.
+`TunebookError`. Recipes install `install_excepthook()` so these print as one line instead of a traceback (in a
+notebook too); anything else is a bug in Tunebook or a library and keeps its full traceback.
 """
 
 from __future__ import annotations
 
+import io
+import os
 import sys
 import traceback
 
@@ -18,6 +20,7 @@ __all__ = [
     "TunebookError",
     "first_line",
     "install_excepthook",
+    "same_on_every_rank",
 ]
 
 
@@ -41,25 +44,59 @@ class TrainingError(TunebookError):
     """Training cannot go on (a non-finite loss under nan_policy: stop); the message says what was kept."""
 
 
+def same_on_every_rank(error: TunebookError) -> TunebookError:
+    """Mark an error every process of a machine meets alike (a config typo, a malformed data file): only the
+    machine's first process prints it, instead of one identical line per process."""
+    error.same_on_every_rank = True
+    return error
+
+
 def install_excepthook() -> None:
-    """Print `TunebookError`s as `tunebook: error: ...` and exit non-zero; leave other errors alone."""
+    """Print `TunebookError`s as `tunebook: error: ...` and exit non-zero; leave other errors alone.
+
+    In an IPython kernel (Jupyter), the kernel shows them the same way instead of a traceback.
+    """
     previous = sys.excepthook
 
     def hook(exc_type, exc, tb):
         if issubclass(exc_type, TunebookError):
-            rank = _rank_prefix()
-            print(f"tunebook: error{rank}: {exc}", file=sys.stderr, flush=True)
+            if _should_print(exc):
+                # torch.distributed wraps the excepthook to prefix every line with "[rankN]: " through a StringIO;
+                # the message names its rank already, so it goes straight to the real stderr.
+                stream = sys.__stderr__ if isinstance(sys.stderr, io.StringIO) else sys.stderr
+                print(f"tunebook: error{_rank_prefix()}: {exc}", file=stream, flush=True)
             # Release what the failed frames held (data loaders and their worker processes) before exit.
             traceback.clear_frames(tb)
             return
         previous(exc_type, exc, tb)
 
+    if getattr(sys.excepthook, "_tunebook", False):
+        return
+    hook._tunebook = True
     sys.excepthook = hook
+    _install_ipython_handler()
+
+
+def _install_ipython_handler() -> None:
+    """In a Jupyter kernel, show a TunebookError as its one line instead of a page of traceback."""
+    ipython_module = sys.modules.get("IPython")
+    shell = ipython_module.get_ipython() if ipython_module is not None else None
+    if shell is None or getattr(shell, "_tunebook_errors", False):
+        return
+
+    def show(shell, etype, value, tb, tb_offset=None):
+        print(f"tunebook: error: {value}", file=sys.stderr, flush=True)
+        return []
+
+    shell.set_custom_exc((TunebookError,), show)
+    shell._tunebook_errors = True
+
+
+def _should_print(error: BaseException) -> bool:
+    return not getattr(error, "same_on_every_rank", False) or os.environ.get("LOCAL_RANK", "0") == "0"
 
 
 def _rank_prefix() -> str:
-    import os
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     return f" (rank {os.environ.get('RANK', '0')})" if world > 1 else ""
 

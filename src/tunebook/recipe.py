@@ -23,11 +23,32 @@ from types import ModuleType
 from typing import Any
 
 from .config import parse_config
-from .errors import ConfigError
+from .errors import ConfigError, install_excepthook
 
-__all__ = ["RECIPES", "Recipe", "load_recipe"]
+__all__ = ["RECIPES", "Recipe", "load_recipe", "recipe_config_class", "recipe_file"]
 
 RECIPES = ("sft", "classify", "pretrain", "dpo")
+
+
+def recipe_config_class(name: str) -> type:
+    """The config class of recipe `name`, without importing the recipe (and torch): what the CLI checks a
+    command line against before launching, and what `tunebook prepare`/`export` read configs with."""
+    from . import recipe_configs
+
+    classes = {
+        "sft": recipe_configs.SFTConfig,
+        "classify": recipe_configs.ClassifyConfig,
+        "pretrain": recipe_configs.PretrainConfig,
+        "dpo": recipe_configs.DPOConfig,
+    }
+    if name not in classes:
+        raise ConfigError(f"unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
+    return classes[name]
+
+
+def recipe_file(name: str) -> Path:
+    """The file of recipe `name` (`recipes/<name>.py`, which an installed wheel carries as `tunebook.recipes`)."""
+    return Path(__file__).resolve().parent / "recipes" / f"{name}.py"
 
 
 @dataclass(frozen=True)
@@ -54,6 +75,7 @@ class Recipe:
 
 def load_recipe(name_or_path: str | Path) -> Recipe:
     """The recipe `name_or_path`: one of `RECIPES`, or the path of a recipe file with a `main(config)`."""
+    install_excepthook()  # in a notebook, Tunebook's errors then show as one line instead of a traceback
     path = Path(name_or_path)
     if str(name_or_path) in RECIPES:
         module = importlib.import_module(f"tunebook.recipes.{name_or_path}")

@@ -8,7 +8,7 @@ from typing import Literal
 
 from .config import TrainConfig, _help
 from .errors import ConfigError
-from .models.tokenizer import looks_like_local_path
+from .locations import looks_like_local_path
 
 __all__ = ["ClassifyConfig", "DPOConfig", "ModelDataConfig", "PretrainConfig", "SFTConfig"]
 
@@ -65,12 +65,15 @@ class ModelDataConfig(TrainConfig):
         False,
     )
     # --- data
-    train_data: str | list | None = _help(
-        "Local json/jsonl/csv/parquet file or folder, Hub data set name, or a list of them (entries may be "
-        "{path, weight} or {path, samples}). None: generate the recipe's synthetic task.",
+    train_data: str | dict | list | None = _help(
+        "A local file (json, jsonl, jsonl.gz, csv, tsv, parquet, arrow, txt) or folder, a Hub data set name, or a "
+        "mapping {path, name, split, revision, data_files, data_dir, columns, weight | samples}, or a list of them. "
+        "A folder or Hub data set with several splits needs split. None: generate the recipe's synthetic task.",
         None,
     )
-    eval_data: str | list | None = _help("Evaluation data, same forms as train_data.", None)
+    eval_data: str | dict | list | None = _help(
+        "Evaluation data, same forms as train_data (e.g. {path: HuggingFaceH4/ultrachat_200k, split: test_sft}).", None
+    )
     eval_split_ratio: float = _help(
         "Hold out this fraction of train_data for evaluation when eval_data is unset (0: no split).", 0.0
     )

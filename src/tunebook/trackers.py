@@ -9,6 +9,7 @@ every tracker accepts, and local, offline destinations by default.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -27,11 +28,10 @@ def resolve_report_to(report_to: str | list[str]) -> list[str]:
     `auto` is tensorboard when it is installed (else nothing); `none` is nothing. A named tracker that is not
     installed is an error naming the package to install.
     """
-    from accelerate.tracking import get_available_trackers
-
     names = report_to if isinstance(report_to, list) else str(report_to).split(",")
     names = [str(n).strip().lower() for n in names if str(n).strip()]
-    available = {str(t) for t in get_available_trackers()}
+    # find_spec, not accelerate.tracking.get_available_trackers: configs are checked before torch is imported.
+    available = {name for name in TRACKERS if importlib.util.find_spec(name) is not None}
     chosen: list[str] = []
     for name in names:
         if name == "none":

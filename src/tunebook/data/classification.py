@@ -69,7 +69,7 @@ def prepare_classification_data(config, cache_dir: Path, log: logging.Logger) ->
 
         def build(scratch: Path):
             table = raw if raw is not None else _load(sources, columns, cache_dir, config.seed)
-            where = ", ".join(s.path for s in sources)
+            where = ", ".join(s.where for s in sources)
             dataset = table.map(
                 _tokenize,
                 batched=True,
@@ -122,7 +122,7 @@ def _load(sources: list[DataSource], columns: list[str], cache_dir: Path, seed: 
         missing = [c for c in columns if c not in raw.column_names]
         if missing:
             raise DataError(
-                f"{source.path}: missing column(s) {', '.join(missing)} (columns: {', '.join(raw.column_names)}); "
+                f"{source.where}: missing column(s) {', '.join(missing)} (columns: {', '.join(raw.column_names)}); "
                 "set text_column, text_pair_column and label_column"
             )
         parts.append(raw.select_columns(columns))

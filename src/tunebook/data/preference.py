@@ -98,13 +98,13 @@ def _build(sources: list[DataSource], tokenizer, config, cache_dir: Path, scratc
         raw = load_source(source, cache_dir, config.seed)
         missing = [c for c in PAIR_COLUMNS if c not in raw.column_names]
         if missing:
-            raise DataError(f"{source.path}: preference data needs columns {list(PAIR_COLUMNS)}; missing {missing} "
+            raise DataError(f"{source.where}: preference data needs columns {list(PAIR_COLUMNS)}; missing {missing} "
                             f"(found {raw.column_names})")  # fmt: skip
         parts.append(
             raw.map(
                 tokenize_pairs, batched=True, with_indices=True, remove_columns=raw.column_names,
                 fn_kwargs={"tokenizer": tokenizer, "max_seq_length": config.max_seq_length,
-                           "overlong": config.overlong_examples, "where": source.path},
+                           "overlong": config.overlong_examples, "where": source.where},
                 cache_file_name=str(scratch / f"pairs-{len(parts)}.arrow"), desc=f"Tokenising {Path(source.path).name}",
             )
         )  # fmt: skip

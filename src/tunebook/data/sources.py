@@ -1,17 +1,33 @@
-"""Load training data from local json/jsonl/csv/parquet files or folders, or Hub data set names.
+"""Load training data: local files and folders, `save_to_disk` folders, Hub data sets, by split, renamed, weighted.
 
-A source spec is a path or name string, or a list of such strings or of `{path: ..., weight: ...}` /
-`{path: ..., samples: ...}` mappings. A weight is a multiple of that source's rows: 0.5 takes a seeded half,
-2.0 repeats it twice. `samples` is a count of rows instead: fewer than the source has takes a seeded subset,
-more repeats it whole and tops up with a seeded subset. Both are deterministic for a seed.
+A source spec is a path or Hub name, or a mapping (`DataSource`'s fields):
+
+    train_data: HuggingFaceH4/ultrachat_200k                     # a Hub name (one split, or name it:)
+    train_data: {path: HuggingFaceH4/ultrachat_200k, split: train_sft, revision: main}
+    train_data: {path: data/, split: test}                       # a folder read as datasets.load_dataset reads it
+    train_data: [{path: a.jsonl, weight: 0.5}, {path: b.csv, samples: 2000, columns: {question: prompt}}]
+
+A file is one split, `train`. A folder is read the way `datasets.load_dataset` reads it: split names from file and
+folder names (`train.jsonl`/`test.jsonl`, `data/train_sft-00000-of-00001.parquet`, `train/`), a README's `configs`,
+a Hub cache snapshot; a `save_to_disk` folder with `load_from_disk`. A folder or Hub data set with several splits
+needs `split`: they are never merged. `columns` renames columns before the format is detected. `weight` is a multiple
+of the rows (0.5 a seeded half, 2.0 twice), `samples` a row count (a seeded subset, or whole copies then a subset).
+
+CSV and TSV cells are read as text, exactly as written: `0043` stays `0043` and `NA`, `null` or an empty cell stay
+what they are (pandas would guess numbers and missing values).
 """
 
 from __future__ import annotations
 
+import csv
+import gzip
 import hashlib
 import json
+import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import datasets
 
@@ -19,12 +35,33 @@ from ..errors import DataError, first_line
 
 __all__ = ["DataSource", "config_sources", "fingerprint_sources", "load_source", "parse_sources"]
 
-EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+# File name endings -> (datasets builder, its options).
+EXTENSIONS: dict[str, tuple[str, dict[str, Any]]] = {
+    ".jsonl.gz": ("json", {}),
+    ".json.gz": ("json", {}),
+    ".json": ("json", {}),
+    ".jsonl": ("json", {}),
+    ".csv": ("csv", {}),
+    ".tsv": ("csv", {"sep": "\t"}),
+    ".parquet": ("parquet", {}),
+    ".arrow": ("arrow", {}),
+    ".txt": ("text", {}),
+}
+KEYS = ("path", "name", "split", "revision", "data_files", "data_dir", "columns", "weight", "samples")
+SAVED_DATASET_FILES = ("dataset_dict.json", "state.json")  # what save_to_disk writes
 
 
 @dataclass(frozen=True)
 class DataSource:
+    """One entry of `train_data`/`eval_data`. `data_files` and `columns` are kept as JSON text (hashable)."""
+
     path: str
+    name: str | None = None  # the data set's config ("subset" on the Hub)
+    split: str | None = None
+    revision: str | None = None  # a Hub branch, tag or commit
+    data_files: str | None = None  # JSON of datasets.load_dataset's data_files
+    data_dir: str | None = None
+    columns: str | None = None  # JSON of a rename map, e.g. {"conversations": "messages"}
     weight: float = 1.0
     samples: int | None = None  # a row count; replaces weight when set
 
@@ -33,57 +70,55 @@ class DataSource:
         return (
             Path(self.path).expanduser().exists()
             or self.path.startswith((".", "/", "~"))
-            or (Path(self.path).suffix in EXTENSIONS)
+            or _ending(self.path) is not None
         )
 
+    @property
+    def where(self) -> str:
+        """How errors name the source: its path, with the split when one was named."""
+        return f"{self.path} (split {self.split})" if self.split else self.path
 
-def parse_sources(spec: str | list | None, key: str) -> list[DataSource]:
+    @property
+    def renames(self) -> dict[str, str]:
+        return json.loads(self.columns) if self.columns else {}
+
+
+def parse_sources(spec: str | list | dict | None, key: str) -> list[DataSource]:
     """Turn a config value into sources; `key` names the config key in errors."""
     if spec is None:
         return []
     items = spec if isinstance(spec, list) else [spec]
     if not items:
         raise DataError(f"{key} is an empty list")
-    sources = []
-    for item in items:
-        if isinstance(item, str):
-            sources.append(DataSource(item))
-        elif isinstance(item, dict) and set(item) <= {"path", "weight", "samples"} and "path" in item:
-            if "weight" in item and "samples" in item:
-                raise DataError(f"{key}: give '{item['path']}' a weight or a samples count, not both")
-            try:
-                weight = float(item.get("weight", 1.0))
-                samples = None if item.get("samples") is None else int(item["samples"])
-            except (TypeError, ValueError):
-                raise DataError(
-                    f"{key}: weight and samples of '{item['path']}' must be numbers, got {item!r}"
-                ) from None
-            if weight <= 0 or (samples is not None and samples < 1):
-                raise DataError(f"{key}: weight/samples of '{item['path']}' must be > 0, got {item!r}")
-            sources.append(DataSource(str(item["path"]), weight, samples))
-        else:
-            raise DataError(
-                f"{key}: each entry must be a path, {{path: ..., weight: ...}} or {{path: ..., samples: ...}}, "
-                f"got {item!r}"
-            )
-    return sources
+    return [_parse_one(item, key) for item in items]
 
 
-def _local_files(source: DataSource) -> list[Path]:
-    path = Path(source.path).expanduser()
-    if not path.exists():
-        raise DataError(f"data file or folder not found: {source.path}")
-    if path.is_file():
-        if path.suffix not in EXTENSIONS:
-            raise DataError(f"{path}: unsupported data file type '{path.suffix}' (use {', '.join(EXTENSIONS)})")
-        return [path]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in EXTENSIONS)
-    if not files:
-        raise DataError(f"data folder {path} has no {'/'.join(EXTENSIONS)} files")
-    kinds = {EXTENSIONS[p.suffix] for p in files}
-    if len(kinds) > 1:
-        raise DataError(f"data folder {path} mixes file types ({', '.join(sorted(kinds))}); use one type per folder")
-    return files
+def _parse_one(item: Any, key: str) -> DataSource:
+    if isinstance(item, str):
+        return DataSource(item)
+    if not isinstance(item, dict) or "path" not in item or set(item) - set(KEYS):
+        unknown = sorted(set(item) - set(KEYS)) if isinstance(item, dict) else []
+        hint = f" (unknown keys {unknown}; a source takes {', '.join(KEYS)})" if unknown else ""
+        raise DataError(f"{key}: each entry must be a path or a mapping with a 'path', got {item!r}{hint}")
+    path = str(item["path"])
+    if "weight" in item and "samples" in item:
+        raise DataError(f"{key}: give '{path}' a weight or a samples count, not both")
+    try:
+        weight = float(item.get("weight", 1.0))
+        samples = None if item.get("samples") is None else int(item["samples"])
+    except (TypeError, ValueError):
+        raise DataError(f"{key}: weight and samples of '{path}' must be numbers, got {item!r}") from None
+    if weight <= 0 or (samples is not None and samples < 1):
+        raise DataError(f"{key}: weight/samples of '{path}' must be > 0, got {item!r}")
+    columns = item.get("columns")
+    if columns is not None and not (
+        isinstance(columns, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in columns.items())
+    ):
+        raise DataError(f"{key}: columns of '{path}' must map old column names to new ones, got {columns!r}")
+    text = {k: None if item.get(k) is None else str(item[k]) for k in ("name", "split", "revision", "data_dir")}
+    data_files = None if item.get("data_files") is None else json.dumps(item["data_files"], sort_keys=True)
+    return DataSource(path, **text, data_files=data_files, columns=json.dumps(columns) if columns else None,
+                      weight=weight, samples=samples)  # fmt: skip
 
 
 def config_sources(config, cache_dir: Path, write_synthetic) -> tuple[list[DataSource], list[DataSource]]:
@@ -100,51 +135,241 @@ def config_sources(config, cache_dir: Path, write_synthetic) -> tuple[list[DataS
     return train, evaluation
 
 
-def fingerprint_sources(sources: list[DataSource]) -> str:
-    """Hash of the local files' contents (and Hub names) and weights: what tokenised caches depend on."""
+# --------------------------------------------------------------------------------------------------------------
+# What a source reads: its split's files (local) or its resolved revision (Hub)
+
+
+@dataclass
+class _Resolved:
+    kind: str  # file | folder | saved | hub
+    split: str | None  # the split to load (None for a save_to_disk Dataset, which has none)
+    files: list[Path]  # local files whose contents the data depends on
+    builder: Any = None  # datasets builder of a folder or Hub data set
+    options: dict[str, Any] | None = None  # builder options (CSV as text, .txt sample_by)
+
+
+def _ending(path: str) -> str | None:
+    name = Path(path).name.lower()
+    return next((e for e in EXTENSIONS if name.endswith(e)), None)
+
+
+def _resolve(source: DataSource, text_sample_by: str) -> _Resolved:
+    path = Path(source.path).expanduser()
+    if not source.is_local:
+        return _resolve_hub(source)
+    if not path.exists():
+        raise DataError(f"data file or folder not found: {source.path}")
+    if source.name or source.data_files or source.data_dir or source.revision:
+        if path.is_file():
+            raise DataError(f"{source.path}: name, revision, data_files and data_dir apply to folders and Hub data "
+                            "sets, not to a single file")  # fmt: skip
+    if path.is_file():
+        ending = _ending(source.path)
+        if ending is None:
+            endings = ", ".join(EXTENSIONS)
+            raise DataError(f"{path}: unsupported data file type '{path.suffix}' (use {endings}, or a folder)")
+        split = _choose_split(["train"], source, "a single file has one split")
+        return _Resolved("file", split, [path], options=_options(ending, [path], text_sample_by))
+    if any((path / f).is_file() for f in SAVED_DATASET_FILES):
+        return _resolve_saved(source, path)
+    files = sorted(p for p in path.rglob("*") if p.is_file() and _ending(p.name) and not _hidden(p, path))
+    if not files:
+        raise DataError(f"data folder {path} has no data files ({', '.join(EXTENSIONS)})")
+    kinds = {EXTENSIONS[_ending(p.name)][0] for p in files}
+    if len(kinds) > 1 and not source.data_files and not source.data_dir:
+        raise DataError(f"data folder {path} mixes file types ({', '.join(sorted(kinds))}); use one type per "
+                        "folder, or pick files with data_files")  # fmt: skip
+    builder = _builder(source, str(path))
+    available = [str(s) for s in builder.config.data_files or {}]
+    split = _choose_split(available, source, "the folder's files name these splits")
+    split_files = [Path(f) for f in builder.config.data_files[split]]
+    ending = _ending(split_files[0].name) or ".json"
+    return _Resolved("folder", split, split_files, builder, _options(ending, split_files, text_sample_by))
+
+
+def _hidden(path: Path, root: Path) -> bool:
+    return any(part.startswith((".", "_")) for part in path.relative_to(root).parts)
+
+
+def _resolve_saved(source: DataSource, path: Path) -> _Resolved:
+    if (path / "dataset_dict.json").is_file():
+        available = json.loads((path / "dataset_dict.json").read_text())["splits"]
+        split = _choose_split(available, source, "this save_to_disk folder holds these splits")
+        files = sorted(p for p in (path / split).rglob("*") if p.is_file())
+        return _Resolved("saved", split, files)
+    if source.split:
+        raise DataError(f"{source.path} is a save_to_disk folder of one data set, without splits; remove split")
+    return _Resolved("saved", None, sorted(p for p in path.rglob("*") if p.is_file()))
+
+
+def _resolve_hub(source: DataSource) -> _Resolved:
+    try:
+        builder = _builder(source, source.path)
+    except DataError:
+        raise
+    except Exception as error:
+        raise DataError(f"data set '{source.path}' is not a local file or folder and could not be loaded from the Hub"
+                        f": {_hub_message(error, source)}") from None  # fmt: skip
+    splits = builder.info.splits or builder.config.data_files or {}
+    split = _choose_split([str(s) for s in splits], source, "the data set has these splits")
+    return _Resolved("hub", split, [], builder)
+
+
+def _hub_message(error: Exception, source: DataSource) -> str:
+    text = str(error)
+    if "Config name is missing" in text or "BuilderConfig" in text:
+        try:
+            names = datasets.get_dataset_config_names(source.path, revision=source.revision)
+            return f"it has several configs, choose one with name: ({', '.join(names)})"
+        except Exception:
+            pass
+    return first_line(error)
+
+
+def _builder(source: DataSource, path: str):
+    kwargs = {"name": source.name, "revision": source.revision, "data_dir": source.data_dir}
+    if source.data_files:
+        kwargs["data_files"] = json.loads(source.data_files)
+    try:
+        with _quiet_datasets():
+            return datasets.load_dataset_builder(path, **{k: v for k, v in kwargs.items() if v is not None})
+    except FileNotFoundError as error:
+        raise DataError(f"{source.where}: {first_line(error)}") from None
+    except ValueError as error:
+        if "Config name is missing" in str(error) or "BuilderConfig" in str(error):
+            raise DataError(f"{source.where}: {_hub_message(error, source)}") from None
+        if Path(path).exists():
+            raise DataError(f"{source.where}: {first_line(error)}") from None
+        raise
+
+
+def _choose_split(available: list[str], source: DataSource, what: str) -> str:
+    if source.split is not None:
+        base = source.split.split("[")[0]  # datasets' slicing syntax, e.g. train[:10%]
+        if base not in available:
+            raise DataError(f"{source.path}: no split '{base}'; {what}: {', '.join(available)}")
+        return source.split
+    if len(available) == 1:
+        return available[0]
+    if not available:
+        raise DataError(f"{source.path}: found no data files or splits")
+    raise DataError(f"{source.path} has several splits ({', '.join(available)}); choose one: "
+                    f"{{path: {source.path}, split: {available[0]}}}")  # fmt: skip
+
+
+def _options(ending: str, files: list[Path], text_sample_by: str) -> dict[str, Any]:
+    builder, options = EXTENSIONS[ending]
+    options = dict(options)
+    if builder == "text":
+        options["sample_by"] = text_sample_by
+    elif builder == "csv":
+        # Every column as text, exactly as written: no number guessing (0043 -> 43, a column with one empty cell
+        # -> floats) and no missing-value guessing (NA, null, an empty cell -> None).
+        header = _csv_header(files[0], options.get("sep", ","))
+        options.update(
+            features=datasets.Features({c: datasets.Value("string") for c in header}),
+            keep_default_na=False,
+            na_filter=False,
+        )
+    return options
+
+
+def _csv_header(path: Path, sep: str) -> list[str]:
+    with _open_text(path) as f:
+        header = next(csv.reader(f, delimiter=sep), None)
+    if not header:
+        raise DataError(f"{path}: empty file (no header row)")
+    return header
+
+
+def _open_text(path: Path):
+    return gzip.open(path, "rt", encoding="utf-8") if path.name.endswith(".gz") else open(path, encoding="utf-8")
+
+
+def fingerprint_sources(sources: list[DataSource], text_sample_by: str = "paragraph") -> str:
+    """Hash of what the sources read (local files' contents; a Hub data set's resolved revision and files) and of
+    how (split, renames, weights): what tokenised caches depend on."""
     h = hashlib.sha256()
     for source in sources:
-        h.update(f"{source.path}|{source.weight}|{source.samples}\n".encode())
-        if source.is_local:
-            for path in _local_files(source):
-                with open(path, "rb") as f:
-                    for chunk in iter(lambda: f.read(1 << 22), b""):
-                        h.update(chunk)
+        h.update(repr(source).encode())
+        resolved = _resolve(source, text_sample_by)
+        h.update(f"{resolved.kind}|{resolved.split}\n".encode())
+        if resolved.kind == "hub":
+            # data_files resolve to hf://datasets/<name>@<commit>/...: an updated data set hashes differently.
+            h.update(f"{resolved.builder.hash}|{resolved.builder.config.data_files}".encode())
+        for path in resolved.files:
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 22), b""):
+                    h.update(chunk)
     return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Loading
 
 
 def load_source(
     source: DataSource, cache_dir: str | Path, seed: int, text_sample_by: str = "paragraph"
 ) -> datasets.Dataset:
-    """Load one source as a memory-mapped `datasets.Dataset` and apply its weight.
+    """Load one source as a memory-mapped `datasets.Dataset`, rename its columns and apply its weight.
 
     A `.txt` file becomes a `text` column with one row per `text_sample_by`: document (the whole file), paragraph
     (text between blank lines) or line.
     """
-    if source.is_local:
-        files = _local_files(source)
-        builder = EXTENSIONS[files[0].suffix]
-        options = {"sample_by": text_sample_by} if builder == "text" else {}
-        try:
-            dataset = datasets.load_dataset(
-                builder, data_files=[str(p) for p in files], split="train", cache_dir=str(Path(cache_dir) / "raw"),
-                **options,
-            )  # fmt: skip
-        except Exception as e:  # datasets wraps parser errors; find the file and line ourselves
-            for path in files:
-                _raise_if_malformed(path)
-            raise DataError(f"could not read {source.path}: {first_line(e)}") from None
-    else:
-        try:
-            dataset = datasets.load_dataset(source.path, split="train", cache_dir=str(Path(cache_dir) / "raw"))
-        except Exception as e:
-            raise DataError(
-                f"data set '{source.path}' is not a local file or folder and could not be loaded from the Hub: "
-                f"{first_line(e)}"
-            ) from None
+    resolved = _resolve(source, text_sample_by)
+    raw_cache = str(Path(cache_dir) / "raw")
+    try:
+        with _quiet_datasets():
+            if resolved.kind == "saved":
+                dataset = datasets.load_from_disk(source.path)
+                dataset = dataset[resolved.split] if resolved.split else dataset
+            elif resolved.kind == "file":
+                builder = EXTENSIONS[_ending(source.path)][0]
+                dataset = datasets.load_dataset(builder, data_files=[str(resolved.files[0])], split=resolved.split,
+                                                cache_dir=raw_cache, **resolved.options)  # fmt: skip
+            else:
+                kwargs = {"name": source.name, "revision": source.revision, "data_dir": source.data_dir}
+                kwargs = {k: v for k, v in kwargs.items() if v is not None} | (resolved.options or {})
+                if source.data_files:
+                    kwargs["data_files"] = json.loads(source.data_files)
+                dataset = datasets.load_dataset(source.path, split=resolved.split, cache_dir=raw_cache, **kwargs)
+    except DataError:
+        raise
+    except Exception as error:  # datasets wraps parser errors (or says StopIteration): find the file and line
+        for path in resolved.files:
+            _raise_if_malformed(path)
+        if resolved.kind == "hub":
+            raise DataError(f"could not load '{source.where}' from the Hub: {first_line(error)}") from None
+        raise DataError(f"could not read {source.where}: {first_line(error)}") from None
+    if len(dataset) == 0:
+        raise DataError(f"{source.where}: no rows")
+    dataset = _rename(dataset, source)
     if source.samples is not None:
         return _take_rows(dataset, source.samples, seed)
     return _take_rows(dataset, int(round(source.weight * len(dataset))), seed)
+
+
+@contextmanager
+def _quiet_datasets():
+    """datasets logs a file's parser error before raising it (pandas' message, printed again by ours otherwise)."""
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _rename(dataset: datasets.Dataset, source: DataSource) -> datasets.Dataset:
+    renames = source.renames
+    missing = [c for c in renames if c not in dataset.column_names]
+    if missing:
+        raise DataError(f"{source.where}: columns {missing} (to rename) not found; columns: {dataset.column_names}")
+    clashes = [new for old, new in renames.items() if new in dataset.column_names and new not in renames]
+    if clashes:
+        raise DataError(f"{source.where}: renaming would overwrite existing columns {clashes}")
+    return dataset.rename_columns(renames) if renames else dataset
 
 
 def _take_rows(dataset: datasets.Dataset, count: int, seed: int) -> datasets.Dataset:
@@ -159,37 +384,54 @@ def _take_rows(dataset: datasets.Dataset, count: int, seed: int) -> datasets.Dat
 
 
 def _raise_if_malformed(path: Path) -> None:
-    """Raise a DataError naming the file and line of the first syntax error, if there is one."""
-    if path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}, line {lineno}: malformed JSON: {e.msg}") from None
-                if not isinstance(row, dict):
-                    raise DataError(
-                        f"{path}, line {lineno}: each line must be a JSON object, got {type(row).__name__}"
-                    )
-    elif path.suffix == ".json":
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}, line {e.lineno}: malformed JSON: {e.msg}") from None
-        if not isinstance(data, list | dict):
-            raise DataError(f"{path}: expected a JSON array of objects, got {type(data).__name__}")
-    elif path.suffix == ".csv":
-        import csv
-
-        with open(path, encoding="utf-8", newline="") as f:
-            reader = csv.reader(f)
+    """Raise a DataError naming the file and line of the first syntax error, or saying it is empty."""
+    ending = _ending(path.name)
+    if ending is None or EXTENSIONS[ending][0] in ("parquet", "arrow", "text"):
+        return
+    if EXTENSIONS[ending][0] == "csv":
+        sep = EXTENSIONS[ending][1].get("sep", ",")
+        with _open_text(path) as f:
+            reader = csv.reader(f, delimiter=sep)
             header = next(reader, None)
             if header is None:
-                raise DataError(f"{path}: empty CSV file")
+                raise DataError(f"{path}: empty file (no header row)")
+            rows = 0
             for row in reader:
                 if row and len(row) != len(header):
                     raise DataError(
                         f"{path}, line {reader.line_num}: {len(row)} fields where the header has {len(header)}"
                     )
+                rows += bool(row)
+            if rows == 0:
+                raise DataError(f"{path}: no rows below the header")
+        return
+    with _open_text(path) as f:
+        text = f.read() if ending in (".json", ".json.gz") else None
+        if text is not None:
+            if not text.strip():
+                raise DataError(f"{path}: empty file")
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                if "\n{" not in text.strip():  # not JSON Lines under a .json name either
+                    raise DataError(f"{path}, line {e.lineno}: malformed JSON: {e.msg}") from None
+                f = iter(text.splitlines(keepends=True))
+            else:
+                if not isinstance(data, list | dict):
+                    raise DataError(f"{path}: expected a JSON array of objects, got {type(data).__name__}")
+                if not data:
+                    raise DataError(f"{path}: no rows (an empty JSON array)")
+                return
+        rows = 0
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}, line {lineno}: malformed JSON: {e.msg}") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}, line {lineno}: each line must be a JSON object, got {type(row).__name__}")
+            rows += 1
+        if rows == 0:
+            raise DataError(f"{path}: empty file (no JSON lines)")

@@ -81,7 +81,7 @@ def prepare_text_data(config, cache_dir: Path, log: logging.Logger) -> TextData:
         for source in sources:
             raw = load_source(source, cache_dir, config.seed, config.text_sample_by)
             if config.text_column not in raw.column_names:
-                raise DataError(f"{source.path}: no column {config.text_column!r} (columns: "
+                raise DataError(f"{source.where}: no column {config.text_column!r} (columns: "
                                 f"{', '.join(raw.column_names)}); set text_column")  # fmt: skip
             parts.append(raw.select_columns([config.text_column]))
         return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]

@@ -16,7 +16,7 @@ from transformers import (
 )
 
 from ..errors import ConfigError, ModelError, first_line
-from .tokenizer import looks_like_local_path
+from ..locations import looks_like_local_path
 
 __all__ = ["build_causal_lm", "build_sequence_classifier", "read_model_config"]
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from ..errors import ModelError, first_line
+from ..locations import looks_like_local_path
 
 __all__ = ["CHATML_TEMPLATE", "config_tokenizer", "load_tokenizer", "train_chat_tokenizer", "train_encoder_tokenizer"]
 
@@ -146,8 +147,3 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTra
     if tokenizer.chat_template is None:
         tokenizer.chat_template = CHATML_TEMPLATE
     return tokenizer
-
-
-def looks_like_local_path(name: str) -> bool:
-    # Hub names are "name" or "org/name"; anything else (./x, /abs, a/b/c, ~/x) can only be a path.
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.path.exists(name)

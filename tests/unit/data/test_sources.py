@@ -61,7 +61,9 @@ def test_missing_file_and_bad_spec(tmp_path):
         _load("nope/train.jsonl", tmp_path)
     with pytest.raises(DataError, match="weight/samples of .* must be > 0"):
         parse_sources([{"path": "a.jsonl", "weight": 0}], "train_data")
-    with pytest.raises(DataError, match=r"train_data: each entry must be a path, \{path: ..., weight: ...\} or"):
+    with pytest.raises(
+        DataError, match=r"train_data: each entry must be a path or a mapping with a .path.*unknown keys \[.file.\]"
+    ):
         parse_sources([{"file": "a.jsonl"}], "train_data")
 
 

@@ -1,0 +1,89 @@
+"""`tunebook train`: `accelerate launch` of a recipe that ends with the recipe's own lines, whatever happens.
+
+    tunebook train [ACCELERATE LAUNCH OPTIONS] RECIPE [--config FILE.yaml] [--key value ...]
+
+RECIPE is a name (sft, classify, pretrain, dpo) or the path of a recipe file; the options before it are exactly
+`accelerate launch`'s (`--config_file accelerate_configs/multi_cpu.yaml`, `--num_processes`, ...). Differences
+from calling `accelerate launch recipes/sft.py` directly, and why:
+
+- the recipe's config is checked before torch is imported, so a typo is reported in about a second;
+- a failed run ends with the recipe's one-line error: no launcher traceback (`CalledProcessError`, torchrun's
+  `ChildFailedError` report and its log lines), and the exit code is the recipe's own (143 after SIGTERM);
+- a single process gets signals through the launcher: SIGTERM or Ctrl-C sent to the launcher reaches the recipe
+  once, which saves a checkpoint and stops (accelerate's own single-process launcher does not forward them, and a
+  terminal's Ctrl-C would reach the recipe twice if it shared the launcher's process group).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from .errors import ConfigError
+
+__all__ = ["train"]
+
+USAGE = "usage: tunebook train [ACCELERATE LAUNCH OPTIONS] RECIPE [--config FILE.yaml] [--key value ...]"
+
+
+def train(argv: list[str]) -> None:
+    """Check the recipe's config, then `accelerate launch` it; exits with the recipe's exit code."""
+    from .recipe import RECIPES, recipe_config_class, recipe_file
+
+    position = next((i for i, a in enumerate(argv) if a in RECIPES or a.endswith(".py")), None)
+    if position is None:
+        raise ConfigError(f"tunebook train needs a recipe ({', '.join(RECIPES)} or a recipe .py file). {USAGE}")
+    launcher_args, recipe, recipe_args = argv[:position], argv[position], argv[position + 1 :]
+    if recipe in RECIPES:
+        from .config import load_config
+
+        load_config(recipe_config_class(recipe), recipe_args)  # --help prints and exits; a typo stops here
+        script = str(recipe_file(recipe))
+    else:
+        if not Path(recipe).is_file():
+            raise ConfigError(f"recipe file not found: {recipe}")
+        script = recipe
+
+    import accelerate.commands.launch as accelerate_launch
+
+    args = accelerate_launch.launch_command_parser().parse_args([*launcher_args, script, *recipe_args])
+    # One process: our launcher instead of accelerate's (see the module docstring); the rest is accelerate's.
+    accelerate_launch.simple_launcher = _simple_launcher
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the recipe reports its failures
+    try:
+        accelerate_launch.launch_command(args)
+    except subprocess.CalledProcessError as error:  # the DeepSpeed launcher
+        raise SystemExit(error.returncode) from None
+    except Exception as error:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+        if isinstance(error, ChildFailedError):
+            raise SystemExit(_exit_status(error.get_first_failure()[1].exitcode)) from None
+        if isinstance(error, SignalException):  # torchrun has passed the signal on and waited for the workers
+            raise SystemExit(128 + int(error.sigval)) from None
+        raise
+
+
+def _simple_launcher(args) -> None:
+    from accelerate.utils import prepare_simple_launcher_cmd_env
+
+    cmd, env = prepare_simple_launcher_cmd_env(args)
+    # A session of its own: a terminal's Ctrl-C or a job's SIGTERM reaches the recipe once, forwarded from here;
+    # a second one, forwarded too, makes the recipe stop without waiting for its step.
+    process = subprocess.Popen(cmd, env=env, start_new_session=True)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: process.send_signal(signum))
+    raise SystemExit(_exit_status(process.wait()))
+
+
+def _exit_status(returncode: int) -> int:
+    """A process ended by signal N reports -N; the shell's convention is 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+if __name__ == "__main__":
+    train(sys.argv[1:])

@@ -1,0 +1,28 @@
+"""What a model or data name refers to: a local path, or a name on the Hugging Face Hub. No heavy imports: configs
+use it before torch is loaded."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+__all__ = ["hub_name_of_snapshot", "looks_like_local_path"]
+
+# huggingface_hub's cache layout: <cache>/models--org--name/snapshots/<commit>/ (datasets--org--name for data sets)
+_SNAPSHOT = re.compile(r"(?:^|/)(models|datasets)--([^/]+?)(?:--([^/]+))?/snapshots/([0-9a-f]{7,64})/?$")
+
+
+def looks_like_local_path(name: str) -> bool:
+    # Hub names are "name" or "org/name"; anything else (./x, /abs, a/b/c, ~/x) can only be a path.
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.path.exists(name)
+
+
+def hub_name_of_snapshot(path: str | Path) -> tuple[str, str] | None:
+    """(Hub name, commit) of a folder inside the Hugging Face cache (`.../models--org--name/snapshots/<commit>`),
+    else None: a model loaded from the cache is still known by its Hub name."""
+    match = _SNAPSHOT.search(Path(path).expanduser().resolve().as_posix())
+    if match is None:
+        return None
+    _, first, second, commit = match.groups()
+    return (f"{first}/{second}" if second else first), commit
