@@ -40,7 +40,7 @@ def prepare_assets(work: Path, examples: int) -> tuple[Path, Path]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tunebook.data.formats import to_messages
+    from tunebook.data.formats import to_conversations
     from tunebook.models import TINY_LLAMA, train_chat_tokenizer
 
     records = json.loads(DATA.read_text())[:examples]
@@ -51,8 +51,8 @@ def prepare_assets(work: Path, examples: int) -> tuple[Path, Path]:
         batch = {k: [r.get(k, "") for r in records] for k in ("instruction", "input", "output")}
         texts = [
             f"{m['role']}\n{m['content']}"
-            for ms in to_messages(batch, data_format="alpaca", where="")["messages"]
-            for m in ms
+            for row in to_conversations(batch, data_format="alpaca", where="")["conversation"]
+            for m in json.loads(row)["messages"]
         ]
         tokenizer = train_chat_tokenizer(texts, vocab_size=2048)
         values = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}

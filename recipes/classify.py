@@ -24,12 +24,12 @@ from accelerate.utils import set_seed
 from transformers import DataCollatorWithPadding
 
 from tunebook.checkpoint import resume_training, save_final_model, save_training_state
-from tunebook.config import config_to_dict, load_config, save_config
+from tunebook.config import load_config, save_config
 from tunebook.data import ClassificationData, build_loader, default_cache_dir, prepare_classification_data
 from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import classifier_inputs, evaluate_classifier
-from tunebook.logging import MetricsWriter, RunTimer, progress_bar, setup_logging, show_progress
-from tunebook.models import TINY_BERT, apply_lora, build_sequence_classifier, describe_parameters
+from tunebook.logging import MetricsWriter, RunTimer, log_run_start, progress_bar, setup_logging, show_progress
+from tunebook.models import TINY_BERT, apply_lora, build_sequence_classifier, describe_parameters, model_options
 from tunebook.recipe_configs import ClassifyConfig
 from tunebook.report import finish_run
 from tunebook.summary import run_summary
@@ -84,27 +84,19 @@ def main(config: ClassifyConfig) -> dict:
     cache_dir = Path(config.cache_dir).expanduser() if config.cache_dir else default_cache_dir()
     if accelerator.is_main_process:
         save_config(config, output_dir / "config.yaml")
-    log.info("Resolved config:\n%s", "\n".join(f"  {k}: {v!r}" for k, v in config_to_dict(config).items()))
-    log.info("%d process(es), %s, device %s, mixed precision %s", accelerator.num_processes,
-             accelerator.distributed_type.value, accelerator.device, accelerator.mixed_precision)  # fmt: skip
+    log_run_start(log, config, accelerator)  # the resolved config, key aliases used, processes
 
     # --- data: prepared under a file lock (the first process builds, the others map the files), then all meet
     data = prepare_then_join(accelerator, config, prepare_classification_data, cache_dir, log)
     tokenizer = data.tokenizer
     log.info("Data ready in %.1f s (%s); labels %s", data.seconds,
              "built: " + ", ".join(data.built) if data.built else "all cached", data.stats["label_counts"])  # fmt: skip
+    example = data.train[0]  # what the model sees, and the label it learns to predict (the loss) in [[...]]
+    log.info("One training example: %s -> [[%s]]", tokenizer.decode(example["input_ids"]),
+             data.label_names[example["labels"]])  # fmt: skip
 
     # --- model, optimizer, loaders
-    model = build_sequence_classifier(
-        tokenizer,
-        data.label_names,
-        model_name_or_path=config.model_name_or_path,
-        model_config=config.model_config or (None if config.model_name_or_path else TINY_BERT),
-        attn_implementation=config.attn_implementation,
-        gradient_checkpointing=config.gradient_checkpointing,
-        trust_remote_code=config.trust_remote_code,
-        load_in_4bit=config.load_in_4bit,
-    )
+    model = build_sequence_classifier(tokenizer, data.label_names, **model_options(config, TINY_BERT))
     if config.use_peft:  # LoRA: the base stays frozen; checkpoints and the output hold only the adapters
         model = apply_lora(model, config, "classification")
     log.info("Model: %s, %s", type(model).__name__, describe_parameters(model))

@@ -26,7 +26,7 @@ import torch
 from accelerate.utils import set_seed
 
 from tunebook.checkpoint import resume_training, save_final_model, save_training_state
-from tunebook.config import config_to_dict, load_config, save_config
+from tunebook.config import load_config, save_config
 from tunebook.data import (
     PadCollator,
     PairCollator,
@@ -34,12 +34,13 @@ from tunebook.data import (
     build_loader,
     default_cache_dir,
     fingerprint,
+    format_loss_mask,
     prepare_preference_data,
 )
 from tunebook.distributed import preparation_lock, prepare_then_join
 from tunebook.evaluation import evaluate_preferences
-from tunebook.logging import MetricsWriter, RunTimer, progress_bar, setup_logging, show_progress
-from tunebook.models import TINY_LLAMA, apply_lora, build_causal_lm, describe_parameters
+from tunebook.logging import MetricsWriter, RunTimer, log_run_start, progress_bar, setup_logging, show_progress
+from tunebook.models import TINY_LLAMA, apply_lora, build_causal_lm, describe_parameters, model_options
 from tunebook.recipe_configs import DPOConfig
 from tunebook.report import finish_run
 from tunebook.summary import run_summary
@@ -119,9 +120,7 @@ def main(config: DPOConfig) -> dict:
     cache_dir = Path(config.cache_dir).expanduser() if config.cache_dir else default_cache_dir()
     if accelerator.is_main_process:
         save_config(config, output_dir / "config.yaml")
-    log.info("Resolved config:\n%s", "\n".join(f"  {k}: {v!r}" for k, v in config_to_dict(config).items()))
-    log.info("%d process(es), %s, device %s, mixed precision %s", accelerator.num_processes,
-             accelerator.distributed_type.value, accelerator.device, accelerator.mixed_precision)  # fmt: skip
+    log_run_start(log, config, accelerator)  # the resolved config, key aliases used, processes
 
     # --- data: prepared under a file lock (the first process builds, the others map the files), then all meet
     data = prepare_then_join(accelerator, config, prepare_preference_data, cache_dir, log)
@@ -129,17 +128,13 @@ def main(config: DPOConfig) -> dict:
     log.info(
         "Data ready in %.1f s (%s)", data.seconds, "built: " + ", ".join(data.built) if data.built else "all cached"
     )
+    pair = data.train[0]
+    log.info("One training pair, loss-bearing text in [[...]]:\nchosen:   %s\nrejected: %s",
+             format_loss_mask(tokenizer, pair["chosen_input_ids"], pair["chosen_labels"]),
+             format_loss_mask(tokenizer, pair["rejected_input_ids"], pair["rejected_labels"]))  # fmt: skip
 
     # --- model: the policy; optionally a brief SFT warm-up; then the reference it is measured against
-    model = build_causal_lm(
-        tokenizer,
-        model_name_or_path=config.model_name_or_path,
-        model_config=config.model_config or (None if config.model_name_or_path else TINY_LLAMA),
-        attn_implementation=config.attn_implementation,
-        gradient_checkpointing=config.gradient_checkpointing,
-        trust_remote_code=config.trust_remote_code,
-        load_in_4bit=config.load_in_4bit,
-    )
+    model = build_causal_lm(tokenizer, **model_options(config, TINY_LLAMA))
     if config.warmup_steps:
         sft_warmup(config, model, data, accelerator.device, log)
     attn, dtype = model.config._attn_implementation, model.dtype

@@ -22,7 +22,7 @@ import torch
 from accelerate.utils import set_seed
 
 from tunebook.checkpoint import resume_training, save_final_model, save_training_state
-from tunebook.config import config_to_dict, load_config, save_config
+from tunebook.config import load_config, save_config
 from tunebook.data import (
     PackedCollator,
     TextData,
@@ -36,8 +36,8 @@ from tunebook.data import (
 )
 from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import evaluate_loss
-from tunebook.logging import MetricsWriter, RunTimer, progress_bar, setup_logging, show_progress
-from tunebook.models import TINY_LLAMA, apply_lora, build_causal_lm, describe_parameters
+from tunebook.logging import MetricsWriter, RunTimer, log_run_start, progress_bar, setup_logging, show_progress
+from tunebook.models import TINY_LLAMA, apply_lora, build_causal_lm, describe_parameters, model_options
 from tunebook.recipe_configs import PretrainConfig
 from tunebook.report import finish_run
 from tunebook.summary import run_summary
@@ -92,14 +92,7 @@ def main(config: PretrainConfig) -> dict:
     cache_dir = Path(config.cache_dir).expanduser() if config.cache_dir else default_cache_dir()
     if accelerator.is_main_process:
         save_config(config, output_dir / "config.yaml")
-    log.info("Resolved config:\n%s", "\n".join(f"  {k}: {v!r}" for k, v in config_to_dict(config).items()))
-    log.info(
-        "%d process(es), %s, device %s, mixed precision %s",
-        accelerator.num_processes,
-        accelerator.distributed_type.value,
-        accelerator.device,
-        accelerator.mixed_precision,
-    )
+    log_run_start(log, config, accelerator)  # the resolved config, key aliases used, processes
 
     # --- data: prepared under a file lock (the first process builds, the others map the files), then all meet
     data = prepare_then_join(accelerator, config, prepare_text_data, cache_dir, log)
@@ -113,15 +106,7 @@ def main(config: PretrainConfig) -> dict:
     )
 
     # --- model, optimizer, loaders
-    model = build_causal_lm(
-        tokenizer,
-        model_name_or_path=config.model_name_or_path,
-        model_config=config.model_config or (None if config.model_name_or_path else TINY_LLAMA),
-        attn_implementation=config.attn_implementation,
-        gradient_checkpointing=config.gradient_checkpointing,
-        trust_remote_code=config.trust_remote_code,
-        load_in_4bit=config.load_in_4bit,
-    )
+    model = build_causal_lm(tokenizer, **model_options(config, TINY_LLAMA))
     if config.use_peft:  # LoRA: the base stays frozen; checkpoints and the output hold only the adapters
         model = apply_lora(model, config)
     log.info("Model: %s, %s", type(model).__name__, describe_parameters(model))

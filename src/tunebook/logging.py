@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "log_run_start",
     "MetricsWriter",
     "RunTimer",
     "data_wait_advice",
@@ -240,3 +241,19 @@ def _jsonable(value: Any) -> Any:
     if hasattr(value, "item"):
         return value.item()
     return value
+
+
+def log_run_start(log: logging.Logger, config, accelerator) -> None:
+    """The resolved config, the other tools' key names it was given with (once each), and the processes."""
+    from .config import aliases_used, config_to_dict
+
+    log.info("Resolved config:\n%s", "\n".join(f"  {k}: {v!r}" for k, v in config_to_dict(config).items()))
+    for alias, key in aliases_used(config).items():
+        log.info("Config key '%s' (TRL's / transformers' name) is read as '%s'", alias, key)
+    log.info(
+        "%d process(es), %s, device %s, mixed precision %s",
+        accelerator.num_processes,
+        accelerator.distributed_type.value,
+        accelerator.device,
+        accelerator.mixed_precision,
+    )

@@ -10,7 +10,7 @@ from .config import TrainConfig, _help
 from .errors import ConfigError
 from .locations import looks_like_local_path
 
-__all__ = ["ClassifyConfig", "DPOConfig", "ModelDataConfig", "PretrainConfig", "SFTConfig"]
+__all__ = ["ChatModelConfig", "ClassifyConfig", "DPOConfig", "ModelDataConfig", "PretrainConfig", "SFTConfig"]
 
 
 @dataclass
@@ -19,6 +19,18 @@ class ModelDataConfig(TrainConfig):
 
     # --- model and tokenizer
     model_name_or_path: str | None = _help("Local HF model directory or Hub name to fine-tune.", None)
+    model_revision: str | None = _help("Branch, tag or commit of a Hub model (and of its tokenizer).", None)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _help(
+        "Weights' dtype in memory. auto: float32 for the weights that train (bf16/fp16 mixed precision comes from the "
+        "accelerate config and computes in half precision over float32 master weights); with LoRA the frozen base "
+        "as stored in the checkpoint. bfloat16/float16: all weights in that dtype, trained ones too (less memory, "
+        "updates lose precision).",
+        "auto",
+    )
+    use_safetensors: bool = _help(
+        "Load weights only from safetensors files; false also allows pickled .bin weights (which can run code).",
+        True,
+    )
     model_config: dict | str | None = _help(
         "Build a fresh model from this config dict (or JSON/YAML file) instead of loading weights; with neither "
         "this nor model_name_or_path, the recipe's tiny default model.",
@@ -116,7 +128,19 @@ class ModelDataConfig(TrainConfig):
 
 
 @dataclass
-class SFTConfig(ModelDataConfig):
+class ChatModelConfig(ModelDataConfig):
+    """Fields of the recipes that render conversations with a chat template (fields only)."""
+
+    chat_template: str | None = _help(
+        "Chat template: Jinja text, a .jinja file, or a tokenizer directory (or Hub name) to take it from. Default: "
+        "the tokenizer's own, or ChatML with <|im_start|>/<|im_end|> added as tokens. The token ending an assistant "
+        "turn becomes eos_token, so the model learns to stop.",
+        None,
+    )
+
+
+@dataclass
+class SFTConfig(ChatModelConfig):
     """Supervised fine-tuning of a causal LM on instruction or chat data.
 
     The defaults are the embedded offline run: a synthetic digit task, a locally trained tokenizer and a tiny
@@ -125,9 +149,13 @@ class SFTConfig(ModelDataConfig):
     """
 
     # --- data
-    data_format: Literal["auto", "alpaca", "chat", "sharegpt", "prompt_completion"] = _help(
-        "Data format; auto detects it from the columns.", "auto"
+    data_format: Literal["auto", "chat", "sharegpt", "alpaca", "prompt_completion", "text"] = _help(
+        "Data format; auto detects it from the columns (in this order): chat (messages), sharegpt (conversations), "
+        "alpaca (instruction, output), prompt_completion (prompt, completion: strings or message lists), text "
+        "(dataset_text_field; every token carries the loss).",
+        "auto",
     )
+    dataset_text_field: str = _help("The plain-text column of text data (data_format text).", "text")
     overlong_examples: Literal["truncate", "drop"] = _help(
         "Truncate or drop examples longer than max_seq_length.", "truncate"
     )
@@ -146,7 +174,11 @@ class SFTConfig(ModelDataConfig):
     # --- evaluation
     generation_eval: bool = _help("Score greedy generations against the reference answers (exact match).", True)
     generation_max_new_tokens: int = _help("Tokens to generate per eval prompt.", 32)
-    generation_eval_max_samples: int = _help("Generate for at most this many eval examples (0: all).", 0)
+    generation_eval_max_samples: int = _help(
+        "Generate answers for at most this many eval examples (0: all): generation is slow, and an eval split of "
+        "thousands would take longer than training.",
+        64,
+    )
 
     # The embedded default run (see the class docstring).
     output_dir: str = _help("Where the model, checkpoints, metrics.jsonl and summary.json go.", "outputs/sft-default")
@@ -246,7 +278,7 @@ class PretrainConfig(ModelDataConfig):
 
 
 @dataclass
-class DPOConfig(ModelDataConfig):
+class DPOConfig(ChatModelConfig):
     """Direct Preference Optimization of a causal LM on (prompt, chosen, rejected) pairs.
 
     The defaults are the embedded offline run: generated preference pairs over the SFT default's digit task (the

@@ -235,7 +235,11 @@ def test_overlong_examples_are_dropped_with_a_warning_and_counted(tmp_path, tiny
     lengths = sorted(
         len(ids)
         for ids in tokenize_conversations(
-            {"messages": conversations["messages"]}, tiny_tokenizer, 10_000, "truncate", True
+            {"conversation": conversations["conversation"]},
+            tokenizer=tiny_tokenizer,
+            max_seq_length=10_000,
+            overlong="truncate",
+            assistant_only_loss=True,
         )["input_ids"]
     )
     out = tmp_path / "drop"

@@ -3,7 +3,7 @@
 from .cache import cached_dataset, default_cache_dir, fingerprint, tokenizer_fingerprint
 from .classification import ClassificationData, label_names_of, prepare_classification_data
 from .collate import PadCollator, loss_positions
-from .formats import FORMAT_COLUMNS, detect_format, to_messages
+from .formats import FORMAT_COLUMNS, detect_format, normalise_messages, to_conversations
 from .loaders import LengthGroupedSampler, build_loader
 from .packing import (
     PackedCollator,
@@ -21,7 +21,7 @@ from .prepare import SFTData, prepare_sft_data
 from .sources import DataSource, fingerprint_sources, load_source, parse_sources
 from .synthetic import write_synthetic_task
 from .text import TextData, chunk_documents, prepare_text_data
-from .tokenize import IGNORE_INDEX, assistant_spans, format_loss_mask, tokenize_conversations
+from .tokenize import IGNORE_INDEX, assistant_spans, format_loss_mask, render_chat, tokenize_conversations
 
 __all__ = [
     "PairCollator",
@@ -64,8 +64,10 @@ __all__ = [
     "loss_positions",
     "parse_sources",
     "prepare_sft_dataset",
-    "to_messages",
+    "to_conversations",
+    "normalise_messages",
     "tokenize_conversations",
+    "render_chat",
     "tokenizer_fingerprint",
     "write_synthetic_task",
 ]

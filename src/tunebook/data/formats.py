@@ -1,107 +1,216 @@
-"""Detect a data set's format from its columns and turn every row into chat `messages`.
+"""Detect a data set's format from its columns and turn every row into one conversation (or one plain text).
 
-Supported: Alpaca (`instruction`/`input`/`output`), chat (`messages` of `role`/`content`), ShareGPT
-(`conversations` of `from`/`value`), and `prompt`/`completion`. Everything downstream (templating, label
-masking, generation eval) works on `messages` only, so a new format needs only a converter here.
+Supported, in the order auto-detection tries them:
+- chat: `messages`, a list of `{role, content}` (system, user, assistant, tool); `content` a string or a list of
+  parts (`{"type": "text", "text": ...}`, joined by newlines); assistant `tool_calls`; a `tools` column;
+- sharegpt: `conversations`, a list of `{from, value}`;
+- alpaca: `instruction` (+ `input`) and `output`;
+- prompt_completion: `prompt` and `completion`, each a string or a list of messages (TRL's conversational form);
+- text: a plain text column (`text`, or `dataset_text_field`): the whole text carries the loss.
+
+A row becomes a JSON string, `{"messages": [...], "tools": [...]}` or `{"text": ...}`: JSON because messages with tool
+calls have a different shape in every row, which an Arrow column cannot hold without inventing `None` fields. Rows
+read from Arrow/Parquet do carry such `None` fields (every struct gets every key), so they are dropped here: a chat
+template that asks `'tool_calls' in message` would otherwise see a tool call in every turn.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ..errors import DataError
 
-__all__ = ["FORMAT_COLUMNS", "detect_format", "to_messages"]
+__all__ = ["FORMAT_COLUMNS", "detect_format", "message_text", "normalise_messages", "to_conversations"]
 
-# Required columns per format; detection tries them in this order.
+# Required columns per format; detection tries them in this order. `text` stands for dataset_text_field.
 FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
     "chat": ("messages",),
     "sharegpt": ("conversations",),
     "alpaca": ("instruction", "output"),
     "prompt_completion": ("prompt", "completion"),
+    "text": ("text",),
 }
-ROLES = {"system", "user", "assistant"}
+ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 
 
-def detect_format(columns: list[str], data_format: str, where: str) -> str:
+def detect_format(columns: list[str], data_format: str, where: str, text_field: str = "text") -> str:
     """Return the format name; `data_format` is 'auto' or a key of FORMAT_COLUMNS. `where` names the source."""
+
+    def required(name: str) -> tuple[str, ...]:
+        return (text_field,) if name == "text" else FORMAT_COLUMNS[name]
+
     if data_format != "auto":
-        missing = [c for c in FORMAT_COLUMNS[data_format] if c not in columns]
+        missing = [c for c in required(data_format) if c not in columns]
         if missing:
             raise DataError(
-                f"{where}: data_format '{data_format}' needs columns {list(FORMAT_COLUMNS[data_format])}, "
-                f"missing {missing}; columns found: {columns}"
+                f"{where}: data_format '{data_format}' needs columns {list(required(data_format))}, "
+                f"missing {missing}; columns found: {columns} (rename columns with {{path: ..., columns: {{old: new}}}})"
             )
         return data_format
-    for name, required in FORMAT_COLUMNS.items():
-        if all(c in columns for c in required):
+    for name in FORMAT_COLUMNS:
+        if all(c in columns for c in required(name)):
             return name
-    expected = "; ".join(f"{name}: {list(cols)}" for name, cols in FORMAT_COLUMNS.items())
-    raise DataError(f"{where}: cannot tell the data format from columns {columns}; expected one of {expected}")
+    expected = "; ".join(f"{name}: {list(required(name))}" for name in FORMAT_COLUMNS)
+    raise DataError(
+        f"{where}: cannot tell the data format from columns {columns}; expected one of {expected} "
+        "(rename columns with {path: ..., columns: {old: new}}, or set dataset_text_field)"
+    )
 
 
-def to_messages(
-    batch: dict[str, list[Any]], indices: list[int] | None = None, *, data_format: str, where: str
-) -> dict[str, list[Any]]:
-    """Batched `datasets.map` function: any supported format -> {"messages": [...]}.
+def to_conversations(
+    batch: dict[str, list[Any]], indices: list[int] | None = None, *, data_format: str, where: str,
+    text_field: str = "text",
+) -> dict[str, list[str]]:  # fmt: skip
+    """Batched `datasets.map` function: any supported format -> {"conversation": [JSON text, ...]}.
 
-    With `with_indices=True` the 0-based row numbers arrive as `indices`, and errors name the row (1-based,
+    With `with_indices=True` the 0-based row numbers arrive as `indices`, and errors name the row (counted from 1,
     which is the line of a JSONL file without blank lines).
     """
-    n = len(next(iter(batch.values())))
+    n = len(next(iter(batch.values()))) if batch else 0
     out = []
     for i in range(n):
         where_row = where if indices is None else f"{where}, row {indices[i] + 1}"
+        if data_format == "text":
+            value = batch[text_field][i]
+            if not isinstance(value, str):
+                raise DataError(f"{where_row}: column {text_field!r} must hold text, got {value!r:.100}")
+            out.append(json.dumps({"text": value}))
+            continue
         if data_format == "chat":
-            messages = _check_chat(batch["messages"][i], where_row)
+            messages = normalise_messages(batch["messages"][i], where_row)
         elif data_format == "sharegpt":
             messages = _from_sharegpt(batch["conversations"][i], where_row)
         elif data_format == "alpaca":
             prompt = _text(batch["instruction"][i])
             extra = _text(batch["input"][i]) if "input" in batch else ""
-            if extra:
-                prompt = f"{prompt}\n{extra}"
             messages = [
-                {"role": "user", "content": prompt},
-                {"role": "assistant", "content": _text(batch["output"][i])},
+                {"role": "user", "content": f"{prompt}\n{extra}" if extra else prompt},
+                {"role": "assistant", "content": _required(batch["output"][i], "output", where_row)},
             ]
         elif data_format == "prompt_completion":
-            messages = [
-                {"role": "user", "content": _text(batch["prompt"][i])},
-                {"role": "assistant", "content": _text(batch["completion"][i])},
-            ]
+            messages = as_messages(batch["prompt"][i], "user", where_row) + as_messages(
+                batch["completion"][i], "assistant", where_row
+            )
         else:
             raise ValueError(f"unknown data format {data_format!r}")
-        out.append(messages)
-    return {"messages": out}
+        if not any(m["role"] == "assistant" for m in messages):
+            raise DataError(f"{where_row}: no assistant turn to learn from")
+        conversation = {"messages": messages}
+        if batch.get("tools") is not None and batch["tools"][i] is not None:
+            conversation["tools"] = _tools(batch["tools"][i], where_row)
+        out.append(json.dumps(conversation))
+    return {"conversation": out}
+
+
+def as_messages(value: Any, role: str, where: str) -> list[dict[str, Any]]:
+    """A string as one message of `role`, or a list of messages checked and normalised."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if value is None:
+        raise DataError(f"{where}: missing {role} text (null)")
+    return normalise_messages(value, where)
+
+
+def normalise_messages(messages: Any, where: str) -> list[dict[str, Any]]:
+    """Check a list of chat messages and bring it to the form chat templates expect: string content (text parts
+    joined), tool-call arguments as objects, and no `None`-valued keys."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: messages must be a non-empty list of {{role, content}}, got {messages!r:.200}")
+    out = []
+    for number, m in enumerate(messages, 1):
+        if not isinstance(m, dict) or "role" not in m:
+            raise DataError(f"{where}: message {number} needs a 'role' and 'content', got {m!r:.200}")
+        m = {k: v for k, v in m.items() if v is not None}
+        if m["role"] not in ROLES:
+            raise DataError(f"{where}: message {number} has role {m['role']!r}; expected one of {', '.join(ROLES)}")
+        if "content" not in m and not m.get("tool_calls"):
+            raise DataError(f"{where}: message {number} ({m['role']}) has no content")
+        m["content"] = message_text(m.get("content", ""), f"{where}, message {number}")
+        if m.get("tool_calls"):
+            if m["role"] != "assistant":
+                raise DataError(f"{where}: message {number} ({m['role']}) has tool_calls; only assistant turns can")
+            m["tool_calls"] = [_tool_call(call, f"{where}, message {number}") for call in m["tool_calls"]]
+        else:
+            m.pop("tool_calls", None)
+        out.append(m)
+    return out
+
+
+def message_text(content: Any, where: str) -> str:
+    """A message's content as text: a string, or a list of parts whose text parts are joined by newlines."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(part, str):
+                texts.append(part)
+            elif kind == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                what = f"a {kind!r} part" if kind else f"a part {part!r:.80}"
+                raise DataError(f"{where}: {what}; only text parts can be trained on by a text model")
+        return "\n".join(texts)
+    raise DataError(f"{where}: content must be text or a list of parts, got {content!r:.100}")
+
+
+def _tool_call(call: Any, where: str) -> dict[str, Any]:
+    if not isinstance(call, dict):
+        raise DataError(f"{where}: a tool call must be an object, got {call!r:.100}")
+    call = _drop_none(call)
+    function = call.get("function", call)
+    if not isinstance(function, dict) or "name" not in function:
+        raise DataError(f"{where}: a tool call needs a function name, got {call!r:.200}")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):  # OpenAI sends arguments as JSON text; chat templates expect an object
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            raise DataError(f"{where}: tool call {function['name']!r} has arguments that are not JSON") from None
+    function = {**function, "arguments": arguments}
+    return {**call, "function": function} if "function" in call else {"type": "function", "function": function}
+
+
+def _tools(value: Any, where: str) -> list[dict[str, Any]]:
+    if isinstance(value, str):  # often stored as JSON text
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise DataError(f"{where}: the tools column is text but not JSON") from None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise DataError(f"{where}: tools must be a list of tool (function) definitions, got {value!r:.200}")
+    return [_drop_none(t) for t in value]
+
+
+def _drop_none(value: Any) -> Any:
+    """JSON without null members: Arrow gives every struct in a column every key, absent ones as None."""
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_none(v) for v in value]
+    return value
 
 
 def _text(value: Any) -> str:
     return "" if value is None else str(value)
 
 
-def _check_chat(messages: Any, where: str) -> list[dict[str, str]]:
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}}, got {messages!r:.200}")
-    out = []
-    for m in messages:
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise DataError(f"{where}: each message needs 'role' and 'content', got {m!r:.200}")
-        if m["role"] not in ROLES:
-            raise DataError(f"{where}: unknown message role {m['role']!r} (expected one of {sorted(ROLES)})")
-        out.append({"role": m["role"], "content": _text(m["content"])})
-    return out
+def _required(value: Any, column: str, where: str) -> str:
+    if value is None:
+        raise DataError(f"{where}: {column} is missing (null)")
+    return str(value)
 
 
 def _from_sharegpt(turns: Any, where: str) -> list[dict[str, str]]:
     if not isinstance(turns, list) or not turns:
         raise DataError(f"{where}: 'conversations' must be a non-empty list of {{from, value}}, got {turns!r:.200}")
     out = []
-    for t in turns:
+    for number, t in enumerate(turns, 1):
         if not isinstance(t, dict) or t.get("from") not in SHAREGPT_ROLES or "value" not in t:
-            raise DataError(
-                f"{where}: each ShareGPT turn needs 'from' (one of {sorted(SHAREGPT_ROLES)}) and 'value', got {t!r:.200}"
-            )
-        out.append({"role": SHAREGPT_ROLES[t["from"]], "content": _text(t["value"])})
+            raise DataError(f"{where}: turn {number} needs 'from' (one of {sorted(SHAREGPT_ROLES)}) and 'value', "
+                            f"got {t!r:.200}")  # fmt: skip
+        out.append({"role": SHAREGPT_ROLES[t["from"]], "content": message_text(_text(t["value"]), where)})
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..errors import DataError
 from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
-from .formats import detect_format, to_messages
+from .formats import detect_format, to_conversations
 from .sources import DataSource, fingerprint_sources, load_source
 from .tokenize import tokenize_conversations
 
@@ -26,34 +27,38 @@ def load_conversations(
     seed: int,
     num_proc: int | None = None,
     scratch: Path | None = None,
+    text_field: str = "text",
 ) -> datasets.Dataset:
-    """All sources, weighted and converted to a single `messages` column (written under `scratch` if given)."""
-    parts = []
-    for i, source in enumerate(sources):
-        raw = load_source(source, cache_dir, seed)
-        fmt = detect_format(raw.column_names, data_format, source.path)
-        parts.append(
-            raw.map(
-                to_messages,
-                batched=True,
-                with_indices=True,
-                fn_kwargs={"data_format": fmt, "where": source.path},
-                remove_columns=raw.column_names,
-                num_proc=num_proc,
-                cache_file_name=str(scratch / f"messages-{i}.arrow") if scratch else None,
-                desc=f"Reading {Path(source.path).name} ({fmt})",
-            )
-        )
-    dataset = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
-    if len(dataset) == 0:
-        raise DataError(f"no examples in {', '.join(s.path for s in sources)}")
-    return dataset
+    """All sources, weighted and converted to one `conversation` column of JSON rows (`tunebook.data.formats`)."""
+    parts = [
+        _conversations(source, data_format, cache_dir, seed, num_proc, scratch, i, text_field)
+        for i, source in enumerate(sources)
+    ]
+    return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+
+
+def _conversations(source, data_format, cache_dir, seed, num_proc, scratch, index, text_field) -> datasets.Dataset:
+    raw = load_source(source, cache_dir, seed)
+    fmt = detect_format(raw.column_names, data_format, source.where, text_field)
+    return raw.map(
+        to_conversations,
+        batched=True,
+        with_indices=True,
+        fn_kwargs={"data_format": fmt, "where": source.where, "text_field": text_field},
+        remove_columns=raw.column_names,
+        num_proc=num_proc,
+        cache_file_name=str(scratch / f"conversations-{index}.arrow") if scratch else None,
+        desc=f"Reading {Path(source.path).name} ({fmt})",
+    )
 
 
 def conversation_texts(conversations: datasets.Dataset) -> Iterator[str]:
-    """Plain text of every message with its role, e.g. to train a tokenizer on."""
-    for messages in conversations["messages"]:
-        for m in messages:
+    """Plain text of every message with its role (or of every plain-text row), e.g. to train a tokenizer on."""
+    for row in conversations["conversation"]:
+        example = json.loads(row)
+        if "text" in example:
+            yield example["text"]
+        for m in example.get("messages", []):
             yield f"{m['role']}\n{m['content']}"
 
 
@@ -65,6 +70,7 @@ def sft_cache_key(
     overlong: str,
     assistant_only_loss: bool,
     seed: int,
+    text_field: str = "text",
 ) -> str:
     """Fingerprint of everything a tokenised data set depends on: the cache key of `prepare_sft_dataset`."""
     return fingerprint(
@@ -75,6 +81,7 @@ def sft_cache_key(
             "max_seq_length": max_seq_length,
             "overlong": overlong,
             "assistant_only_loss": assistant_only_loss,
+            "text_field": text_field,
             "seed": seed if any(s.weight != 1.0 or s.samples is not None for s in sources) else None,
             "version": PREPROCESSING_VERSION,
         }
@@ -93,30 +100,39 @@ def prepare_sft_dataset(
     seed: int,
     num_proc: int | None = None,
     key: str | None = None,
+    text_field: str = "text",
 ) -> tuple[datasets.Dataset, dict[str, Any], bool]:
     """Tokenise and mask `sources`, cached by a fingerprint of every input. Returns (dataset, stats, was_cached).
 
     The dataset has columns `input_ids`, `labels`, `prompt_length`; stats count the examples read, truncated
     and dropped. `key` is `sft_cache_key(...)` of the same arguments, if the caller already computed it.
     """
-    key = key or sft_cache_key(sources, tokenizer, data_format, max_seq_length, overlong, assistant_only_loss, seed)
+    args = (data_format, max_seq_length, overlong, assistant_only_loss, seed, text_field)
+    key = key or sft_cache_key(sources, tokenizer, *args)
 
     def build(scratch: Path) -> tuple[datasets.Dataset, dict[str, Any]]:
-        conversations = load_conversations(sources, data_format, cache_dir, seed, num_proc, scratch)
-        tokenised = conversations.map(
-            tokenize_conversations,
-            batched=True,
-            fn_kwargs={
-                "tokenizer": tokenizer,
-                "max_seq_length": max_seq_length,
-                "overlong": overlong,
-                "assistant_only_loss": assistant_only_loss,
-            },
-            remove_columns=["messages"],
-            num_proc=num_proc,
-            cache_file_name=str(scratch / "tokenised.arrow"),
-            desc="Tokenising",
-        )
+        parts = []
+        for i, source in enumerate(sources):  # one source at a time, so errors name its file and row
+            conversations = _conversations(source, data_format, cache_dir, seed, num_proc, scratch, i, text_field)
+            parts.append(
+                conversations.map(
+                    tokenize_conversations,
+                    batched=True,
+                    with_indices=True,
+                    fn_kwargs={
+                        "tokenizer": tokenizer,
+                        "max_seq_length": max_seq_length,
+                        "overlong": overlong,
+                        "assistant_only_loss": assistant_only_loss,
+                        "where": source.where,
+                    },
+                    remove_columns=["conversation"],
+                    num_proc=num_proc,
+                    cache_file_name=str(scratch / f"tokenised-{i}.arrow"),
+                    desc="Tokenising",
+                )
+            )
+        tokenised = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
         # Read the flag columns straight from Arrow: `tokenised["keep"]` would build a Python list of every row.
         keep = np.asarray(tokenised.data.column("keep"), dtype=bool)
         truncated = np.asarray(tokenised.data.column("truncated"), dtype=bool)

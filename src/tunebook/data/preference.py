@@ -1,12 +1,18 @@
 """Preference pairs for DPO: (prompt, chosen, rejected) rows rendered with the chat template, tokenised, cached.
 
-A prompt is a string (one user message) or a list of chat messages; a response is a string (one assistant
-message) or a list of messages. Each pair becomes `chosen_input_ids/labels` and `rejected_input_ids/labels`: the
-prompt rendered with the generation prompt, then the response's own tokens, which alone carry labels.
+Explicit prompts: a `prompt` column holds a string (one user message) or a list of chat messages; `chosen` and
+`rejected` hold a string (one assistant message), a list of response messages, or a whole conversation that repeats
+the prompt first (as UltraFeedback-binarized does), whose repeated turns are dropped. Implicit prompts (no `prompt`
+column, as in HH-RLHF and UltraFeedback-binarized): `chosen` and `rejected` are whole conversations, and the prompt
+is their longest shared run of first messages. String transcripts ("Human: ... Assistant: ...") are not guessed at.
+Messages follow `tunebook.data.formats` (content parts, tool calls, a `tools` column). Each pair becomes
+`chosen_input_ids/labels` and `rejected_input_ids/labels`: the prompt rendered with the generation prompt, then the
+response's own tokens, which alone carry labels.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -19,13 +25,13 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import DataError
-from ..models.tokenizer import config_tokenizer
+from ..models.tokenizer import config_tokenizer, setup_chat_template
 from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
 from .collate import PadCollator
-from .formats import _check_chat
+from .formats import as_messages, normalise_messages
 from .sources import DataSource, config_sources, fingerprint_sources, load_source
 from .synthetic import _write_disjoint, make_example
-from .tokenize import IGNORE_INDEX
+from .tokenize import IGNORE_INDEX, render_chat
 
 __all__ = [
     "PairCollator",
@@ -35,7 +41,7 @@ __all__ = [
     "write_synthetic_preferences",
 ]
 
-PAIR_COLUMNS = ("prompt", "chosen", "rejected")
+PAIR_COLUMNS = ("chosen", "rejected")  # and an optional prompt
 
 
 @dataclass
@@ -57,6 +63,7 @@ def prepare_preference_data(config, cache_dir: Path, log: logging.Logger) -> Pre
     train_sources, eval_sources = config_sources(config, cache_dir, write_synthetic_preferences)
     texts = lambda: _texts(train_sources, cache_dir, config.seed)  # noqa: E731
     tokenizer = config_tokenizer(config, cache_dir, fingerprint_sources(train_sources), texts, built, log)
+    tokenizer = setup_chat_template(tokenizer, config.chat_template, config.trust_remote_code, log)
     keys, splits, stats = {}, {}, {}
     for name, sources in (("train", train_sources), ("eval", eval_sources)):
         if not sources:
@@ -86,10 +93,9 @@ def prepare_preference_data(config, cache_dir: Path, log: logging.Logger) -> Pre
 def _texts(sources: list[DataSource], cache_dir: Path, seed: int):
     """Every prompt and response as text, to train a tokenizer on."""
     for source in sources:
-        for row in load_source(source, cache_dir, seed):
-            for column in PAIR_COLUMNS:
-                value = row.get(column)
-                yield value if isinstance(value, str) else "\n".join(str(m.get("content", "")) for m in value or [])
+        for number, row in enumerate(load_source(source, cache_dir, seed), 1):
+            prompt, chosen, rejected, _ = preference_pair(row, f"{source.where}, row {number}")
+            yield "\n".join(m["content"] for m in prompt + chosen + rejected)
 
 
 def _build(sources: list[DataSource], tokenizer, config, cache_dir: Path, scratch: Path):
@@ -98,8 +104,9 @@ def _build(sources: list[DataSource], tokenizer, config, cache_dir: Path, scratc
         raw = load_source(source, cache_dir, config.seed)
         missing = [c for c in PAIR_COLUMNS if c not in raw.column_names]
         if missing:
-            raise DataError(f"{source.where}: preference data needs columns {list(PAIR_COLUMNS)}; missing {missing} "
-                            f"(found {raw.column_names})")  # fmt: skip
+            raise DataError(f"{source.where}: preference data needs columns chosen and rejected (and prompt, or "
+                            f"conversations that share their first turns); missing {missing} (found "
+                            f"{raw.column_names}; rename with {{path: ..., columns: {{old: new}}}})")  # fmt: skip
         parts.append(
             raw.map(
                 tokenize_pairs, batched=True, with_indices=True, remove_columns=raw.column_names,
@@ -118,10 +125,45 @@ def _build(sources: list[DataSource], tokenizer, config, cache_dir: Path, scratc
     return dataset.remove_columns(["keep", "truncated"]), stats
 
 
-def _messages(value: Any, role: str, where: str) -> list[dict[str, str]]:
+def preference_pair(row: dict[str, Any], where: str) -> tuple[list[dict], list[dict], list[dict], list | None]:
+    """(prompt, chosen response, rejected response, tools) of one row, as message lists (module docstring)."""
+    chosen, rejected = row.get("chosen"), row.get("rejected")
+    if row.get("prompt") is not None:
+        prompt = as_messages(row["prompt"], "user", where)
+        chosen, rejected = (_response(row[side], prompt, side, where) for side in ("chosen", "rejected"))
+    else:
+        if isinstance(chosen, str) or isinstance(rejected, str):
+            raise DataError(
+                f"{where}: chosen/rejected are text and there is no prompt column; a prompt is not guessed from a "
+                "transcript: give chosen and rejected as message lists (their shared first turns become the "
+                "prompt), or add a prompt column"
+            )
+        chosen, rejected = normalise_messages(chosen, where), normalise_messages(rejected, where)
+        shared = 0
+        while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+            shared += 1
+        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+        if not prompt or not chosen or not rejected:
+            what = "share no first turn (no prompt)" if not prompt else "are the same conversation"
+            raise DataError(f"{where}: chosen and rejected {what}")
+    for side, response in (("chosen", chosen), ("rejected", rejected)):
+        if response[0]["role"] != "assistant":
+            raise DataError(f"{where}: the {side} response starts with a {response[0]['role']} turn, not the "
+                            "assistant's; the prompt must be everything before the responses")  # fmt: skip
+    tools = row.get("tools")
+    return prompt, chosen, rejected, (json.loads(tools) if isinstance(tools, str) else tools)
+
+
+def _response(value: Any, prompt: list[dict], side: str, where: str) -> list[dict]:
     if isinstance(value, str):
-        return [{"role": role, "content": value}]
-    return _check_chat(value, where)
+        return [{"role": "assistant", "content": value}]
+    messages = normalise_messages(value, where)
+    if messages[: len(prompt)] == prompt and len(messages) > len(prompt):
+        return messages[len(prompt) :]  # a whole conversation that repeats the prompt
+    if messages[0]["role"] != "assistant":
+        raise DataError(f"{where}: {side} is a conversation whose first turns differ from the prompt; give the "
+                        "responses only, or conversations that repeat the prompt exactly")  # fmt: skip
+    return messages
 
 
 def tokenize_pairs(batch: dict[str, list], indices: list[int], *, tokenizer, max_seq_length: int, overlong: str,
@@ -133,18 +175,21 @@ def tokenize_pairs(batch: dict[str, list], indices: list[int], *, tokenizer, max
     """
     out: dict[str, list] = {k: [] for k in ("chosen_input_ids", "chosen_labels", "rejected_input_ids",
                                             "rejected_labels", "keep", "truncated")}  # fmt: skip
+    columns = list(batch)
     for i, row in enumerate(indices):
         where_row = f"{where}, row {row + 1}"
-        prompt = _messages(batch["prompt"][i], "user", where_row)
-        prompt_text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        prompt, chosen, rejected, tools = preference_pair({c: batch[c][i] for c in columns}, where_row)
+        try:
+            prompt_text = render_chat(tokenizer, prompt, tools, generation_prompt=True)
+            full_texts = [render_chat(tokenizer, prompt + response, tools) for response in (chosen, rejected)]
+        except DataError as error:
+            raise DataError(f"{where_row}: {error}") from None
         prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
         keep, cut = len(prompt_ids) < max_seq_length, False
-        for side in ("chosen", "rejected"):
-            response = _messages(batch[side][i], "assistant", where_row)
-            full_text = tokenizer.apply_chat_template(prompt + response, tokenize=False)
+        for side, full_text in zip(("chosen", "rejected"), full_texts):
             if not full_text.startswith(prompt_text):
                 raise DataError(f"{where_row}: the chat template renders the prompt differently inside the full "
-                                "conversation; cannot tell the response tokens apart")  # fmt: skip
+                                "conversation; cannot tell the response tokens apart (set chat_template)")  # fmt: skip
             response_ids = tokenizer(full_text[len(prompt_text) :], add_special_tokens=False)["input_ids"]
             room = max_seq_length - len(prompt_ids)
             if len(response_ids) > room:

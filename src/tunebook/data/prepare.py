@@ -17,7 +17,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import ConfigError
-from ..models.tokenizer import config_tokenizer
+from ..models.tokenizer import config_tokenizer, setup_chat_template
 from .cache import cached_dataset, fingerprint
 from .packing import example_lengths, pack_dataset
 from .pipeline import conversation_texts, load_conversations, prepare_sft_dataset, sft_cache_key
@@ -53,8 +53,13 @@ def prepare_sft_data(config, cache_dir: Path, log: logging.Logger) -> SFTData:
     # No train_data: the embedded default's generated task.
     train_sources, eval_sources = config_sources(config, cache_dir, write_synthetic_task)
 
-    texts = lambda: conversation_texts(load_conversations(train_sources, config.data_format, cache_dir, config.seed))  # noqa: E731
+    texts = lambda: conversation_texts(  # noqa: E731
+        load_conversations(
+            train_sources, config.data_format, cache_dir, config.seed, text_field=config.dataset_text_field
+        )
+    )
     tokenizer = config_tokenizer(config, cache_dir, fingerprint_sources(train_sources), texts, built, log)
+    tokenizer = setup_chat_template(tokenizer, config.chat_template, config.trust_remote_code, log)
 
     train, train_key, stats = _tokenised(config, train_sources, tokenizer, cache_dir, "train", built, log)
     eval_examples, eval_key = None, None
@@ -79,7 +84,7 @@ def prepare_sft_data(config, cache_dir: Path, log: logging.Logger) -> SFTData:
 
 def _tokenised(config, sources: list[DataSource], tokenizer, cache_dir: Path, name: str, built: list, log):
     args = (config.data_format, config.max_seq_length, config.overlong_examples, config.assistant_only_loss)
-    key = sft_cache_key(sources, tokenizer, *args, config.seed)
+    key = sft_cache_key(sources, tokenizer, *args, config.seed, config.dataset_text_field)
     dataset, stats, cached = prepare_sft_dataset(
         sources,
         tokenizer,
@@ -91,6 +96,7 @@ def _tokenised(config, sources: list[DataSource], tokenizer, cache_dir: Path, na
         seed=config.seed,
         num_proc=config.dataset_num_proc,
         key=key,
+        text_field=config.dataset_text_field,
     )
     if not cached:
         built.append(f"{name} tokenisation")

@@ -1,69 +1,101 @@
-"""Render chat `messages` with the tokenizer's chat template, tokenise, and mask the loss to assistant turns.
+"""Render conversations with the tokenizer's chat template, tokenise, and mask the loss to assistant turns.
 
 Assistant spans are found as character ranges of the rendered text: the span of turn i runs from the end of
 `render(messages[:i], add_generation_prompt=True)` to the end of `render(messages[:i + 1])`, so it includes the
 end-of-turn marker (the model must learn to stop). Tokens whose first character lies in a span carry loss.
 This works for any chat template whose renderings of prefixes are prefixes of the whole, without requiring
-`{% generation %}` markers that few real templates have.
+`{% generation %}` markers that few real templates have. Tool calls are assistant turns and carry loss; tool
+results are not. A plain-text example (`{"text": ...}`) carries loss on every token and ends with EOS.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from ..errors import DataError
+from ..errors import DataError, first_line
 
-__all__ = ["IGNORE_INDEX", "assistant_spans", "format_loss_mask", "tokenize_conversations"]
+__all__ = ["IGNORE_INDEX", "assistant_spans", "format_loss_mask", "render_chat", "tokenize_conversations"]
 
 IGNORE_INDEX = -100
 
 
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools=None, generation_prompt=False) -> str:
+    """`apply_chat_template` as text; a template that cannot render the conversation is a DataError."""
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
+    except Exception as error:  # jinja2's TemplateError, or the template's own raise_exception(...)
+        raise DataError(f"the chat template cannot render this conversation: {first_line(error)}") from None
+
+
 def assistant_spans(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: list | None = None
 ) -> tuple[str, list[tuple[int, int]]]:
     """Return the rendered text and the character spans of its assistant turns."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    text = render_chat(tokenizer, messages, tools)
+    if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        _check_tools_rendered(text, messages, tools)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
-        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        before = render_chat(tokenizer, messages[:i], tools, generation_prompt=True) if i else ""
+        through = render_chat(tokenizer, messages[: i + 1], tools)
         if not (text.startswith(through) and through.startswith(before)):
             raise DataError(
                 "the tokenizer's chat template renders a conversation's prefix differently from the whole "
                 "conversation, so assistant turns cannot be located for the loss mask; use another template "
-                "(set `chat_template` on the tokenizer) or assistant_only_loss: false"
+                "(chat_template) or assistant_only_loss: false"
             )
         if len(through) > len(before):
             spans.append((len(before), len(through)))
     return text, spans
 
 
+def _check_tools_rendered(text: str, messages: list[dict[str, Any]], tools: list | None) -> None:
+    """Templates without tool support drop tool calls, definitions or results without a word: refuse that."""
+    expected = [call["function"]["name"] for m in messages for call in m.get("tool_calls", [])]
+    expected += [t.get("function", t).get("name") for t in tools or [] if isinstance(t.get("function", t), dict)]
+    expected += [m["content"] for m in messages if m["role"] == "tool"]
+    missing = [item for item in expected if item and item not in text]
+    if missing:
+        raise DataError(
+            f"the chat template does not render tool calls, tool definitions or tool results ({missing[0]!r:.60} "
+            "is missing from the rendered text); set chat_template to a template that supports tools"
+        )
+
+
 def tokenize_conversations(
     batch: dict[str, list[Any]],
+    indices: list[int] | None = None,
+    *,
     tokenizer: PreTrainedTokenizerBase,
     max_seq_length: int,
     overlong: str,
     assistant_only_loss: bool,
+    where: str = "data",
 ) -> dict[str, list[Any]]:
-    """Batched `datasets.map` function: messages -> input_ids, labels and bookkeeping columns.
+    """Batched `datasets.map` function: `conversation` JSON rows -> input_ids, labels and bookkeeping columns.
 
     Columns: `input_ids`, `labels` (IGNORE_INDEX outside the loss), `prompt_length` (tokens before the last
-    assistant turn, for generation eval), `truncated`, and `keep` (False for rows to drop: over-long under
-    `overlong="drop"`, or left with no loss-bearing token).
+    assistant turn, for generation eval; 0 for plain text), `truncated`, and `keep` (False for rows to drop:
+    over-long under `overlong="drop"`, or left with no loss-bearing token). Errors name the row (from 1).
     """
     out: dict[str, list[Any]] = {k: [] for k in ("input_ids", "labels", "prompt_length", "truncated", "keep")}
-    for messages in batch["messages"]:
-        text, spans = assistant_spans(tokenizer, messages)
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids, offsets = enc["input_ids"], enc["offset_mapping"]
-        in_span = [any(a <= start < b for a, b in spans) for start, _ in offsets]
-        labels = [t if (m or not assistant_only_loss) else IGNORE_INDEX for t, m in zip(ids, in_span)]
-        last = spans[-1][0] if spans else len(text)
-        prompt_length = next((j for j, (start, _) in enumerate(offsets) if start >= last), len(ids))
+    for position, row in enumerate(batch["conversation"]):
+        example = json.loads(row)
+        try:
+            if "text" in example:
+                ids, labels, prompt_length = _plain_text(tokenizer, example["text"])
+            else:
+                ids, labels, prompt_length = _chat(tokenizer, example, assistant_only_loss)
+        except DataError as error:
+            row_number = indices[position] + 1 if indices is not None else position + 1
+            raise DataError(f"{where}, row {row_number}: {error}") from None
         truncated = len(ids) > max_seq_length
         keep = not (truncated and overlong == "drop")
         ids, labels = ids[:max_seq_length], labels[:max_seq_length]
@@ -72,6 +104,25 @@ def tokenize_conversations(
         for key, value in zip(out, (ids, labels, prompt_length, truncated, keep)):
             out[key].append(value)
     return out
+
+
+def _chat(tokenizer, example: dict[str, Any], assistant_only_loss: bool) -> tuple[list[int], list[int], int]:
+    text, spans = assistant_spans(tokenizer, example["messages"], example.get("tools"))
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    in_span = [any(a <= start < b for a, b in spans) for start, _ in offsets]
+    labels = [t if (m or not assistant_only_loss) else IGNORE_INDEX for t, m in zip(ids, in_span)]
+    last = spans[-1][0] if spans else len(text)
+    prompt_length = next((j for j, (start, _) in enumerate(offsets) if start >= last), len(ids))
+    return ids, labels, prompt_length
+
+
+def _plain_text(tokenizer, text: str) -> tuple[list[int], list[int], int]:
+    """The whole text, with the tokenizer's own special tokens (BOS), then EOS so the model learns to stop."""
+    ids = tokenizer(text)["input_ids"]
+    if tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
+        ids = ids + [tokenizer.eos_token_id]
+    return ids, list(ids), 0
 
 
 def format_loss_mask(tokenizer: PreTrainedTokenizerBase, input_ids: list[int], labels: list[int]) -> str:

@@ -66,8 +66,13 @@ def generation_exact_match(
     Both sides are decoded without special tokens and stripped of surrounding whitespace. Returns the metrics
     and a few (prediction, reference) samples from the main process for the log.
     """
-    if max_samples:
-        dataset = dataset.select(range(min(max_samples, len(dataset))))
+    import numpy as np
+
+    # Plain-text examples (prompt_length 0) have no prompt to answer: they count in the eval loss only.
+    with_prompt = np.flatnonzero(np.asarray(dataset.data.column("prompt_length")) > 0)
+    if len(with_prompt) == 0:
+        return {}, []
+    dataset = dataset.select(with_prompt[:max_samples] if max_samples else with_prompt)
     dataset = dataset.select_columns(["input_ids", "labels", "prompt_length"])
     loader = accelerator.prepare_data_loader(
         DataLoader(dataset, batch_size=batch_size, collate_fn=PromptCollator(tokenizer.pad_token_id))

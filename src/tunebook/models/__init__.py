@@ -1,6 +1,6 @@
 """Model and tokenizer construction."""
 
-from .build import build_causal_lm, build_sequence_classifier, read_model_config
+from .build import build_causal_lm, build_sequence_classifier, model_options, read_model_config, torch_dtype
 from .lora import (
     apply_lora,
     describe_parameters,
@@ -15,6 +15,7 @@ from .tokenizer import (
     CHATML_TEMPLATE,
     load_or_train_tokenizer,
     load_tokenizer,
+    setup_chat_template,
     train_chat_tokenizer,
     train_encoder_tokenizer,
 )
@@ -32,6 +33,9 @@ __all__ = [
     "register_adapter_checkpoints",
     "save_adapter",
     "build_sequence_classifier",
+    "model_options",
+    "torch_dtype",
+    "setup_chat_template",
     "load_or_train_tokenizer",
     "load_tokenizer",
     "read_model_config",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,9 @@ from transformers import (
 from ..errors import ConfigError, ModelError, first_line
 from ..locations import looks_like_local_path
 
-__all__ = ["build_causal_lm", "build_sequence_classifier", "read_model_config"]
+__all__ = ["build_causal_lm", "build_sequence_classifier", "model_options", "read_model_config", "torch_dtype"]
+
+logger = logging.getLogger("tunebook")
 
 
 def read_model_config(model_config: dict[str, Any] | str) -> dict[str, Any]:
@@ -39,6 +42,23 @@ def read_model_config(model_config: dict[str, Any] | str) -> dict[str, Any]:
     return data
 
 
+def model_options(config, default_model_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The `build_causal_lm` / `build_sequence_classifier` arguments of a recipe config; `default_model_config` is
+    the recipe's tiny model, built when the config names no model."""
+    return {
+        "model_name_or_path": config.model_name_or_path,
+        "model_config": config.model_config or (None if config.model_name_or_path else default_model_config),
+        "attn_implementation": config.attn_implementation,
+        "gradient_checkpointing": config.gradient_checkpointing,
+        "trust_remote_code": config.trust_remote_code,
+        "load_in_4bit": config.load_in_4bit,
+        "dtype": config.dtype,
+        "revision": config.model_revision,
+        "use_safetensors": config.use_safetensors,
+        "frozen_base": config.use_peft,
+    }
+
+
 def build_causal_lm(
     tokenizer: PreTrainedTokenizerBase,
     *,
@@ -48,17 +68,22 @@ def build_causal_lm(
     gradient_checkpointing: bool = False,
     trust_remote_code: bool = False,
     load_in_4bit: bool = False,
+    dtype: str = "auto",
+    revision: str | None = None,
+    use_safetensors: bool = True,
+    frozen_base: bool = False,
 ) -> PreTrainedModel:
     """Load or build the model and make its embeddings and special token ids agree with `tokenizer`.
 
-    Weights load as safetensors where the directory has them; `trust_remote_code` (running Python shipped with a
-    model) stays off unless the config turns it on. `load_in_4bit` quantises the weights for QLoRA (CUDA only).
+    Weights load from safetensors only unless `use_safetensors` is False; `trust_remote_code` (running Python shipped
+    with a model) stays off unless the config turns it on. `load_in_4bit` quantises the weights for QLoRA (CUDA
+    only). `dtype` auto keeps trained weights in float32 (`frozen_base`: LoRA's base stays as stored).
     """
     model = _load_or_build(
         AutoModelForCausalLM, "a causal LM", tokenizer, model_name_or_path, model_config, attn_implementation,
-        trust_remote_code, {}, **quantization(load_in_4bit),
+        trust_remote_code, {}, **_load_options(dtype, frozen_base, load_in_4bit, revision, use_safetensors),
     )  # fmt: skip
-    return _finish(model, tokenizer, model_name_or_path, gradient_checkpointing)
+    return _finish(model, tokenizer, model_name_or_path, gradient_checkpointing, dtype, frozen_base)
 
 
 def build_sequence_classifier(
@@ -71,6 +96,10 @@ def build_sequence_classifier(
     gradient_checkpointing: bool = False,
     trust_remote_code: bool = False,
     load_in_4bit: bool = False,
+    dtype: str = "auto",
+    revision: str | None = None,
+    use_safetensors: bool = True,
+    frozen_base: bool = False,
 ) -> PreTrainedModel:
     """`AutoModelForSequenceClassification` with one output per label and the label names in its config
     (`id2label`/`label2id`), so `pipeline("text-classification", model=output_dir)` prints them.
@@ -84,12 +113,37 @@ def build_sequence_classifier(
         "label2id": {name: i for i, name in enumerate(label_names)},
         "problem_type": "single_label_classification",
     }
-    extra = {"ignore_mismatched_sizes": True, **quantization(load_in_4bit)} if model_name_or_path else {}
+    extra = _load_options(dtype, frozen_base, load_in_4bit, revision, use_safetensors)
+    if model_name_or_path:
+        extra["ignore_mismatched_sizes"] = True
     model = _load_or_build(
         AutoModelForSequenceClassification, "a sequence classifier", tokenizer, model_name_or_path, model_config,
         attn_implementation, trust_remote_code, labels, **extra,
     )  # fmt: skip
-    return _finish(model, tokenizer, model_name_or_path, gradient_checkpointing)
+    return _finish(model, tokenizer, model_name_or_path, gradient_checkpointing, dtype, frozen_base)
+
+
+def _load_options(dtype: str, frozen_base: bool, load_in_4bit: bool, revision, use_safetensors: bool) -> dict:
+    """`from_pretrained`/`from_config` keyword arguments: dtype (see `torch_dtype`), revision, safetensors, 4-bit."""
+    options = {
+        "dtype": torch_dtype(dtype, frozen_base),
+        "use_safetensors": use_safetensors,
+        **quantization(load_in_4bit),
+    }
+    if revision:
+        options["revision"] = revision
+    return options
+
+
+def torch_dtype(dtype: str, frozen_base: bool = False):
+    """The dtype weights are loaded in. auto: float32, so the weights the optimizer updates keep every bit (mixed
+    precision computes in bf16/fp16 over them; loading a bf16 checkpoint "as stored" would train bf16 weights); a
+    frozen LoRA base stays as stored ("auto" to transformers), it never takes an update."""
+    import torch
+
+    if dtype == "auto":
+        return "auto" if frozen_base else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
 def quantization(load_in_4bit: bool) -> dict[str, Any]:
@@ -125,12 +179,17 @@ def _load_or_build(
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     kwargs["trust_remote_code"] = trust_remote_code
     if model_name_or_path:
-        if looks_like_local_path(model_name_or_path) and not Path(model_name_or_path).expanduser().exists():
+        path = Path(model_name_or_path).expanduser()
+        if looks_like_local_path(model_name_or_path) and not path.exists():
             raise ModelError(f"model path not found: {model_name_or_path}")
+        if load_kwargs.get("use_safetensors") and path.is_dir() and not any(path.glob("*.safetensors")):
+            if any(path.glob("*.bin")) or any(path.glob("*.pt")):
+                raise ModelError(
+                    f"{model_name_or_path} has only pickled .bin weights, which can run code when loaded; convert them "
+                    "to safetensors, or set use_safetensors: false if you trust their source"
+                )
         try:
-            return auto_class.from_pretrained(
-                model_name_or_path, dtype="auto", use_safetensors=None, **config_values, **kwargs, **load_kwargs
-            )
+            return auto_class.from_pretrained(model_name_or_path, **config_values, **kwargs, **load_kwargs)
         except (OSError, ValueError) as e:
             raise ModelError(f"could not load {what} from '{model_name_or_path}': {first_line(e)}") from None
     values = read_model_config(model_config or {})
@@ -140,22 +199,30 @@ def _load_or_build(
     values.setdefault("vocab_size", len(tokenizer))
     try:
         config = AutoConfig.for_model(model_type, **{**values, **config_values})
-        return auto_class.from_config(config, **kwargs)
+        dtype = load_kwargs.get("dtype")
+        return auto_class.from_config(config, **kwargs, **({"dtype": dtype} if dtype != "auto" else {}))
     except (ValueError, TypeError) as e:
         raise ConfigError(f"model_config: {first_line(e)}") from None
 
 
-def _finish(model, tokenizer, model_name_or_path, gradient_checkpointing: bool) -> PreTrainedModel:
+def _finish(model, tokenizer, model_name_or_path, gradient_checkpointing: bool, dtype="auto", frozen_base=False):
     """Embeddings sized for the tokenizer, special token ids in the configs, gradient checkpointing."""
-    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
-        model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=8)
+    rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > rows:
+        model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=8, mean_resizing=False)
+        _mean_init_new_rows(model, rows)
+        logger.info("Embeddings resized from %d to %d rows for the tokenizer's new tokens (initialised to the mean "
+                    "embedding)", rows, model.get_input_embeddings().weight.shape[0])  # fmt: skip
     # generate() and padding-aware code (sequence classification finds the last token by pad_token_id) read these.
+    # A model's own EOS ids stay EOS ids in generation (Llama 3 Instruct has three); the tokenizer's comes first.
+    eos = _eos_ids(tokenizer.eos_token_id, model_name_or_path and model.generation_config)
     configs = [model.config] + ([model.generation_config] if getattr(model, "generation_config", None) else [])
     for cfg in configs:
         cfg.pad_token_id = tokenizer.pad_token_id
-        cfg.eos_token_id = tokenizer.eos_token_id
+        cfg.eos_token_id = eos
         if tokenizer.bos_token_id is not None or model_name_or_path is None:
             cfg.bos_token_id = tokenizer.bos_token_id
+    _log_dtype(model, dtype, frozen_base)
     if gradient_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and with DDP's unused-parameter checks.
         checkpoint_kwargs = {"use_reentrant": False}
@@ -165,3 +232,34 @@ def _finish(model, tokenizer, model_name_or_path, gradient_checkpointing: bool) 
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
         model.config.use_cache = False
     return model
+
+
+def _mean_init_new_rows(model, old_rows: int) -> None:
+    """New token rows (input and output embeddings) = the mean of the trained rows: a start close to what the model
+    knows, rather than random vectors whose large logits would dominate the first steps."""
+    import torch
+
+    with torch.no_grad():
+        layers = [model.get_input_embeddings(), model.get_output_embeddings()]
+        for layer in {id(x): x for x in layers if x is not None and x.weight.shape[0] > old_rows}.values():
+            layer.weight[old_rows:] = layer.weight[:old_rows].mean(dim=0, keepdim=True)
+
+
+def _eos_ids(eos_id: int | None, generation_config) -> int | list[int] | None:
+    previous = getattr(generation_config, "eos_token_id", None) if generation_config else None
+    previous = previous if isinstance(previous, list) else [] if previous is None else [previous]
+    ids = ([eos_id] if eos_id is not None else []) + [i for i in previous if i != eos_id]
+    return ids[0] if len(ids) == 1 else (ids or None)
+
+
+def _log_dtype(model, dtype: str, frozen_base: bool) -> None:
+    weights = str(next(model.parameters()).dtype).removeprefix("torch.")
+    if dtype == "auto" and not frozen_base:
+        logger.info("Weights in %s: the trained weights stay float32 (mixed precision, if set, computes in half "
+                    "precision over them)", weights)  # fmt: skip
+    elif frozen_base:
+        logger.info("Frozen base weights in %s (%s); the adapters train in float32", weights,
+                    "as stored" if dtype == "auto" else "dtype")  # fmt: skip
+    else:
+        logger.warning("dtype %s: the trained weights are %s too, so small updates can round away; dtype auto keeps "
+                       "float32 weights under bf16/fp16 mixed precision", dtype, weights)  # fmt: skip

@@ -16,16 +16,42 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 from ..errors import ModelError, first_line
 from ..locations import looks_like_local_path
 
-__all__ = ["CHATML_TEMPLATE", "config_tokenizer", "load_tokenizer", "train_chat_tokenizer", "train_encoder_tokenizer"]
+__all__ = [
+    "CHATML_TEMPLATE",
+    "config_tokenizer",
+    "load_tokenizer",
+    "setup_chat_template",
+    "train_chat_tokenizer",
+    "train_encoder_tokenizer",
+]
 
+# ChatML, with tool definitions in the system turn and tool calls as <tool_call> JSON (the Hermes/Qwen convention),
+# so a tokenizer without a template of its own can train on tool-calling data too. Without tools it renders exactly
+# `<|im_start|>{role}\n{content}<|im_end|>\n` per message.
 CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\n\n' }}{%- endif %}"
+    "{{- '# Tools\n\nYou may call these functions:\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}"
+    '{{- \'\n</tools>\nTo call one, reply with <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end|>\n\' }}'
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (tools and loop.first and message['role'] == 'system') %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] }}"
+    "{%- if message['tool_calls'] is defined %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set fn = call['function'] if call['function'] is defined else call %}"
+    "{{- ('\n' if message['content'] or not loop.first else '') + '<tool_call>\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' + (fn['arguments'] | tojson) + '}\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TOKENIZER_VERSION = "1"  # bump when train_chat_tokenizer changes what it produces
+TOKENIZER_VERSION = "2"  # bump when train_chat_tokenizer changes what it produces
 
 
 def train_chat_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
@@ -120,8 +146,10 @@ def config_tokenizer(config, cache_dir, data_fingerprint: str, texts, built: lis
     """The tokenizer a recipe config asks for: `tokenizer_name_or_path` or the model's, else one trained on
     `texts()` (once; cached by `data_fingerprint`, see `load_or_train_tokenizer`). Adds "tokenizer" to `built`
     when it trained one."""
-    if config.tokenizer_name_or_path or config.model_name_or_path:
-        return load_tokenizer(config.tokenizer_name_or_path or config.model_name_or_path, config.trust_remote_code)
+    if config.tokenizer_name_or_path:
+        return load_tokenizer(config.tokenizer_name_or_path, config.trust_remote_code)
+    if config.model_name_or_path:
+        return load_tokenizer(config.model_name_or_path, config.trust_remote_code, config.model_revision)
     tokenizer, trained = load_or_train_tokenizer(cache_dir, data_fingerprint, texts, config.tokenizer_vocab_size, kind)
     if trained:
         built.append("tokenizer")
@@ -132,18 +160,99 @@ def config_tokenizer(config, cache_dir, data_fingerprint: str, texts, built: lis
     return tokenizer
 
 
-def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    name_or_path: str, trust_remote_code: bool = False, revision: str | None = None
+) -> PreTrainedTokenizerBase:
     """`AutoTokenizer.from_pretrained` with a readable error for a missing path or an offline Hub name."""
     if looks_like_local_path(name_or_path) and not Path(name_or_path).expanduser().exists():
         raise ModelError(f"tokenizer path not found: {name_or_path}")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        kwargs = {"revision": revision} if revision else {}
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError) as e:
         kind = "directory" if looks_like_local_path(name_or_path) else "Hub name"
         raise ModelError(f"could not load a tokenizer from {kind} '{name_or_path}': {first_line(e)}") from None
     if tokenizer.pad_token is None:
         # Padding positions are masked out of attention and loss, so any existing token serves.
         tokenizer.pad_token = tokenizer.eos_token
-    if tokenizer.chat_template is None:
-        tokenizer.chat_template = CHATML_TEMPLATE
     return tokenizer
+
+
+def setup_chat_template(tokenizer, chat_template: str | None, trust_remote_code: bool, log) -> PreTrainedTokenizerBase:
+    """The chat recipes' tokenizer: with `chat_template` (Jinja text, a .jinja file, or a tokenizer directory or Hub
+    name to take it from), or its own, or else ChatML with `<|im_start|>`/`<|im_end|>` added as special tokens.
+
+    Then the model must learn to stop: the token that ends an assistant turn in the template becomes `eos_token`
+    (the model's other EOS ids are kept in its generation config, see `tunebook.models.build`). A template whose
+    assistant turns end without any special token is refused: a model trained on it never learns to stop.
+    """
+    if chat_template:
+        tokenizer.chat_template = _template_text(chat_template, trust_remote_code)
+        log.info("Chat template from chat_template (%s)", _shorten(chat_template))
+    elif tokenizer.chat_template is None:
+        tokenizer.chat_template = CHATML_TEMPLATE
+        added = tokenizer.add_special_tokens(
+            {"extra_special_tokens": ["<|im_start|>", "<|im_end|>"]}, replace_extra_special_tokens=False
+        )
+        log.info(
+            "The tokenizer has no chat template: using ChatML (%d marker token(s) added to the vocabulary)", added
+        )
+    end_of_turn = _end_of_turn_token(tokenizer)
+    if end_of_turn != tokenizer.eos_token:
+        old = tokenizer.eos_token
+        # The old EOS stays a special token (skipped when decoding); generate() still stops at it too.
+        if old is not None:
+            tokenizer.add_special_tokens({"extra_special_tokens": [old]}, replace_extra_special_tokens=False)
+        tokenizer.eos_token = end_of_turn
+        log.info("eos_token is now %r, the end of an assistant turn in the chat template (was %r)", end_of_turn, old)
+    return tokenizer
+
+
+def _template_text(value: str, trust_remote_code: bool) -> str:
+    from ..errors import ConfigError
+
+    if "{{" in value or "{%" in value:
+        return value
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if value.endswith(".jinja"):
+        raise ConfigError(f"chat_template file not found: {value}")
+    if looks_like_local_path(value) and not path.exists():
+        raise ConfigError(f"chat_template: {value} is neither Jinja text, a .jinja file nor a tokenizer directory")
+    source = load_tokenizer(value, trust_remote_code)
+    if not source.chat_template or not isinstance(source.chat_template, str):
+        raise ConfigError(f"chat_template: the tokenizer at {value} has no (single) chat template")
+    return source.chat_template
+
+
+def _shorten(value: str) -> str:
+    value = " ".join(value.split())
+    return value if len(value) <= 60 else value[:57] + "..."
+
+
+def _end_of_turn_token(tokenizer) -> str:
+    """The first special token after an assistant message's text in the template's rendering."""
+    from ..errors import ConfigError
+
+    answer = "Tunebook answer 42."
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "A question?"}, {"role": "assistant", "content": answer}], tokenize=False
+        )
+    except Exception as error:
+        raise ConfigError(
+            f"the chat template cannot render a user and an assistant turn: {first_line(error)}"
+        ) from None
+    if answer not in text:
+        raise ConfigError("the chat template does not render the assistant's message text")
+    after = text[text.rindex(answer) + len(answer) :]
+    specials = set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab())
+    found = [(after.find(t), t) for t in specials if t and after.find(t) >= 0]
+    if not found:
+        raise ConfigError(
+            f"the chat template ends an assistant turn with {after!r}, which holds no special token: a model trained "
+            f"on it never learns to stop. Use a template that ends turns with eos_token ({tokenizer.eos_token!r}) "
+            "or another special token"
+        )
+    return min(found, key=lambda f: (f[0], -len(f[1])))[1]

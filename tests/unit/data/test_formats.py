@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from tunebook.data.formats import detect_format, to_messages
+from tunebook.data.formats import detect_format, to_conversations
 from tunebook.errors import DataError
 
 
@@ -32,31 +34,35 @@ def test_explicit_format_with_missing_column():
         detect_format(["instruction", "input"], "alpaca", "a.json")
 
 
+def to_messages(batch, **kwargs) -> list[list[dict]]:
+    return [json.loads(row)["messages"] for row in to_conversations(batch, **kwargs)["conversation"]]
+
+
 def test_alpaca_and_sharegpt_become_messages():
     batch = {"instruction": ["Add.", "Hi."], "input": ["1 2", None], "output": ["3", "hello"]}
-    out = to_messages(batch, data_format="alpaca", where="a")["messages"]
+    out = to_messages(batch, data_format="alpaca", where="a")
     assert out[0] == [{"role": "user", "content": "Add.\n1 2"}, {"role": "assistant", "content": "3"}]
     assert out[1][0]["content"] == "Hi."
     share = {"conversations": [[{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]]}
-    assert to_messages(share, data_format="sharegpt", where="s")["messages"][0][1] == {
-        "role": "assistant",
-        "content": "a",
-    }
+    assert to_messages(share, data_format="sharegpt", where="s")[0][1] == {"role": "assistant", "content": "a"}
 
 
 def test_bad_chat_rows_are_named():
-    with pytest.raises(DataError, match="unknown message role 'bot'"):
-        to_messages({"messages": [[{"role": "bot", "content": "x"}]]}, data_format="chat", where="c.jsonl")
-    with pytest.raises(DataError, match="needs 'role' and 'content'"):
-        to_messages({"messages": [[{"role": "user"}]]}, data_format="chat", where="c.jsonl")
-    good = [{"role": "user", "content": "x"}]
-    with pytest.raises(DataError, match=r"c.jsonl, row 5: unknown message role 'bot'"):
+    answer = {"role": "assistant", "content": "y"}
+    with pytest.raises(DataError, match="message 1 has role 'bot'"):
+        to_messages({"messages": [[{"role": "bot", "content": "x"}, answer]]}, data_format="chat", where="c.jsonl")
+    with pytest.raises(DataError, match=r"message 1 \(user\) has no content"):
+        to_messages({"messages": [[{"role": "user"}, answer]]}, data_format="chat", where="c.jsonl")
+    good = [{"role": "user", "content": "x"}, answer]
+    with pytest.raises(DataError, match=r"c.jsonl, row 5: message 1 has role 'bot'"):
         to_messages(
             {"messages": [good, [{"role": "bot", "content": "x"}]]},
             data_format="chat",
             where="c.jsonl",
             indices=[3, 4],
         )
+    with pytest.raises(DataError, match=r"c.jsonl: no assistant turn"):
+        to_messages({"messages": [[{"role": "user", "content": "x"}]]}, data_format="chat", where="c.jsonl")
 
 
 def test_bad_row_in_a_file_is_named_by_its_row(tmp_path):
@@ -64,7 +70,8 @@ def test_bad_row_in_a_file_is_named_by_its_row(tmp_path):
 
     path = tmp_path / "chat.jsonl"
     path.write_text(
-        '{"messages": [{"role": "user", "content": "a"}]}\n{"messages": [{"role": "robot", "content": "b"}]}\n'
+        '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n'
+        '{"messages": [{"role": "robot", "content": "b"}]}\n'
     )
-    with pytest.raises(DataError, match=r"chat.jsonl, row 2: unknown message role 'robot'"):
+    with pytest.raises(DataError, match=r"chat.jsonl, row 2: message 1 has role 'robot'"):
         load_conversations(parse_sources(str(path), "train_data"), "auto", tmp_path / "cache", seed=0)

@@ -18,9 +18,9 @@ def _load(spec, tmp_path):
 def test_loads_each_format(tmp_path):
     assert len(_load(str(ASSETS / "alpaca.json"), tmp_path)) == 3
     chat = _load(str(ASSETS / "chat.jsonl"), tmp_path)
-    assert chat[0]["messages"][0] == {"role": "system", "content": "You are terse."}
+    assert json.loads(chat[0]["conversation"])["messages"][0] == {"role": "system", "content": "You are terse."}
     pc = _load(str(ASSETS / "prompt_completion.csv"), tmp_path)
-    assert pc[1]["messages"][1]["content"] == "Paris"
+    assert json.loads(pc[1]["conversation"])["messages"][1]["content"] == "Paris"
 
 
 def test_weighted_mixture(tmp_path):
@@ -90,7 +90,7 @@ def test_mixture_by_sample_counts_is_deterministic(tmp_path):
     spec = [{"path": str(ASSETS / "alpaca.json"), "samples": 7}, {"path": str(ASSETS / "chat.jsonl"), "samples": 1}]
     first = _load(spec, tmp_path)
     assert len(first) == 7 + 1
-    assert _load(spec, tmp_path)["messages"] == first["messages"]
+    assert _load(spec, tmp_path)["conversation"] == first["conversation"]
     with pytest.raises(DataError, match="weight or a samples count, not both"):
         parse_sources([{"path": "a.jsonl", "weight": 1, "samples": 3}], "train_data")
     with pytest.raises(DataError, match="must be > 0"):

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 
@@ -17,7 +18,14 @@ CHAT = [
 
 
 def _tokenize(tokenizer, conversations, max_len=512, overlong="truncate", assistant_only=True):
-    return tokenize_conversations({"messages": conversations}, tokenizer, max_len, overlong, assistant_only)
+    rows = [json.dumps({"messages": c}) for c in conversations]
+    return tokenize_conversations(
+        {"conversation": rows},
+        tokenizer=tokenizer,
+        max_seq_length=max_len,
+        overlong=overlong,
+        assistant_only_loss=assistant_only,
+    )
 
 
 def test_loss_only_on_assistant_turns_including_end_of_turn(tiny_tokenizer):
