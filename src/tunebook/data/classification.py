@@ -125,8 +125,18 @@ def _load(sources: list[DataSource], columns: list[str], cache_dir: Path, seed: 
                 f"{source.where}: missing column(s) {', '.join(missing)} (columns: {', '.join(raw.column_names)}); "
                 "set text_column, text_pair_column and label_column"
             )
-        parts.append(raw.select_columns(columns))
+        parts.append(_integer_labels(raw.select_columns(columns), columns[-1]))
     return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+
+
+def _integer_labels(dataset: datasets.Dataset, label_column: str) -> datasets.Dataset:
+    """CSV/TSV cells are read as text (see `sources`): a label column of whole numbers is class ids, as in JSON."""
+    column = dataset.data.column(label_column)
+    if not pa.types.is_string(column.type) and not pa.types.is_large_string(column.type):
+        return dataset
+    if not pc.all(pc.match_substring_regex(column, r"^\d+$")).as_py():
+        return dataset
+    return dataset.cast_column(label_column, datasets.Value("int64"))
 
 
 def _tokenize(batch, indices, *, tokenizer, config, label_names: list[str], where: str) -> dict[str, list]:
@@ -142,14 +152,14 @@ def _tokenize(batch, indices, *, tokenizer, config, label_names: list[str], wher
             label = None
         if label is None:
             raise DataError(
-                f"{where}, row {index}: label {value!r} in column {config.label_column!r} is not one of "
+                f"{where}, row {index + 1}: label {value!r} in column {config.label_column!r} is not one of "
                 f"{label_names} (set label_names to list every class)"
             )
         labels.append(label)
     for column in (config.text_column, config.text_pair_column):
         if column and any(not isinstance(t, str) for t in batch[column]):
             row = next(i for i, t in zip(indices, batch[column]) if not isinstance(t, str))
-            raise DataError(f"{where}, row {row}: column {column!r} must hold text")
+            raise DataError(f"{where}, row {row + 1}: column {column!r} must hold text")
     pair = batch[config.text_pair_column] if config.text_pair_column else None
     encoded = tokenizer(batch[config.text_column], pair, truncation=True, max_length=config.max_seq_length)
     out = {"input_ids": encoded["input_ids"], "labels": labels}

@@ -318,6 +318,10 @@ def load_source(
     """
     resolved = _resolve(source, text_sample_by)
     raw_cache = str(Path(cache_dir) / "raw")
+    for path in resolved.files:
+        if (_ending(path.name) or "") in (".csv", ".tsv"):
+            # Before pandas: a row with one field too many would silently become the index, not an error.
+            _raise_if_malformed(path)
     try:
         with _quiet_datasets():
             if resolved.kind == "saved":
