@@ -52,7 +52,7 @@ def train(argv: list[str]) -> None:
     args = accelerate_launch.launch_command_parser().parse_args([*launcher_args, script, *recipe_args])
     # One process: our launcher instead of accelerate's (see the module docstring); the rest is accelerate's.
     accelerate_launch.simple_launcher = _simple_launcher
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the recipe reports its failures
+    _quiet_torchrun()
     try:
         accelerate_launch.launch_command(args)
     except subprocess.CalledProcessError as error:  # the DeepSpeed launcher
@@ -66,6 +66,16 @@ def train(argv: list[str]) -> None:
         if isinstance(error, SignalException):  # torchrun has passed the signal on and waited for the workers
             raise SystemExit(128 + int(error.sigval)) from None
         raise
+
+
+def _quiet_torchrun() -> None:
+    """torchrun's agent logs each worker's failure and each signal it passes on; the recipe reports those itself.
+    Its loggers set their own levels when their modules load, so they are quietened one by one once loaded."""
+    import torch.distributed.run  # noqa: F401  (loads the elastic agent's modules and their loggers)
+
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def _simple_launcher(args) -> None:

@@ -106,3 +106,43 @@ def test_classify_config_lists_and_label_names():
     assert config.metrics == ["accuracy", "f1"] and config.label_names == ["neg", "pos"]
     with pytest.raises(ConfigError, match="label_names has duplicates"):
         load_config(ClassifyConfig, ["--label_names", "[a, a]"])
+
+
+def test_bare_and_negated_boolean_flags():
+    config = load_config(SFTConfig, ["--packing", "--max_steps", "3", "--no_eval_on_start", "--use_peft"])
+    assert config.packing and config.use_peft and not config.eval_on_start and config.max_steps == 3
+    assert load_config(SFTConfig, ["--packing", "false"]).packing is False
+    assert load_config(SFTConfig, ["--max_steps", "3", "--packing"]).packing is True
+    with pytest.raises(ConfigError, match="--max_steps needs a value"):
+        load_config(SFTConfig, ["--max_steps", "--packing"])
+
+
+def test_trl_names_are_aliases_and_are_logged_once(tmp_path, caplog):
+    import logging
+
+    from tunebook.config import aliases_used
+    from tunebook.logging import log_run_start
+
+    config = load_config(SFTConfig, ["--max_length", "256", "--lora_modules_to_save", "[lm_head]"])
+    assert config.max_seq_length == 256 and config.modules_to_save == ["lm_head"]
+    assert aliases_used(config) == {"max_length": "max_seq_length", "lora_modules_to_save": "modules_to_save"}
+    path = tmp_path / "c.yaml"
+    path.write_text("torch_dtype: bfloat16\nevaluation_strategy: epoch\n")
+    from_file = load_config(SFTConfig, ["--config", str(path)])
+    assert from_file.dtype == "bfloat16" and from_file.eval_strategy == "epoch"
+    with pytest.raises(ConfigError, match="'max_seq_length' is given twice"):
+        load_config(SFTConfig, ["--max_length", "256", "--max_seq_length", "128"])
+
+    class FakeAccelerator:
+        num_processes, device, mixed_precision = 1, "cpu", "no"
+
+        class distributed_type:
+            value = "NO"
+
+    with caplog.at_level(logging.INFO, logger="tunebook"):
+        log_run_start(logging.getLogger("tunebook"), config, FakeAccelerator())
+    notes = [r.getMessage() for r in caplog.records if "TRL's" in r.getMessage()]
+    assert notes == [
+        "Config key 'max_length' (TRL's / transformers' name) is read as 'max_seq_length'",
+        "Config key 'lora_modules_to_save' (TRL's / transformers' name) is read as 'modules_to_save'",
+    ]

@@ -23,10 +23,20 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path) -> Path:
     if not path.is_file():
         raise ModelError(f"GGUF file not found: {gguf_file}")
     try:
+        import gguf
+
+        gguf.GGUFReader(path)  # reads the header and maps every tensor: a truncated file fails here, by name
+    except ImportError:
+        raise ModelError(f"reading {path} needs the gguf package: pip install gguf") from None
+    except Exception:
+        raise ModelError(f"{path}: truncated or corrupt GGUF file (it ends inside its header or tensors)") from None
+    try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    except (OSError, ValueError, ImportError, RuntimeError) as e:
-        raise ModelError(f"could not read {path} as a GGUF causal LM: {first_line(e)} (pip install gguf)") from None
+    except ImportError as e:
+        raise ModelError(f"reading {path} needs the gguf package (pip install gguf): {first_line(e)}") from None
+    except Exception as e:  # whatever the GGUF reader or the config it implies rejects: the file is at fault
+        raise ModelError(f"could not read {path} as a GGUF causal LM: {first_line(e)}") from None
     # transformers marks a model read from GGUF as quantized and refuses to save it, though its weights are already
     # dequantised floats: drop the marker so it saves (and reloads) as the plain model it is.
     model.hf_quantizer = None

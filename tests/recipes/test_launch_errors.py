@@ -1,0 +1,145 @@
+"""However a run is launched (`tunebook train`, as the README says, with 1 or 2 processes, or a notebook), a
+config error, a failed run or a stop signal ends with Tunebook's own readable lines: no launcher traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import ROOT, TINY_TEST_MODEL
+
+pytestmark = pytest.mark.slow
+TINY = ["--model_config", json.dumps(TINY_TEST_MODEL), "--disable_tqdm", "--report_to", "none",
+        "--synthetic_train_size", "200", "--synthetic_eval_size", "4", "--per_device_train_batch_size", "4",
+        "--eval_on_start", "false", "--generation_eval", "false", "--logging_steps", "1"]  # fmt: skip
+LAUNCHER_NOISE = (
+    "Traceback",
+    "ChildFailedError",
+    "CalledProcessError",
+    "torch/distributed/elastic",
+    "KeyboardInterrupt",
+)
+
+
+def tunebook(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "tunebook.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env, **kwargs)
+
+
+def _clean(output: str) -> None:
+    for noise in LAUNCHER_NOISE:
+        assert noise not in output, output[-3000:]
+
+
+@pytest.mark.parametrize("accelerate_config", ["cpu.yaml", "multi_cpu.yaml"])
+def test_a_config_typo_is_one_line_before_anything_heavy_is_imported(accelerate_config):
+    code = (
+        "import sys\nfrom tunebook.cli import main\ntry:\n    main(sys.argv[1:])\n"
+        "except BaseException as error:\n    sys.excepthook(type(error), error, None)\n"
+        "print('imported torch' if 'torch' in sys.modules else 'no torch')"
+    )
+    args = ["train", "--config_file", f"accelerate_configs/{accelerate_config}", "sft", "--learnig_rate", "1e-3"]
+    result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT)
+    assert result.stderr == (
+        "tunebook: error: unknown config key 'learnig_rate' (in command line); did you mean 'learning_rate'?\n"
+    )
+    assert result.stdout.strip() == "no torch"
+
+
+def test_a_failed_run_on_two_processes_is_one_line():
+    result = tunebook("train", "--config_file", "accelerate_configs/multi_cpu.yaml", "sft", *TINY,
+                      "--train_data", "missing/train.jsonl", "--log_level", "WARNING")  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 1
+    _clean(output)
+    errors = [line for line in output.splitlines() if "error" in line.lower()]
+    assert errors == ["tunebook: error (rank 0): data file or folder not found: missing/train.jsonl"], output
+
+
+def test_sigterm_to_the_launcher_reaches_the_recipe_once(tmp_path):
+    """accelerate's own single-process launcher would die and leave the recipe running unsignalled."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "tunebook.cli", "train", "--config_file", "accelerate_configs/cpu.yaml", "sft",
+           *TINY, "--max_steps", "400", "--output_dir", str(out)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    deadline = time.time() + 180
+    while time.time() < deadline and not _steps_logged(out, 5):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)  # to the launcher only, as `kill PID` would
+    output, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 143, output[-3000:]
+    assert "Resume with the same command plus --resume_from_checkpoint latest" in output
+    assert len(list(out.glob("checkpoints/step-*"))) == 1
+    _clean(output)
+
+
+def test_ctrl_c_on_two_processes_saves_and_ends_cleanly(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "tunebook.cli", "train", "--config_file", "accelerate_configs/multi_cpu.yaml",
+           "sft", *TINY, "--max_steps", "400", "--output_dir", str(out)]  # fmt: skip
+    # A terminal sends Ctrl-C to its foreground process group: here, the launcher's own.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    deadline = time.time() + 240
+    while time.time() < deadline and not _steps_logged(out, 5):
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)
+    output, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 130, output[-3000:]
+    assert "Resume with the same command plus --resume_from_checkpoint latest" in output
+    assert len(list(out.glob("checkpoints/step-*"))) == 1
+    _clean(output)
+
+
+def _steps_logged(out, n: int) -> bool:
+    path = out / "metrics.jsonl"
+    return path.is_file() and sum('"loss"' in line for line in path.read_text().splitlines()) >= n
+
+
+def test_a_config_error_in_a_notebook_is_one_line(tmp_path):
+    import nbformat
+    from nbclient import NotebookClient
+
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell("from tunebook import load_recipe\nsft = load_recipe('sft')"),
+        nbformat.v4.new_code_cell("sft.config(max_step=3)"),
+    ]
+    client = NotebookClient(notebook, timeout=120, kernel_name="python3", allow_errors=True,
+                            resources={"metadata": {"path": str(tmp_path)}})  # fmt: skip
+    client.execute()
+    outputs = notebook.cells[1].outputs
+    shown = [o.get("text", "") for o in outputs if o.output_type == "stream"]
+    assert shown == [
+        "tunebook: error: unknown config key 'max_step' (in config(...) arguments); did you mean 'max_steps'?\n"
+    ]
+    assert all(not o.get("traceback") for o in outputs if o.output_type == "error")
+
+
+def test_a_truncated_gguf_file_is_one_line(tmp_path):
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(tmp_path / "model.gguf"), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((10, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    data = (tmp_path / "model.gguf").read_bytes()
+    for cut in (100, len(data) // 3):  # inside the header, inside the tensors
+        (tmp_path / "cut.gguf").write_bytes(data[:cut])
+        result = tunebook("convert-gguf", str(tmp_path / "cut.gguf"), str(tmp_path / "out"))
+        assert result.returncode == 1
+        assert result.stderr == (
+            f"tunebook: error: {tmp_path / 'cut.gguf'}: truncated or corrupt GGUF file (it ends inside its header "
+            "or tensors)\n"
+        )
