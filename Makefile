@@ -1,5 +1,5 @@
 # The two commands of the quick start:
-#   make train   set up .venv if needed and run the default SFT recipe through accelerate launch
+#   make train   set up .venv if needed and run the default SFT recipe (tunebook train: accelerate launch)
 #   make test    set up .venv (with the dev extras) and run the whole test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -23,7 +23,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
 train: $(VENV)/.installed
 	@cfg=$$($(BIN)/python -c "import torch; print('single_gpu' if torch.cuda.is_available() else 'cpu')"); \
 	echo "accelerate config: accelerate_configs/$$cfg.yaml"; \
-	$(BIN)/accelerate launch --quiet --config_file accelerate_configs/$$cfg.yaml recipes/sft.py $(ARGS)
+	$(BIN)/tunebook train --config_file accelerate_configs/$$cfg.yaml sft $(ARGS)
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest tests $(ARGS)

@@ -4,9 +4,9 @@ With no arguments it runs the embedded offline default: it generates a 4-topic c
 WordPiece tokenizer locally, builds a tiny BERT from a config, fine-tunes it and reports accuracy and F1 on the
 held-out split before and after training.
 
-    accelerate launch --config_file accelerate_configs/cpu.yaml recipes/classify.py              # CPU
-    accelerate launch --config_file accelerate_configs/multi_cpu.yaml recipes/classify.py        # 2 CPU processes
-    accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/classify.py \\
+    tunebook train --config_file accelerate_configs/cpu.yaml classify                           # CPU
+    tunebook train --config_file accelerate_configs/multi_cpu.yaml classify                     # 2 CPU processes
+    tunebook train --config_file accelerate_configs/single_gpu.yaml classify \\
         --model_name_or_path path/to/encoder --train_data train.jsonl --eval_data dev.jsonl      # one GPU
 
 Any config key can be overridden: `--learning_rate 1e-4` (`--help` lists them). Outputs in `output_dir`: the

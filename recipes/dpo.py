@@ -5,9 +5,9 @@ task (the right answer chosen, a near miss rejected), trains a tokenizer locally
 the task format with a brief SFT warm-up on the chosen answers, then runs DPO against a frozen copy of that model
 and reports the reward accuracy on held-out pairs before and after.
 
-    accelerate launch --config_file accelerate_configs/cpu.yaml recipes/dpo.py                  # CPU
-    accelerate launch --config_file accelerate_configs/multi_cpu.yaml recipes/dpo.py            # 2 CPU processes
-    accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/dpo.py \\
+    tunebook train --config_file accelerate_configs/cpu.yaml dpo                                # CPU
+    tunebook train --config_file accelerate_configs/multi_cpu.yaml dpo                          # 2 CPU processes
+    tunebook train --config_file accelerate_configs/single_gpu.yaml dpo \\
         --model_name_or_path outputs/my-sft-model --train_data prefs.jsonl                          # one GPU
 
 The reference model is a frozen copy of the starting model, or with `use_peft` the policy with its adapters

@@ -4,9 +4,9 @@ With no arguments it runs the embedded offline default: it generates topical tex
 locally, builds a tiny Llama from a config and trains it on every token, reporting eval loss and perplexity before
 and after. Documents end with EOS and are cut into rows of max_seq_length; attention never crosses a document.
 
-    accelerate launch --config_file accelerate_configs/cpu.yaml recipes/pretrain.py              # CPU
-    accelerate launch --config_file accelerate_configs/multi_cpu.yaml recipes/pretrain.py        # 2 CPU processes
-    accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/pretrain.py \\
+    tunebook train --config_file accelerate_configs/cpu.yaml pretrain                           # CPU
+    tunebook train --config_file accelerate_configs/multi_cpu.yaml pretrain                     # 2 CPU processes
+    tunebook train --config_file accelerate_configs/single_gpu.yaml pretrain \\
         --model_name_or_path path/to/model --train_data corpus.txt --eval_split_ratio 0.05       # one GPU
 
 Any config key can be overridden: `--learning_rate 1e-4` (`--help` lists them). Outputs in `output_dir`: the

@@ -4,11 +4,14 @@ With no arguments it runs the embedded offline default: it generates a synthetic
 tokenizer locally, builds a tiny Llama from a config, fine-tunes it and reports the exact match of its greedy
 answers on a held-out split before and after training.
 
-    accelerate launch --config_file accelerate_configs/cpu.yaml recipes/sft.py                # CPU
-    accelerate launch --config_file accelerate_configs/multi_cpu.yaml recipes/sft.py          # 2 CPU processes
-    accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/sft.py \\
-        --config recipes/configs/sft/smollm2_135m_code_alpaca.yaml                           # one GPU
-    accelerate launch --config_file accelerate_configs/multi_gpu.yaml recipes/sft.py --config ...  # DDP
+    tunebook train --config_file accelerate_configs/cpu.yaml sft                    # CPU
+    tunebook train --config_file accelerate_configs/multi_cpu.yaml sft              # 2 CPU processes
+    tunebook train --config_file accelerate_configs/single_gpu.yaml sft \\
+        --config recipes/configs/sft/code_alpaca_smollm2.yaml                       # one GPU
+    tunebook train --config_file accelerate_configs/multi_gpu.yaml sft --config ... # DDP
+
+`tunebook train` is `accelerate launch recipes/sft.py` (the same options, before the recipe) that checks the config
+first and ends a failed or stopped run with the recipe's own lines, not the launcher's traceback.
 
 Any config key can be overridden: `--learning_rate 1e-4` or `--learning_rate=1e-4` (`--help` lists them).
 Outputs in `output_dir`: the model and tokenizer (safetensors, `from_pretrained`-ready), `config.yaml`,

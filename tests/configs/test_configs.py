@@ -34,7 +34,8 @@ def test_recipe_config_parses(path: Path):
     task = path.relative_to(ROOT / "recipes" / "configs").parts[0]
     config = parse_config(CONFIG_CLASSES[task], config_file=path)
     assert path.read_text().startswith("#"), "each config opens with a comment giving its launch command"
-    assert "accelerate launch" in path.read_text().split("\n\n")[0]
+    assert "tunebook train --config_file accelerate_configs/" in path.read_text().split("\n\n")[0]
+    assert f" {task} " in path.read_text().split("\n\n")[0] or f" {task}\n" in path.read_text().split("\n\n")[0]
     assert config.output_dir
 
 
