@@ -41,6 +41,17 @@ class TrainConfig:
     cache_dir: str | None = _help(
         "Cache for tokenised data and generated assets (default: $TUNEBOOK_CACHE or ~/.cache/tunebook).", None
     )
+    push_to_hub: bool = _help(
+        "At the end, upload the final model directory (model, tokenizer, model card, config.yaml, summary.json, "
+        "metrics.jsonl, report.png; never checkpoints or tracker files) to the Hub as hub_model_id. Needs network "
+        "and a token with write access (HF_TOKEN or `hf auth login`), both checked at start-up.",
+        False,
+    )
+    hub_model_id: str | None = _help("The Hub repository to push to, 'name' or 'org/name' (with push_to_hub).", None)
+    hub_private_repo: bool | None = _help(
+        "Create the repository private (None: the Hub's default for the account); an existing one is left as is.",
+        None,
+    )
     # --- optimisation
     learning_rate: float = _help("Peak AdamW learning rate.", 5e-5)
     weight_decay: float = _help("AdamW weight decay (not applied to biases and norm weights).", 0.0)
@@ -171,6 +182,10 @@ class TrainConfig:
         resolve_report_to(self.report_to)  # unknown or missing trackers fail now, not after data preparation
         if self.max_steps == -1 and self.num_train_epochs <= 0:
             raise ConfigError(f"num_train_epochs must be > 0 when max_steps is -1, got {self.num_train_epochs}")
+        if self.push_to_hub and not self.hub_model_id:
+            raise ConfigError("push_to_hub needs hub_model_id, the repository to upload to ('name' or 'org/name')")
+        if self.hub_model_id is not None and not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", self.hub_model_id):
+            raise ConfigError(f"hub_model_id must be 'name' or 'org/name', got {self.hub_model_id!r}")
 
 
 # --------------------------------------------------------------------------------------------------------------

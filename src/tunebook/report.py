@@ -1,7 +1,8 @@
 """Run reports: `report.png` from `metrics.jsonl`, the summary as a table, and several runs side by side.
 
-Every recipe ends with `finish_run` (summary.json, report.png, the summary table in the log); `tunebook report
-RUN_DIR [RUN_DIR ...]` re-renders the plots and prints the runs' summaries and differing config keys in columns.
+Every recipe ends with `finish_run` (summary.json, report.png, the summary table in the log, the model card and,
+with `push_to_hub`, the upload: see `tunebook.hub`); `tunebook report RUN_DIR [RUN_DIR ...]` re-renders the plots
+and prints the runs' summaries and differing config keys in columns.
 """
 
 from __future__ import annotations
@@ -26,7 +27,12 @@ _NOT_SCORES = {"eval_loss", "eval_tokens", "eval_examples", "eval_pairs", "eval_
 
 
 def finish_run(output_dir: str | Path, summary: dict[str, Any], log: logging.Logger = logger) -> None:
-    """Write `summary.json` and `report.png` into `output_dir` and log the summary as a table (main process)."""
+    """Write `summary.json`, `report.png` and the model card (`README.md`) into `output_dir`, log the summary as a
+    table and, with `push_to_hub` in the run's `config.yaml`, upload the model directory (main process, after the
+    model was saved)."""
+    # Imported here: `tunebook report` uses this module and must not load the data and model stack.
+    from .hub import push_output_dir, write_model_card
+
     output_dir = Path(output_dir)
     write_summary(output_dir / "summary.json", summary)
     try:
@@ -36,6 +42,15 @@ def finish_run(output_dir: str | Path, summary: dict[str, Any], log: logging.Log
         log.warning("report.png not written: %s", error)
     shown = {k: v for k, v in flatten(summary).items() if not k.startswith(("versions.", "data."))}
     log.info("Run summary:\n%s", format_table(["", output_dir.name], [[k, v] for k, v in shown.items()]))
+    # The recipes write the resolved config at start-up; it says what the card describes and where to push.
+    config_path = output_dir / "config.yaml"
+    config = (yaml.safe_load(config_path.read_text()) or {}) if config_path.is_file() else {}
+    try:
+        log.info("Model card: %s", write_model_card(output_dir, summary, config))
+    except Exception as error:  # like the plot, a card must never cost the run its outputs
+        log.warning("README.md (model card) not written: %s", error)
+    if config.get("push_to_hub"):
+        push_output_dir(output_dir, config, summary.get("recipe") or "training", log)
 
 
 def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:

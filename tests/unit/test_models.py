@@ -126,3 +126,27 @@ def test_the_tokenizer_saved_with_the_model_stops_at_the_end_of_turn(tmp_path):
     tokenizer.save_pretrained(tmp_path / "tok")
     again = AutoTokenizer.from_pretrained(tmp_path / "tok")
     assert again.eos_token == "<|im_end|>" and again.chat_template == tokenizer.chat_template
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_lora_trains_the_rows_of_added_tokens(tmp_path, tiny_model_config, tied):
+    from types import SimpleNamespace
+
+    from tunebook.models import apply_lora
+
+    base = build_causal_lm(base_tokenizer(), model_config={**tiny_model_config, "tie_word_embeddings": tied})
+    base.save_pretrained(tmp_path / "base")
+    chat = setup_chat_template(base_tokenizer(), None, False, log)
+    model = build_causal_lm(chat, model_name_or_path=str(tmp_path / "base"), frozen_base=True)
+    added = list(model.new_token_rows)
+    before = model.get_output_embeddings().weight.detach().clone()
+    lora = SimpleNamespace(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules="all-linear",
+                           modules_to_save=None)  # fmt: skip
+    peft_model = apply_lora(model, lora)
+    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=0.1)
+    ids = torch.tensor([[5, 6, chat.eos_token_id, 7]])
+    peft_model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    merged = peft_model.merge_and_unload()
+    changed = (merged.get_output_embeddings().weight - before).abs().sum(dim=1).nonzero().flatten().tolist()
+    assert set(changed) <= set(added) and chat.eos_token_id in changed

@@ -211,6 +211,7 @@ def _finish(model, tokenizer, model_name_or_path, gradient_checkpointing: bool, 
     if len(tokenizer) > rows:
         model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=8, mean_resizing=False)
         _mean_init_new_rows(model, rows)
+        model.new_token_rows = range(rows, len(tokenizer))  # LoRA trains these rows too (models.lora)
         logger.info("Embeddings resized from %d to %d rows for the tokenizer's new tokens (initialised to the mean "
                     "embedding)", rows, model.get_input_embeddings().weight.shape[0])  # fmt: skip
     # generate() and padding-aware code (sequence classification finds the last token by pad_token_id) read these.

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
+from ..locations import hub_name_of_snapshot
 
 __all__ = [
     "apply_lora",
@@ -50,11 +51,25 @@ def apply_lora(model: torch.nn.Module, config, task: str = "causal_lm") -> torch
         target_modules=targets if targets == "all-linear" or isinstance(targets, list) else [targets],
         modules_to_save=config.modules_to_save,
         task_type=TASK_TYPES[task],
+        trainable_token_indices=None if config.modules_to_save else _new_token_rows(model),
     )
     try:
         return get_peft_model(model, lora)
     except ValueError as error:  # e.g. target modules not found in the model
         raise ConfigError(f"lora_target_modules: {str(error).splitlines()[0]}") from None
+
+
+def _new_token_rows(model: torch.nn.Module) -> dict[str, list[int]] | None:
+    """Tokens the tokenizer added (ChatML markers for a base model): their embedding and output rows train too.
+    Frozen at their mean-embedding start, `<|im_end|>` could hardly be predicted, and the model would not stop."""
+    rows = getattr(model, "new_token_rows", None)
+    if not rows:
+        return None
+    names = {id(module): name.rsplit(".", 1)[-1] for name, module in model.named_modules()}
+    layers = [model.get_input_embeddings(), model.get_output_embeddings()]
+    if layers[1] is not None and layers[1].weight is layers[0].weight:  # tied: peft updates both through one
+        layers = layers[:1]
+    return {names[id(layer)]: list(rows) for layer in layers if layer is not None and id(layer) in names}
 
 
 def is_peft_model(model: torch.nn.Module) -> bool:
@@ -139,11 +154,18 @@ def _point_at_base(peft_model, base_path: str) -> None:
 def _base_model_path(peft_model, output_dir: Path) -> str:
     """Where the adapter's base model loads from: the path or Hub name it was loaded from, or a copy of its weights
     saved in `output_dir/base_model/` now. The copy is made for a base built from a config, which has no path, and
-    for classifiers, whose base has our label set and head size (loading the original would give another)."""
+    for classifiers, whose base has our label set and head size (loading the original would give another).
+
+    A base loaded from a folder of the Hugging Face cache (`.../models--org--name/snapshots/<commit>/`) is recorded
+    by its Hub name: that loads on any machine (and on the Hub's pages), the cache path only on this one."""
     name = getattr(peft_model.get_base_model(), "name_or_path", "") or ""
     task = next(iter(peft_model.peft_config.values())).task_type
     if name and task != "SEQ_CLS":
-        return str(Path(name).expanduser().resolve()) if Path(name).expanduser().exists() else name
+        path = Path(name).expanduser()
+        if not path.exists():
+            return name  # a Hub name
+        snapshot = hub_name_of_snapshot(path)
+        return snapshot[0] if snapshot else str(path.resolve())
     base_dir = output_dir / BASE_MODEL_DIR
     if not (base_dir / "config.json").is_file():
         # unload() strips the adapters from a copy, leaving the frozen base weights (built once, never trained).

@@ -10,6 +10,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, DistributedType, InitProcessGroupKwargs, str_to_bool
 
 from ..errors import ConfigError
+from ..hub import check_hub_access
 from ..models.lora import register_adapter_checkpoints
 from ..trackers import resolve_report_to, trackers_dir
 
@@ -89,6 +90,7 @@ def check_engine(accelerator: Accelerator) -> None:
 
 def recipe_accelerator(config) -> Accelerator:
     """`build_accelerator` with a recipe config's settings (any `TrainConfig`), checked against the engine."""
+    check_hub_access(config)  # push_to_hub without network or token stops here, not after training
     accelerator = build_accelerator(
         config.gradient_accumulation_steps,
         non_blocking=config.dataloader_non_blocking,
