@@ -1,10 +1,11 @@
 """Checkpoints and the final model: written atomically, by the main process where files are shared.
 
 A checkpoint is `output_dir/checkpoints/step-<N>/`: Accelerate's `save_state` (model as safetensors, optimizer,
-scheduler, gradient scaler, every process's RNG state), plus `trainer_state.json` (step, data position, counters),
-the resolved `config.yaml` and the tokenizer. It is written into `step-<N>.tmp` and renamed into place only when
-every process has written its part and the files are flushed, so a crash or `kill -9` during a save leaves the
-previous checkpoint as the newest complete one and never a `step-<N>` that is not whole.
+scheduler, gradient scaler, every process's RNG state), plus `trainer_state.json` (step, data position, counters,
+the recipe), the resolved `config.yaml`, the tokenizer and the model's own `config.json` (in `model_config/`). It
+is written into `step-<N>.tmp` and renamed into place only when every process has written its part and the files
+are flushed, so a crash or `kill -9` during a save leaves the previous checkpoint as the newest complete one and
+never a `step-<N>` that is not whole.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from typing import Any
 from accelerate import Accelerator
 
 from .config import save_config
-from .errors import ConfigError
+from .errors import ConfigError, ModelError, first_line
+from .recipe import recipe_name
 
 __all__ = [
     "TRAINER_STATE",
@@ -37,6 +39,7 @@ __all__ = [
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TRAINER_STATE = "trainer_state.json"
+MODEL_CONFIG_DIR = "model_config"  # the model's config.json (and generation_config.json), inside a checkpoint
 
 
 def checkpoint_path(output_dir: str | Path, step: int) -> Path:
@@ -92,6 +95,8 @@ def save_checkpoint(
     `process_state` is this process's own (each writes `process_state_<rank>.json`, as Accelerate writes each
     rank's RNG state). The rename happens only after every process has written its part (barrier) and the files
     are flushed. `keep` > 0 deletes all but the newest `keep`, and never `protect` (the best checkpoint).
+    The trainer state also names the recipe of `config` (`recipe_name`), and `model_config/` holds the prepared
+    model's Hugging Face config, so `export_checkpoint` rebuilds the model from the checkpoint alone.
     """
     final = checkpoint_path(output_dir, step)
     root, tmp = final.parent, final.with_name(f"{final.name}.tmp")
@@ -109,7 +114,9 @@ def save_checkpoint(
         save_config(config, tmp / "config.yaml")
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp / "tokenizer")
-        (tmp / TRAINER_STATE).write_text(json.dumps({"global_step": step, **state}, indent=2))
+        _save_model_config(accelerator, tmp / MODEL_CONFIG_DIR)
+        shared = {"global_step": step, "recipe": recipe_name(config), **state}
+        (tmp / TRAINER_STATE).write_text(json.dumps(shared, indent=2))
         _fsync_tree(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
@@ -121,6 +128,24 @@ def save_checkpoint(
                     shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def _save_model_config(accelerator: Accelerator, directory: Path) -> None:
+    """The prepared model's `config.json` (and `generation_config.json`) into `directory`: its architecture with the
+    label set and the embedding size after any resize. Of a LoRA model, its base model's; a model without a Hugging
+    Face config (a plain `torch.nn.Module`) writes nothing. Config files only: no weights are gathered."""
+    from .models.lora import is_peft_model
+
+    if not accelerator._models:
+        return
+    model = accelerator.unwrap_model(accelerator._models[0])
+    if is_peft_model(model):
+        model = model.get_base_model()
+    if not hasattr(getattr(model, "config", None), "save_pretrained"):
+        return
+    model.config.save_pretrained(directory)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(directory)
 
 
 def save_training_state(
@@ -199,33 +224,31 @@ def save_final_model(accelerator: Accelerator, model, tokenizer, output_dir: str
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, merge: bool = False) -> Path:
-    """Write a Hugging Face model directory (safetensors + tokenizer) from a training checkpoint.
+    """Write a Hugging Face model directory (safetensors + tokenizer) from a checkpoint of any recipe.
 
-    A LoRA checkpoint gives its adapter directory (with the tokenizer), or with `merge` the adapters folded into
-    the base model as a plain model directory.
+    The model is rebuilt from the checkpoint alone (no Hub, no data): its recorded architecture (`model_config/`),
+    a causal LM for sft, pretrain and dpo, a sequence classifier with the run's labels for classify, with the
+    weights from the checkpoint: Accelerate's `model.safetensors`, or the sharded state of an FSDP run merged first
+    (checkpoints of any number of processes). A checkpoint written before checkpoints held `model_config/` is
+    rebuilt from its `config.yaml` (the recipe told by which recipe's config it is, when the trainer state does
+    not name it). A LoRA checkpoint gives its adapter directory (with the tokenizer), or with `merge` the adapters
+    folded into the base model as a plain model directory.
 
-    The architecture comes from the checkpoint's `config.yaml` (a fresh model of the same config, no pretrained
-    weights loaded), the weights from the checkpoint: Accelerate's `model.safetensors`, or the sharded state of an
-    FSDP run merged first. Works for checkpoints of any number of processes: the model is saved whole.
+    Args:
+        checkpoint: a checkpoint folder, `output_dir/checkpoints/step-<N>`.
+        out_dir: the model directory to write (`from_pretrained` loads it).
+        merge: for a LoRA checkpoint, write the merged model instead of the adapters.
     """
-    import tempfile
-
-    from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from .config import parse_config
-    from .errors import ModelError
-    from .models import TINY_LLAMA, build_causal_lm
-    from .recipe_configs import SFTConfig
-
-    checkpoint = Path(checkpoint)
+    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if not (checkpoint / TRAINER_STATE).is_file():
         raise ConfigError(f"{checkpoint} is not a complete Tunebook checkpoint (no {TRAINER_STATE})")
+    recipe = _checkpoint_recipe(checkpoint)
     if (checkpoint / "adapter").is_dir():
         from .models.lora import merge_adapter_dir
 
-        out_dir = Path(out_dir)
-        if merge:
+        if merge:  # the adapter's config names its base model; a classifier's head is among its saved modules
             merge_adapter_dir(checkpoint / "adapter", out_dir)
         else:
             shutil.copytree(checkpoint / "adapter", out_dir, dirs_exist_ok=True)
@@ -233,11 +256,86 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, merge: bool =
         return out_dir
     if merge:
         raise ConfigError(f"--merge: {checkpoint} is not a LoRA checkpoint (no adapter/), its model is whole already")
-    config = parse_config(SFTConfig, config_file=checkpoint / "config.yaml")
     tokenizer = AutoTokenizer.from_pretrained(checkpoint / "tokenizer")
+    model = _rebuild_model(checkpoint, recipe, tokenizer)
+    _load_checkpoint_weights(model, checkpoint)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def _checkpoint_recipe(checkpoint: Path) -> str | None:
+    """The recipe that wrote `checkpoint`, as its trainer state names it; for a checkpoint from before it did (or of
+    a recipe of one's own), the first recipe whose config class has every key of its `config.yaml`, or None."""
+    import dataclasses
+
+    import yaml
+
+    from .recipe import RECIPES, recipe_config_class
+
+    recipe = load_trainer_state(checkpoint).get("recipe")
+    if recipe:
+        if recipe not in RECIPES:
+            raise ConfigError(
+                f"{checkpoint / TRAINER_STATE}: unknown recipe {recipe!r} (export knows {', '.join(RECIPES)})"
+            )
+        return recipe
+    try:
+        keys = set(yaml.safe_load((checkpoint / "config.yaml").read_text()) or {})
+    except (OSError, yaml.YAMLError, TypeError):
+        return None
+    for name in RECIPES:
+        if keys <= {f.name for f in dataclasses.fields(recipe_config_class(name))}:
+            return name
+    return None
+
+
+def _rebuild_model(checkpoint: Path, recipe: str | None, tokenizer):
+    """A fresh model (random weights) of the checkpoint's architecture: from `model_config/`, or for an older
+    checkpoint from its `config.yaml` as the recipe built it (sft's head when the recipe is unknown)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
+
+    model_dir = checkpoint / MODEL_CONFIG_DIR
+    if (model_dir / "config.json").is_file():
+        config = AutoConfig.from_pretrained(model_dir)
+        heads = config.architectures or []
+        classify = recipe == "classify" or (
+            recipe is None and any(a.endswith("SequenceClassification") for a in heads)
+        )
+        model = (AutoModelForSequenceClassification if classify else AutoModelForCausalLM).from_config(config)
+        if (model_dir / "generation_config.json").is_file():
+            model.generation_config = GenerationConfig.from_pretrained(model_dir)
+        return model
+    from .config import parse_config
+    from .models import TINY_BERT, TINY_LLAMA, build_causal_lm, build_sequence_classifier
+    from .recipe import RECIPES, recipe_config_class
+
+    if recipe is None:
+        raise ConfigError(
+            f"{checkpoint}: cannot tell which recipe wrote it: {TRAINER_STATE} names none, there is no "
+            f"{MODEL_CONFIG_DIR}/, and config.yaml has keys that none of {', '.join(RECIPES)} knows"
+        )
+    config = parse_config(recipe_config_class(recipe), config_file=checkpoint / "config.yaml")
     # Same architecture as training, built from the config: a pretrained model's own config.json, or model_config.
-    model_config = config.model_name_or_path or config.model_config or TINY_LLAMA
-    model = build_causal_lm(tokenizer, model_config=model_config, attn_implementation=config.attn_implementation)
+    kwargs = {"attn_implementation": config.attn_implementation, "trust_remote_code": config.trust_remote_code}
+    if recipe != "classify":
+        model_config = config.model_name_or_path or config.model_config or TINY_LLAMA
+        return build_causal_lm(tokenizer, model_config=model_config, **kwargs)
+    if not config.label_names:
+        raise ModelError(
+            f"{checkpoint}: an older classify checkpoint (no {MODEL_CONFIG_DIR}/) whose config.yaml has no "
+            "label_names: add the run's labels there as label_names, in id order, and export again"
+        )
+    model_config = config.model_name_or_path or config.model_config or TINY_BERT
+    return build_sequence_classifier(tokenizer, config.label_names, model_config=model_config, **kwargs)
+
+
+def _load_checkpoint_weights(model, checkpoint: Path) -> None:
+    """Load the checkpoint's model weights into `model`, every one of them (tied copies aside), or raise."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
     with tempfile.TemporaryDirectory() as tmp:
         weights = checkpoint / "model.safetensors"
         if not weights.is_file() and (checkpoint / "pytorch_model_fsdp_0").is_dir():
@@ -247,13 +345,16 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, merge: bool =
             weights = Path(tmp) / "model.safetensors"
         if not weights.is_file():
             raise ModelError(f"{checkpoint}: no model weights found (model.safetensors or pytorch_model_fsdp_0/)")
-        missing, unexpected = model.load_state_dict(load_file(weights), strict=False)
+        state_dict = load_file(weights)
+    try:
+        missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    except RuntimeError as error:  # a tensor of another shape
+        lines = [line.strip() for line in str(error).splitlines() if "size mismatch" in line]
+        detail = lines[0] if lines else first_line(error)
+        raise ModelError(f"{checkpoint}: weights do not fit the model: {detail}") from None
     tied = {name for name, p in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
     if unexpected or set(missing) - tied:
         raise ModelError(
-            f"{checkpoint}: weights do not fit the configured model (missing {missing}, unexpected {unexpected})"
+            f"{checkpoint}: weights do not fit the model (missing {sorted(set(missing) - tied)[:5]}, "
+            f"unexpected {unexpected[:5]})"
         )
-    out_dir = Path(out_dir)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir

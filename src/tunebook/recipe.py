@@ -25,7 +25,7 @@ from typing import Any
 from .config import parse_config
 from .errors import ConfigError, install_excepthook
 
-__all__ = ["RECIPES", "Recipe", "load_recipe", "recipe_config_class", "recipe_file"]
+__all__ = ["RECIPES", "Recipe", "load_recipe", "recipe_config_class", "recipe_file", "recipe_name"]
 
 RECIPES = ("sft", "classify", "pretrain", "dpo")
 
@@ -44,6 +44,15 @@ def recipe_config_class(name: str) -> type:
     if name not in classes:
         raise ConfigError(f"unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
     return classes[name]
+
+
+def recipe_name(config) -> str | None:
+    """The recipe ("sft", "classify", "pretrain", "dpo") whose config class is exactly `config`'s, or None for
+    another class (a recipe of one's own): what a checkpoint records, so `tunebook export` knows the model's head."""
+    for name in RECIPES:
+        if type(config) is recipe_config_class(name):
+            return name
+    return None
 
 
 def recipe_file(name: str) -> Path:

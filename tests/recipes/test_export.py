@@ -1,0 +1,157 @@
+"""`tunebook export` for every recipe, full weights and LoRA: the exported model of a run's last checkpoint gives
+the logits of the run's own output model, rebuilt from the checkpoint alone (its recorded recipe and model config).
+
+Each (recipe, full/LoRA) trains once, in-process and tiny (2 steps, a checkpoint at step 2, which is the last)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import TINY_TEST_MODEL
+
+from tunebook import load_recipe
+from tunebook.checkpoint import export_checkpoint
+from tunebook.errors import ConfigError, ModelError
+
+pytestmark = pytest.mark.slow
+RECIPES = ["sft", "classify", "pretrain", "dpo"]
+TEXTS = ["Reverse the digits.\n1234", "Sort the digits.\n981 hello world"]
+
+
+@pytest.fixture(scope="module")
+def train(tmp_path_factory):
+    """`train(recipe, lora)`: the output_dir of that tiny run, trained on first use and shared by the module."""
+    root, runs = tmp_path_factory.mktemp("export"), {}
+
+    def run(recipe: str, lora: bool):
+        if (recipe, lora) not in runs:
+            out = root / f"{recipe}-{'lora' if lora else 'full'}"
+            overrides = {
+                "max_steps": 2, "save_steps": 2, "synthetic_train_size": 64, "synthetic_eval_size": 8,
+                "eval_on_start": False, "disable_tqdm": True, "report_to": "none", "dataloader_num_workers": 0,
+                "per_device_train_batch_size": 4, "per_device_eval_batch_size": 8, "output_dir": str(out),
+                "cache_dir": str(root / "cache"), "use_peft": lora,
+            }  # fmt: skip
+            if recipe != "classify":  # classify builds its own tiny BERT
+                overrides |= {"model_config": dict(TINY_TEST_MODEL), "max_seq_length": 64}
+            if recipe == "sft":
+                overrides["generation_eval"] = False
+            if recipe == "dpo":
+                overrides["sft_warmup_steps"] = 0
+            loaded = load_recipe(recipe)
+            loaded.main(loaded.config(**overrides))
+            runs[recipe, lora] = out
+        return runs[recipe, lora]
+
+    return run
+
+
+def _logits(model, directory):
+    from transformers import AutoTokenizer
+
+    inputs = AutoTokenizer.from_pretrained(directory)(TEXTS, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        return model.eval()(**inputs).logits
+
+
+def _auto(recipe: str, peft: bool = False):
+    if peft:
+        from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification
+
+        return AutoPeftModelForSequenceClassification if recipe == "classify" else AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification if recipe == "classify" else AutoModelForCausalLM
+
+
+def _assert_same_model(exported, output, exported_dir, output_dir):
+    torch.testing.assert_close(_logits(exported, exported_dir), _logits(output, output_dir), rtol=0, atol=1e-5)
+    assert exported.config.id2label == output.config.id2label
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_export_of_full_weights_equals_the_run_output(train, tmp_path, recipe):
+    out = train(recipe, lora=False)
+    checkpoint = out / "checkpoints/step-2"
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["recipe"] == recipe
+    assert (checkpoint / "model_config/config.json").is_file()
+    exported = export_checkpoint(checkpoint, tmp_path / "exported")
+    auto = _auto(recipe)
+    model, output = auto.from_pretrained(exported), auto.from_pretrained(out)
+    _assert_same_model(model, output, exported, out)
+    if recipe == "classify":  # the labels came from the checkpoint, not from data or a default
+        assert len(model.config.id2label) == len(json.loads((out / "summary.json").read_text())["labels"]) > 2
+    else:
+        assert model.generation_config.eos_token_id == output.generation_config.eos_token_id
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_export_of_lora_adapters_and_merged_equals_the_run_output(train, tmp_path, recipe):
+    pytest.importorskip("peft")
+    out = train(recipe, lora=True)
+    checkpoint = out / "checkpoints/step-2"
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["recipe"] == recipe
+    output = _auto(recipe, peft=True).from_pretrained(out)
+    adapter_dir = export_checkpoint(checkpoint, tmp_path / "adapter")
+    assert (adapter_dir / "adapter_model.safetensors").is_file() and (adapter_dir / "tokenizer_config.json").is_file()
+    _assert_same_model(_auto(recipe, peft=True).from_pretrained(adapter_dir), output, adapter_dir, out)
+    merged_dir = export_checkpoint(checkpoint, tmp_path / "merged", merge=True)
+    assert not (merged_dir / "adapter_config.json").exists()
+    _assert_same_model(_auto(recipe).from_pretrained(merged_dir), output, merged_dir, out)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_checkpoint_from_before_recipes_were_recorded_still_exports(train, tmp_path, recipe):
+    """No recipe in trainer_state.json, no model_config/: the recipe is told from config.yaml's keys."""
+    out = train(recipe, lora=False)
+    old = shutil.copytree(out / "checkpoints/step-2", tmp_path / "step-2")
+    state = json.loads((old / "trainer_state.json").read_text())
+    del state["recipe"]
+    (old / "trainer_state.json").write_text(json.dumps(state))
+    shutil.rmtree(old / "model_config")
+    if recipe == "classify":  # the labels were found in the data, which export does not read: it says what to do
+        with pytest.raises(ModelError, match="config.yaml has no label_names: add the run's labels there"):
+            export_checkpoint(old, tmp_path / "exported")
+        labels = json.loads((out / "summary.json").read_text())["labels"]
+        text = (old / "config.yaml").read_text()
+        (old / "config.yaml").write_text(text.replace("label_names: null", f"label_names: {json.dumps(labels)}"))
+    exported = export_checkpoint(old, tmp_path / "exported")
+    auto = _auto(recipe)
+    _assert_same_model(auto.from_pretrained(exported), auto.from_pretrained(out), exported, out)
+
+
+def test_the_cli_exports_a_classifier(train, tmp_path, capsys):
+    from transformers import AutoModelForSequenceClassification
+
+    from tunebook.cli import main as cli
+
+    out = train("classify", lora=False)
+    cli(["export", str(out / "checkpoints/step-2"), str(tmp_path / "exported")])
+    assert capsys.readouterr().out.startswith(f"wrote {tmp_path / 'exported'} from ")
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "exported")
+    output = AutoModelForSequenceClassification.from_pretrained(out)
+    _assert_same_model(model, output, tmp_path / "exported", out)
+
+
+def test_export_errors_are_one_clear_line(train, tmp_path):
+    out = train("sft", lora=False)
+    with pytest.raises(ConfigError, match="is not a complete Tunebook checkpoint"):
+        export_checkpoint(out, tmp_path / "x")  # the run directory, not one of its checkpoints
+
+    bad = shutil.copytree(out / "checkpoints/step-2", tmp_path / "bad")
+    state = json.loads((bad / "trainer_state.json").read_text())
+    (bad / "trainer_state.json").write_text(json.dumps({**state, "recipe": "ppo"}))
+    with pytest.raises(ConfigError, match="unknown recipe 'ppo'"):
+        export_checkpoint(bad, tmp_path / "x")
+
+    (bad / "trainer_state.json").write_text(json.dumps(state))
+    model_config = json.loads((bad / "model_config/config.json").read_text())
+    (bad / "model_config/config.json").write_text(json.dumps({**model_config, "hidden_size": 64}))
+    with pytest.raises(ModelError, match="weights do not fit the model: size mismatch"):
+        export_checkpoint(bad, tmp_path / "x")
+    (bad / "model_config/config.json").write_text(json.dumps({**model_config, "num_hidden_layers": 1}))
+    with pytest.raises(ModelError, match=r"weights do not fit the model \(missing \[\], unexpected \['model.layers.1"):
+        export_checkpoint(bad, tmp_path / "x")
