@@ -220,8 +220,14 @@ def load_config(cls: type[C], argv: list[str] | None = None) -> C:
         raise same_on_every_rank(error) from None
 
 
-def parse_config(cls: type[C], config_file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> C:
-    """Defaults < YAML file < overrides. Override values may be strings (from a command line) or Python values."""
+def parse_config(
+    cls: type[C],
+    config_file: str | Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    overrides_from: str = "command line",
+) -> C:
+    """Defaults < YAML file < overrides. Override values may be strings (from a command line) or Python values;
+    `overrides_from` is how errors name where they came from."""
     values: dict[str, Any] = {}
     aliases: dict[str, str] = {}
     if config_file is not None:
@@ -234,11 +240,11 @@ def parse_config(cls: type[C], config_file: str | Path | None = None, overrides:
             values[name] = _coerce_field(cls, name, value, where)
     given_here: set[str] = set()
     for key, value in (overrides or {}).items():
-        name = _resolve_alias(cls, key, aliases, "command line")
+        name = _resolve_alias(cls, key, aliases, overrides_from)
         if name in given_here:
-            raise ConfigError(f"config key '{name}' is given twice on the command line (once by an alias)")
+            raise ConfigError(f"config key '{name}' is given twice in the {overrides_from} (once by an alias)")
         given_here.add(name)
-        values[name] = _coerce_field(cls, name, value, "command line")
+        values[name] = _coerce_field(cls, name, value, overrides_from)
     config = cls(**values)
     config.validate()
     object.__setattr__(config, "_aliases_used", aliases)  # not a field: for the start-up log only

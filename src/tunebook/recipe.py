@@ -70,7 +70,7 @@ class Recipe:
 
     def config(self, config_file: str | Path | None = None, **overrides: Any):
         """The recipe's config: dataclass defaults < `config_file` (YAML) < `overrides`, validated."""
-        return parse_config(self.config_class, config_file, overrides)
+        return parse_config(self.config_class, config_file, overrides, "config(...) arguments")
 
     def main(self, config) -> dict[str, Any]:
         """Train (and evaluate) in this process; returns the run's summary."""
