@@ -39,6 +39,8 @@ def test_sft_on_a_hub_snapshot_trains_on_the_named_split_only(tmp_path):
     summary = sft.main(config)
     assert summary["data"]["examples_read"] == 300
     assert summary["eval"]["eval_tokens"] > 0
+    card = (tmp_path / "out" / "README.md").read_text()  # the model card names the data by split
+    assert "train_sft" in card and "test_sft" in card
 
 
 def test_dpo_on_implicit_prompt_pairs(tmp_path):

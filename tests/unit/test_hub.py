@@ -263,7 +263,7 @@ def test_a_lora_base_from_the_hub_cache_is_recorded_by_its_hub_name(tmp_path, ti
         model.save_pretrained(folder)
     lora = SFTConfig(use_peft=True, lora_r=4, lora_alpha=8)
     from_cache = apply_lora(AutoModelForCausalLM.from_pretrained(snapshot), lora)
-    assert _base_model_path(from_cache, tmp_path / "out") == "org/tiny"
+    assert _base_model_path(from_cache, tmp_path / "out") == ("org/tiny", "0123abc")  # pinned to the commit
     from_folder = apply_lora(AutoModelForCausalLM.from_pretrained(plain), lora)
-    assert _base_model_path(from_folder, tmp_path / "out") == str(plain.resolve())
+    assert _base_model_path(from_folder, tmp_path / "out") == (str(plain.resolve()), None)
     assert not (tmp_path / "out/base_model").exists()  # neither needed a copy of the base

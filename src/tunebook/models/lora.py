@@ -146,32 +146,35 @@ def save_adapter(accelerator, model, tokenizer, output_dir: str | Path, merge: b
     return output_dir
 
 
-def _point_at_base(peft_model, base_path: str) -> None:
+def _point_at_base(peft_model, base: tuple[str, str | None]) -> None:
     for peft_config in peft_model.peft_config.values():
-        peft_config.base_model_name_or_path = base_path
+        peft_config.base_model_name_or_path, revision = base
+        if revision:  # the exact weights trained on, not whatever the name resolves to later
+            peft_config.revision = revision
 
 
-def _base_model_path(peft_model, output_dir: Path) -> str:
+def _base_model_path(peft_model, output_dir: Path) -> tuple[str, str | None]:
     """Where the adapter's base model loads from: the path or Hub name it was loaded from, or a copy of its weights
     saved in `output_dir/base_model/` now. The copy is made for a base built from a config, which has no path, and
     for classifiers, whose base has our label set and head size (loading the original would give another).
 
     A base loaded from a folder of the Hugging Face cache (`.../models--org--name/snapshots/<commit>/`) is recorded
-    by its Hub name: that loads on any machine (and on the Hub's pages), the cache path only on this one."""
+    by its Hub name and commit: that loads on any machine (and on the Hub's pages), the cache path only on this one.
+    Returns (path or name, revision or None)."""
     name = getattr(peft_model.get_base_model(), "name_or_path", "") or ""
     task = next(iter(peft_model.peft_config.values())).task_type
     if name and task != "SEQ_CLS":
         path = Path(name).expanduser()
         if not path.exists():
-            return name  # a Hub name
+            return name, None  # a Hub name
         snapshot = hub_name_of_snapshot(path)
-        return snapshot[0] if snapshot else str(path.resolve())
+        return snapshot if snapshot else (str(path.resolve()), None)
     base_dir = output_dir / BASE_MODEL_DIR
     if not (base_dir / "config.json").is_file():
         # unload() strips the adapters from a copy, leaving the frozen base weights (built once, never trained).
         base = copy.deepcopy(peft_model).unload()
         base.save_pretrained(base_dir, safe_serialization=True)
-    return str(base_dir.resolve())
+    return str(base_dir.resolve()), None
 
 
 def merge_adapter_dir(adapter_dir: str | Path, out_dir: str | Path) -> Path:
