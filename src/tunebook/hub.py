@@ -20,6 +20,7 @@ from .data.sources import DataSource, parse_sources
 from .errors import ConfigError, first_line, same_on_every_rank
 from .locations import hub_name_of_snapshot, looks_like_local_path
 from .models.lora import BASE_MODEL_DIR
+from .report import format_cell
 
 __all__ = ["UPLOAD_IGNORE_PATTERNS", "check_hub_access", "push_output_dir", "write_model_card"]
 
@@ -268,27 +269,29 @@ def _settings_text(summary, config, lora: bool) -> str:
     processes = summary.get("num_processes") or 1
     micro = config.get("per_device_train_batch_size") or 0
     accumulation = config.get("gradient_accumulation_steps") or 1
-    schedule = f"{config.get('lr_scheduler_type', '?')} schedule, warmup_ratio {_fmt(config.get('warmup_ratio'))}"
+    schedule = (
+        f"{config.get('lr_scheduler_type', '?')} schedule, warmup_ratio {format_cell(config.get('warmup_ratio'))}"
+    )
     max_steps = config.get("max_steps", -1)
     length = ("max_steps", max_steps) if max_steps != -1 else ("num_train_epochs", config.get("num_train_epochs"))
     rows = [
-        ("learning_rate", f"{_fmt(config.get('learning_rate'))} ({schedule})"),
-        (length[0], _fmt(length[1])),
+        ("learning_rate", f"{format_cell(config.get('learning_rate'))} ({schedule})"),
+        (length[0], format_cell(length[1])),
         ("batch size", f"{micro} per process x {accumulation} accumulation steps x {processes} process(es) = "
                        f"{micro * accumulation * processes}"),
-        ("max_seq_length", _fmt(config.get("max_seq_length"))),
+        ("max_seq_length", format_cell(config.get("max_seq_length"))),
     ]  # fmt: skip
     if "packing" in config:
-        rows.append(("packing", _fmt(config["packing"])))
+        rows.append(("packing", format_cell(config["packing"])))
     if lora:
         targets = config.get("lora_target_modules")
-        rows.append(("LoRA", f"r {config.get('lora_r')}, alpha {_fmt(config.get('lora_alpha'))}, dropout "
-                             f"{_fmt(config.get('lora_dropout'))}, target modules {_fmt(targets)}"))  # fmt: skip
+        rows.append(("LoRA", f"r {config.get('lora_r')}, alpha {format_cell(config.get('lora_alpha'))}, dropout "
+                             f"{format_cell(config.get('lora_dropout'))}, target modules {format_cell(targets)}"))  # fmt: skip
     precision = summary.get("mixed_precision") or "?"
     rows.append(("precision", "fp32 (no mixed precision)" if precision == "no" else f"{precision} mixed precision"))
     if config.get("load_in_4bit"):
         rows[-1] = ("precision", rows[-1][1] + ", base weights in 4-bit NF4 (QLoRA)")
-    rows += [("weight_decay", _fmt(config.get("weight_decay"))), ("seed", _fmt(config.get("seed")))]
+    rows += [("weight_decay", format_cell(config.get("weight_decay"))), ("seed", format_cell(config.get("seed")))]
     return _table(["setting", "value"], rows) + "\n\nThe whole resolved config is `config.yaml`."
 
 
@@ -298,17 +301,19 @@ def _results_text(summary) -> str:
     if after or before:
         keys = list(dict.fromkeys([*after, *before]))
         parts.append(_table(["metric", "before training", "after training"],
-                            [(k, _fmt(before.get(k)), _fmt(after.get(k))) for k in keys]))  # fmt: skip
+                            [(k, format_cell(before.get(k)), format_cell(after.get(k))) for k in keys]))  # fmt: skip
     runtime = summary.get("train_runtime_seconds")
     rows = [
-        ("final_train_loss", _fmt(summary.get("final_train_loss"))),
-        ("train_steps", _fmt(summary.get("train_steps"))),
-        ("train_tokens", _fmt(summary.get("train_tokens"))),
+        ("final_train_loss", format_cell(summary.get("final_train_loss"))),
+        ("train_steps", format_cell(summary.get("train_steps"))),
+        ("train_tokens", format_cell(summary.get("train_tokens"))),
         ("train_runtime", "-" if runtime is None else f"{runtime:,.1f} s"),
     ]
     best = summary.get("best") or {}
     if best.get("best_checkpoint") and best.get("best_step") is not None:
-        rows.append(("best", f"{best.get('metric')} {_fmt(best.get('best_value'))} at step {best['best_step']}"))
+        rows.append(
+            ("best", f"{best.get('metric')} {format_cell(best.get('best_value'))} at step {best['best_step']}")
+        )
     parts.append(_table(["training", ""], rows))
     parts.append("Every logged step and evaluation is in `metrics.jsonl`, the summary in `summary.json`.")
     return "\n\n".join(parts)
@@ -392,20 +397,6 @@ def _hub_dataset(source: DataSource) -> str | None:
         return source.path
     snapshot = hub_name_of_snapshot(source.path)
     return snapshot[0] if snapshot else None
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, int):
-        return f"{value:,}"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if isinstance(value, list):
-        return ", ".join(map(str, value))
-    return str(value)
 
 
 def _table(header: list[str], rows: list[tuple[str, str]]) -> str:

@@ -48,7 +48,10 @@ def setup_logging(is_main_process: bool, level: str = "INFO", disable_tqdm: bool
     if not is_main_process:
         handler.addFilter(_OtherRanksFilter())
     logging.basicConfig(handlers=[handler], force=True)
-    logging.captureWarnings(True)  # warnings.warn goes through the handler and its filter too
+    # warnings.warn goes through the handler and its filter too. Off first: captureWarnings(True) does nothing when an
+    # earlier run in this process (a notebook's second run) captured already and warnings.showwarning was reset since.
+    logging.captureWarnings(False)
+    logging.captureWarnings(True)
     logger.setLevel(level if is_main_process else "WARNING")
     if not is_main_process:
         datasets.utils.logging.set_verbosity_error()

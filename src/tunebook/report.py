@@ -18,7 +18,7 @@ import yaml
 from .errors import ConfigError
 from .logging import write_summary
 
-__all__ = ["compare_runs", "finish_run", "flatten", "format_table", "read_metrics", "render_report"]
+__all__ = ["compare_runs", "finish_run", "flatten", "format_cell", "format_table", "read_metrics", "render_report"]
 
 logger = logging.getLogger("tunebook")
 
@@ -158,7 +158,7 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def format_table(header: list[str], rows: list[list[Any]]) -> str:
     """A plain-text table: left-aligned first column, right-aligned values, numbers to 4 significant digits."""
-    cells = [[str(c) for c in header]] + [[str(row[0])] + [_cell(v) for v in row[1:]] for row in rows]
+    cells = [[str(c) for c in header]] + [[str(row[0])] + [format_cell(v) for v in row[1:]] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     lines = []
     for n, row in enumerate(cells):
@@ -168,7 +168,8 @@ def format_table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def _cell(value: Any) -> str:
+def format_cell(value: Any) -> str:
+    """A value as a table shows it: thousands separated, floats to 4 significant places, None as '-'."""
     if value is None or value == "":
         return "-"
     if isinstance(value, bool):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -26,6 +27,7 @@ def test_default_learns_the_topic_task_and_the_pipeline_prints_label_names(tmp_p
     seconds = time.perf_counter() - start
     assert result.returncode == 0, result.stderr[-3000:]
     summary = _summary(out)
+    assert re.search(r"One training example: \[CLS\] .+ \[SEP\] -> \[\[(science|sports|food|music)\]\]", result.stdout)
     assert summary["eval_before_training"]["eval_accuracy"] < 0.4  # 4 balanced classes: chance is 0.25
     assert summary["eval"]["eval_accuracy"] >= 0.95, summary["eval"]
     assert summary["eval"]["eval_f1"] >= 0.9 and summary["labels"] == ["food", "music", "science", "sports"]

@@ -32,6 +32,11 @@ def test_default_raises_reward_accuracy_on_held_out_pairs(tmp_path):
     assert after["eval_rewards/accuracy"] >= 0.7, after  # measured 0.80
     assert after["eval_rewards/margin"] > 0 and after["eval_loss"] < math.log(2)
     assert summary["reference"] == "copy" and "SFT warm-up step 150/150" in result.stdout
+    # One pair in the log, only the responses marked as loss-bearing.
+    shown = result.stdout.split("One training pair, loss-bearing text in [[...]]:\n", 1)[1]
+    chosen, rejected = shown.split(" INFO tunebook: ", 1)[0].split("\nrejected: ", 1)
+    assert chosen.startswith("chosen:   <|im_start|>user\n") and "<|im_start|>assistant\n[[" in chosen
+    assert rejected.startswith("<|im_start|>user\n") and rejected.count("[[") == 1
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "rewards/accuracy" in r and "eval_loss" not in r]
     assert [r["step"] for r in train] == list(range(10, 101, 10))

@@ -48,8 +48,10 @@ def test_prepare_reports_user_errors_in_one_line(tmp_path):
     bad = _tunebook("prepare", "--pakcing", "true", "--cache_dir", str(tmp_path))
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
     assert "tunebook: error: unknown config key 'pakcing' (in command line); did you mean 'packing'?" in bad.stderr
-    unknown = _tunebook("train")
-    assert unknown.returncode == 2 and "unknown command 'train'" in unknown.stderr
+    unknown = _tunebook("trian")
+    assert unknown.returncode == 2 and "unknown command 'trian'" in unknown.stderr
+    no_recipe = _tunebook("train", "--config_file", "accelerate_configs/cpu.yaml")
+    assert no_recipe.returncode == 1 and no_recipe.stderr.startswith("tunebook: error: tunebook train needs a recipe")
 
 
 def test_prepare_other_recipes_prints_a_stable_content_fingerprint(tmp_path):
@@ -73,4 +75,5 @@ def test_prepare_dpo_pairs_and_a_file_without_pair_columns(tmp_path):
         "prepare", "--recipe", "dpo", "--cache_dir", str(tmp_path), "--train_data", str(ASSETS / "alpaca.json")
     )
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
-    assert "alpaca.json: preference data needs columns ['prompt', 'chosen', 'rejected']" in bad.stderr
+    assert "alpaca.json: preference data needs columns chosen and rejected" in bad.stderr
+    assert "missing ['chosen', 'rejected']" in bad.stderr and len(bad.stderr.splitlines()) == 1

@@ -42,6 +42,8 @@ def test_plain_text_file_with_paragraphs(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr
     assert "train data: 36 documents" in output and "eval data: 4 documents" in output
+    shown = output.split("One training row, loss-bearing text in [[...]]:\n", 1)[1]
+    assert shown.startswith("Paragraph") and "[[" in shown  # every token but each document's first is marked
 
 
 def test_two_process_evaluation_equals_one_process(tmp_path):

@@ -85,7 +85,7 @@ def test_model_card_of_a_lora_run_on_hub_and_local_data(tmp_path):
         f"`{local}` (local): its only split, 2,000 rows sampled",
         "split `test_sft`, revision `abc123`",
         "| eval_exact_match | 0 | 0.875 |",
-        "| eval_loss | 3.211 | 0.9531 |",
+        "| eval_loss | 3.2109 | 0.9531 |",
         "| final_train_loss | 0.8123 |",
         "| train_tokens | 345,678 |",
         "| train_runtime | 61.2 s |",

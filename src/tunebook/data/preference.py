@@ -93,20 +93,25 @@ def prepare_preference_data(config, cache_dir: Path, log: logging.Logger) -> Pre
 def _texts(sources: list[DataSource], cache_dir: Path, seed: int):
     """Every prompt and response as text, to train a tokenizer on."""
     for source in sources:
-        for number, row in enumerate(load_source(source, cache_dir, seed), 1):
+        for number, row in enumerate(_load_pairs(source, cache_dir, seed), 1):
             prompt, chosen, rejected, _ = preference_pair(row, f"{source.where}, row {number}")
             yield "\n".join(m["content"] for m in prompt + chosen + rejected)
+
+
+def _load_pairs(source: DataSource, cache_dir: Path, seed: int) -> datasets.Dataset:
+    raw = load_source(source, cache_dir, seed)
+    missing = [c for c in PAIR_COLUMNS if c not in raw.column_names]
+    if missing:
+        raise DataError(f"{source.where}: preference data needs columns chosen and rejected (and prompt, or "
+                        f"conversations that share their first turns); missing {missing} (found "
+                        f"{raw.column_names}; rename with {{path: ..., columns: {{old: new}}}})")  # fmt: skip
+    return raw
 
 
 def _build(sources: list[DataSource], tokenizer, config, cache_dir: Path, scratch: Path):
     parts = []
     for source in sources:
-        raw = load_source(source, cache_dir, config.seed)
-        missing = [c for c in PAIR_COLUMNS if c not in raw.column_names]
-        if missing:
-            raise DataError(f"{source.where}: preference data needs columns chosen and rejected (and prompt, or "
-                            f"conversations that share their first turns); missing {missing} (found "
-                            f"{raw.column_names}; rename with {{path: ..., columns: {{old: new}}}})")  # fmt: skip
+        raw = _load_pairs(source, cache_dir, config.seed)
         parts.append(
             raw.map(
                 tokenize_pairs, batched=True, with_indices=True, remove_columns=raw.column_names,

@@ -216,7 +216,7 @@ def _finish(model, tokenizer, model_name_or_path, gradient_checkpointing: bool, 
                     "embedding)", rows, model.get_input_embeddings().weight.shape[0])  # fmt: skip
     # generate() and padding-aware code (sequence classification finds the last token by pad_token_id) read these.
     # A model's own EOS ids stay EOS ids in generation (Llama 3 Instruct has three); the tokenizer's comes first.
-    eos = _eos_ids(tokenizer.eos_token_id, model_name_or_path and model.generation_config)
+    eos = _eos_ids(tokenizer.eos_token_id, model_name_or_path and getattr(model, "generation_config", None))
     configs = [model.config] + ([model.generation_config] if getattr(model, "generation_config", None) else [])
     for cfg in configs:
         cfg.pad_token_id = tokenizer.pad_token_id
