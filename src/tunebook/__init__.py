@@ -9,7 +9,9 @@ blocks the recipes use, all importable from here (loaded on first use, so `impor
 - training: `recipe_accelerator`, `build_accelerator`, `build_optimizer`, `build_scheduler`,
   `accumulation_windows`, `count_loss_tokens`, `step_loss_scale`, `causal_lm_token_losses`, `token_loss_sum`,
   `Throughput`, `dpo_loss`, `sequence_log_probs`;
-- checkpoints: `save_checkpoint`, `resume_training`, `save_final_model`, `list_checkpoints`;
+- the loop's bookkeeping: `start_run`, `plan_training`, `resume`, `epochs`, `apply_update`, `after_step`,
+  `finish` (`tunebook.training.loop`);
+- checkpoints: `save_checkpoint`, `resume_training`, `save_final_model`, `list_checkpoints`, `export_checkpoint`;
 - evaluation: `evaluate_loss`, `generation_exact_match`, `evaluate_classifier`, `load_metric`;
 - models: `build_causal_lm`, `build_sequence_classifier`, `train_chat_tokenizer`, `apply_lora`;
 - the run summary every recipe returns: `run_summary`; its report: `render_report`, `compare_runs`.
@@ -27,7 +29,9 @@ from .recipe import Recipe, load_recipe  # noqa: E402
 
 # Loaded on first use: `import tunebook` (and checking a config) must not import torch.
 _LAZY = {
-    "tunebook.checkpoint": ["list_checkpoints", "resume_training", "save_checkpoint", "save_final_model"],
+    "tunebook.checkpoint": ["list_checkpoints", "save_checkpoint", "save_final_model"],
+    "tunebook.training.resume": ["resume_training"],
+    "tunebook.export": ["export_checkpoint"],
     "tunebook.data": [
         "load_source", "parse_sources", "prepare_sft_data", "prepare_classification_data", "prepare_text_data",
         "cached_dataset", "pack_dataset", "PackedCollator", "PadCollator", "build_loader", "attention_inputs",

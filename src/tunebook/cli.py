@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"tunebook: error: {command} takes {what} OUT_DIR, got {rest}\n{USAGE}", file=sys.stderr)
             raise SystemExit(2)
         if command == "export":
-            from .checkpoint import export_checkpoint
+            from .export import export_checkpoint
 
             print(f"wrote {export_checkpoint(rest[0], rest[1], merge=merge)} from {rest[0]}")
         else:

@@ -21,7 +21,16 @@ import yaml
 
 from .errors import ConfigError, install_excepthook, same_on_every_rank
 
-__all__ = ["ALIASES", "TrainConfig", "aliases_used", "config_to_dict", "load_config", "parse_config", "save_config"]
+__all__ = [
+    "ALIASES",
+    "TrainConfig",
+    "aliases_used",
+    "config_to_dict",
+    "load_config",
+    "parse_config",
+    "save_config",
+    "saved_recipe",
+]
 
 C = TypeVar("C")
 
@@ -103,9 +112,16 @@ class TrainConfig:
     save_steps: int = _help("With save_strategy steps: save every N optimizer steps (0: no step checkpoints).", 0)
     save_total_limit: int = _help("Keep at most this many checkpoints, the newest (0: keep all).", 2)
     resume_from_checkpoint: str | None = _help(
-        "Continue a run exactly where it stopped: 'latest' (the newest complete checkpoint in output_dir, or a fresh "
-        "start if there is none) or a checkpoint directory.",
+        "Continue a run exactly where it stopped: 'latest' (the newest complete checkpoint in output_dir; an error "
+        "when there is none), 'auto' (the newest one, or a fresh start when there is none: for jobs that are "
+        "requeued) or a checkpoint directory. Keys that would change what the run computes (data, batches, model, "
+        "seed) must equal the checkpoint's; the learning-rate schedule and optimizer settings follow the new config.",
         None,
+    )
+    overwrite_output_dir: bool = _help(
+        "Start afresh in an output_dir that holds another run's checkpoints, deleting them (and its metrics, "
+        "summary and tracker logs); without it such a run stops at start-up.",
+        False,
     )
     nan_policy: Literal["stop", "skip"] = _help(
         "On a non-finite loss or gradient norm: stop (exit non-zero, keeping the last good checkpoint) or skip "
@@ -445,13 +461,24 @@ def config_to_dict(config: Any) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
-def save_config(config: Any, path: str | Path) -> None:
-    """Write the resolved config as YAML, loadable again with `--config`."""
+RECIPE_LINE = "# tunebook recipe: "
+
+
+def save_config(config: Any, path: str | Path, recipe: str | None = None) -> None:
+    """Write the resolved config as YAML, loadable again with `--config`; the recipe, when given, is named in a
+    first comment line (a key would not load back into the config class)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    header = f"{RECIPE_LINE}{recipe}\n" if recipe else ""
+    tmp.write_text(header + yaml.safe_dump(config_to_dict(config), sort_keys=False))
     tmp.replace(path)
+
+
+def saved_recipe(path: str | Path) -> str | None:
+    """The recipe named in a `config.yaml` written by `save_config`, or None."""
+    first = Path(path).read_text().split("\n", 1)[0]
+    return first[len(RECIPE_LINE) :].strip() or None if first.startswith(RECIPE_LINE) else None
 
 
 def config_help(cls: type) -> str:

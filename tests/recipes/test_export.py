@@ -13,7 +13,7 @@ import torch
 from conftest import TINY_TEST_MODEL
 
 from tunebook import load_recipe
-from tunebook.checkpoint import export_checkpoint
+from tunebook.export import export_checkpoint
 from tunebook.errors import ConfigError, ModelError
 
 pytestmark = pytest.mark.slow

@@ -4,7 +4,7 @@ from .cache import cached_dataset, default_cache_dir, fingerprint, tokenizer_fin
 from .classification import ClassificationData, label_names_of, prepare_classification_data
 from .collate import PadCollator, loss_positions
 from .formats import FORMAT_COLUMNS, detect_format, normalise_messages, to_conversations
-from .loaders import LengthGroupedSampler, build_loader
+from .loaders import LengthGroupedSampler, build_loader, train_and_eval_loaders
 from .packing import (
     PackedCollator,
     attention_inputs,
@@ -52,6 +52,7 @@ __all__ = [
     "sft_cache_key",
     "assistant_spans",
     "build_loader",
+    "train_and_eval_loaders",
     "cached_dataset",
     "conversation_texts",
     "default_cache_dir",

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-__all__ = ["LengthGroupedSampler", "build_loader"]
+__all__ = ["LengthGroupedSampler", "build_loader", "train_and_eval_loaders"]
 
 
 class LengthGroupedSampler(Sampler[int]):
@@ -126,3 +126,20 @@ def build_loader(
         worker_init_fn=ignore_stop_signals if num_workers > 0 else None,
         drop_last=False,
     )
+
+
+def train_and_eval_loaders(config, train: Dataset, evaluation: Dataset | None, collate_fn: Callable, **grouping):
+    """A run's loaders with its `dataloader_*` keys: `train` shuffled by `seed` (`grouping`: `lengths` and
+    `group_size` batch similar lengths together), `evaluation` in order (None when there is no eval data)."""
+    common = {
+        "collate_fn": collate_fn,
+        "seed": config.seed,
+        "num_workers": config.dataloader_num_workers,
+        "pin_memory": config.dataloader_pin_memory,
+        "prefetch_factor": config.dataloader_prefetch_factor,
+    }
+    train_loader = build_loader(train, config.per_device_train_batch_size, shuffle=True, **grouping, **common)
+    eval_loader = None
+    if evaluation is not None:
+        eval_loader = build_loader(evaluation, config.per_device_eval_batch_size, shuffle=False, **common)
+    return train_loader, eval_loader

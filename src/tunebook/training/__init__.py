@@ -1,9 +1,11 @@
-"""The pieces of the training loop, called by name from recipes (the loop itself stays in the recipes)."""
+"""The training loop: its bookkeeping (`loop`), written once, and the pieces recipes call by name."""
 
 from .accelerator import build_accelerator, has_accelerator_device, recipe_accelerator
 from .best import BestModel, infer_greater_is_better
+from .counters import LossWindow, TrainCounters
 from .flops import model_flops_per_token
-from .guard import StopSignals, TrainCounters, exit_code, is_nonfinite, nonfinite_stop
+from .guard import StopSignals, exit_code, is_nonfinite, nonfinite_stop
+from .loop import Run, RunState, after_step, apply_update, epochs, finish, plan_training, resume, start_run
 from .loss import (
     causal_lm_token_losses,
     count_loss_tokens,
@@ -25,6 +27,16 @@ from .steps import accumulation_windows, eval_due, save_due, total_optimizer_ste
 from .throughput import Throughput, peak_memory
 
 __all__ = [
+    "LossWindow",
+    "Run",
+    "RunState",
+    "after_step",
+    "apply_update",
+    "epochs",
+    "finish",
+    "plan_training",
+    "resume",
+    "start_run",
     "recipe_accelerator",
     "Throughput",
     "RewardStats",

@@ -3,56 +3,12 @@
 from __future__ import annotations
 
 import signal
-from dataclasses import dataclass
 from types import FrameType
 
 import torch
 from accelerate import Accelerator
 
-__all__ = ["StopSignals", "TrainCounters", "exit_code", "is_nonfinite", "nonfinite_stop"]
-
-
-@dataclass
-class TrainCounters:
-    """This process's running sums, kept on the device so the loop never waits for the host between logs.
-
-    Saved per process in every checkpoint (each rank its own file), so a resumed run continues every sum exactly.
-    """
-
-    tokens_seen: torch.Tensor  # non-padding input tokens
-    fed_tokens: torch.Tensor  # all input tokens, padding included
-    window_loss: torch.Tensor  # summed token losses since the last log
-    window_tokens: torch.Tensor  # loss tokens since the last log
-    samples_seen: torch.Tensor  # examples (a packed row holds several)
-
-    @classmethod
-    def zeros(cls, device) -> TrainCounters:
-        dtypes = (torch.long, torch.long, torch.float64, torch.float64, torch.long)
-        return cls(*(torch.zeros((), dtype=d, device=device) for d in dtypes))
-
-    def add_batch(self, batch: dict[str, torch.Tensor]) -> None:
-        """Count a micro-batch's tokens (real and fed) and examples, without waiting for the device."""
-        mask = batch["attention_mask"]
-        self.tokens_seen += mask.sum()
-        self.fed_tokens += mask.numel()
-        if "seq_ids" in batch:  # packed rows: an example starts wherever a real token's position id is 0
-            self.samples_seen += ((batch["position_ids"] == 0) & mask.bool()).sum()
-        else:
-            self.samples_seen += mask.shape[0]
-
-    def state_dict(self) -> dict[str, float | int]:
-        return {name: getattr(self, name).item() for name in self.__dataclass_fields__}
-
-    def load_state_dict(self, state: dict[str, float | int]) -> None:
-        for name in self.__dataclass_fields__:
-            getattr(self, name).fill_(state.get(name, 0))  # checkpoints from before samples_seen existed
-
-    def pop_window_loss(self, accelerator: Accelerator) -> float:
-        """Mean loss per loss token (or example) since the last call, over all processes; starts a new window."""
-        loss_total, count = accelerator.reduce(torch.stack([self.window_loss, self.window_tokens]), "sum").tolist()
-        self.window_loss.zero_()
-        self.window_tokens.zero_()
-        return loss_total / max(count, 1)
+__all__ = ["StopSignals", "exit_code", "is_nonfinite", "nonfinite_stop"]
 
 
 class StopSignals:

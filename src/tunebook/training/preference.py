@@ -82,10 +82,16 @@ class RewardStats:
 
     def pop(self, accelerator, prefix: str = "") -> dict[str, float]:
         """`means` over all processes since the last call; starts a new window."""
-        self.sums = accelerator.reduce(self.sums, "sum")
+        self.sums = accelerator.reduce(self.sums.clone(), "sum")
         means = self.means(prefix)
         self.sums.zero_()
         return means
+
+    def state_dict(self) -> dict[str, list[float]]:
+        return {"sums": self.sums.tolist()}
+
+    def load_state_dict(self, state: dict[str, list[float]]) -> None:
+        self.sums.copy_(torch.tensor(state["sums"], dtype=torch.float64))
 
     def means(self, prefix: str = "") -> dict[str, float]:
         """Mean loss, rewards/chosen, rewards/rejected, rewards/accuracy and rewards/margin (TRL's names) of the
