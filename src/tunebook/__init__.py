@@ -30,7 +30,7 @@ from .recipe import Recipe, load_recipe  # noqa: E402
 # Loaded on first use: `import tunebook` (and checking a config) must not import torch.
 _LAZY = {
     "tunebook.checkpoint": ["list_checkpoints", "save_checkpoint", "save_final_model"],
-    "tunebook.training.resume": ["resume_training"],
+    "tunebook.training.resumption": ["resume_training"],
     "tunebook.export": ["export_checkpoint"],
     "tunebook.data": [
         "load_source", "parse_sources", "prepare_sft_data", "prepare_classification_data", "prepare_text_data",

@@ -77,7 +77,8 @@ def progress_bar(main_process: bool, disable: bool, **kwargs):
 
 def show_progress(progress, record: dict[str, Any], total_steps: int, log: logging.Logger = logger) -> None:
     """A logging step's figures in the progress bar, or as a log line when there is no bar (CI, files, workers)."""
-    shown = {"loss": f"{record['loss']:.4f}", "lr": f"{record['learning_rate']:.2e}"}
+    loss = record["loss"]
+    shown = {"loss": "skipped" if loss is None else f"{loss:.4f}", "lr": f"{record['learning_rate']:.2e}"}
     shown["tok/s"] = f"{record['tokens_per_second']:,.0f}"
     if "mfu" in record:
         shown["mfu"] = f"{100 * record['mfu']:.1f}%"

@@ -31,6 +31,7 @@ def run_summary(
     eval_before: dict[str, Any],
     skipped_updates: int,
     resumed_from,
+    stopped_early: bool = False,
     **extra: Any,
 ) -> dict[str, Any]:
     """Everything a run reports, totalled over all processes; call it on every process (it reduces across them).
@@ -62,7 +63,7 @@ def run_summary(
         "eval": final_eval,
         "eval_before_training": eval_before,
         "best": best.state_dict() if best else None,
-        "stopped_early": best is not None and best.should_stop(),
+        "stopped_early": stopped_early,
         "skipped_updates": skipped_updates,
         "resumed_from": str(resumed_from) if resumed_from else None,
         "padding_fraction": 1 - tokens / fed if fed else 0.0,

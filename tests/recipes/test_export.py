@@ -13,8 +13,8 @@ import torch
 from conftest import TINY_TEST_MODEL
 
 from tunebook import load_recipe
-from tunebook.export import export_checkpoint
 from tunebook.errors import ConfigError, ModelError
+from tunebook.export import export_checkpoint
 
 pytestmark = pytest.mark.slow
 RECIPES = ["sft", "classify", "pretrain", "dpo"]

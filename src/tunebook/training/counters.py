@@ -53,10 +53,11 @@ class LossWindow:
         self.sums += torch.stack([torch.as_tensor(loss_sum).double(), torch.as_tensor(count).double().to(self.sums)])
 
     def pop(self, accelerator: Accelerator) -> dict[str, float]:
-        """{"loss": mean since the last call, over all processes}; starts a new window."""
+        """{"loss": mean since the last call, over all processes (None when no step of the window updated the
+        weights: every one was skipped as non-finite)}; starts a new window."""
         total, count = accelerator.reduce(self.sums.clone(), "sum").tolist()
         self.sums.zero_()
-        return {"loss": total / max(count, 1)}
+        return {"loss": total / count if count else None}
 
     def state_dict(self) -> dict[str, list[float]]:
         return {"sums": self.sums.tolist()}

@@ -104,7 +104,7 @@ def start_run(config, recipe: str) -> Run:
     from ..data.cache import default_cache_dir
     from ..logging import RunTimer, log_run_start, setup_logging
     from .accelerator import recipe_accelerator
-    from .resume import prepare_output_dir
+    from .resumption import prepare_output_dir
 
     timer = RunTimer()
     accelerator = recipe_accelerator(config)  # engine, trackers, timeouts from the config and the launcher
@@ -143,7 +143,7 @@ def resume(run: Run, data, figures, evaluate: Callable[[], dict] | None) -> None
     rows give the FLOPs per token); `evaluate()` runs the recipe's evaluation (None: there is no eval data)."""
     from ..logging import MetricsWriter, progress_bar
     from ..trackers import start_trackers
-    from .resume import resume_training
+    from .resumption import resume_training
     from .throughput import Throughput
 
     config, accelerator = run.config, run.accelerator
@@ -166,22 +166,24 @@ def resume(run: Run, data, figures, evaluate: Callable[[], dict] | None) -> None
                                 initial=run.state.global_step, desc="Training")  # fmt: skip
     run.throughput = Throughput(accelerator, run.model, data.train, run.timer, run.counters, config.peak_flops)
     run.model.train()
-    run.signals.__enter__()  # SIGTERM/Ctrl-C: finish the step, save, stop (handlers restored by `finish`)
     run.timer.start_training()
 
 
 def epochs(run: Run, train_loader) -> Iterator[Any]:
     """The epochs left to train, each as its loader; a resumed run's epoch skips the micro-batches it had trained
-    on, at the sampler (nothing is read twice). Ends at the last step, an early stop, or a stop request."""
+    on, at the sampler (nothing is read twice). Ends at the last step, an early stop, or a stop request. While it
+    runs, SIGTERM and Ctrl-C ask the loop to finish its step, save and stop (`after_step`); the previous handlers
+    come back when it ends, however it ends."""
     state, accelerator = run.state, run.accelerator
-    while state.global_step < run.total_steps and run.stop is None and not (run.best and run.best.should_stop()):
-        train_loader.set_epoch(state.epoch)
-        skip = state.batches_in_epoch
-        loader = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
-        loader.set_epoch(state.epoch)
-        yield loader
-        if state.batches_in_epoch >= len(train_loader):
-            state.epoch, state.batches_in_epoch = state.epoch + 1, 0
+    with run.signals:
+        while state.global_step < run.total_steps and run.stop is None and not (run.best and run.best.should_stop()):
+            train_loader.set_epoch(state.epoch)
+            skip = state.batches_in_epoch
+            loader = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+            loader.set_epoch(state.epoch)
+            yield loader
+            if state.batches_in_epoch >= len(train_loader):
+                state.epoch, state.batches_in_epoch = state.epoch + 1, 0
 
 
 def apply_update(run: Run, step_loss: torch.Tensor, window: list) -> bool:
@@ -220,7 +222,8 @@ def after_step(run: Run) -> bool:
     step = state.global_step
     if step % config.logging_steps == 0 or step == run.total_steps:
         figures = run.figures.pop(run.accelerator)  # means over the window's updated steps, all processes
-        state.last_train_loss = figures["loss"]
+        if figures["loss"] is not None:  # None: every step of the window was skipped as non-finite
+            state.last_train_loss = figures["loss"]
         record = {
             "step": step,
             "epoch": round(step / run.steps_per_epoch, 3),
@@ -263,7 +266,7 @@ def _evaluate(run: Run, step: int, label: str) -> bool:
 
 
 def _save(run: Run, reason: str) -> None:
-    from .resume import save_training_state
+    from .resumption import save_training_state
 
     with run.timer.paused():
         path = save_training_state(run.accelerator, run.output_dir, run.state.global_step, run.config,
@@ -284,7 +287,6 @@ def finish(run: Run, data, headline: tuple[str, str, str] | None = None, **extra
 
     config, state, accelerator, log = run.config, run.state, run.accelerator, run.log
     run.progress.close()
-    run.signals.__exit__(None, None, None)
     if run.stop is not None:
         _free(run)
         raise run.stop
@@ -310,6 +312,7 @@ def finish(run: Run, data, headline: tuple[str, str, str] | None = None, **extra
         eval_before=state.eval_history.get(0, {}),
         skipped_updates=state.skipped_updates,
         resumed_from=run.checkpoint,
+        stopped_early=state.global_step < run.total_steps,  # only early stopping ends a finished run before its end
         **extra,
     )  # fmt: skip
     if accelerator.is_main_process:

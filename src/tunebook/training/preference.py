@@ -83,7 +83,7 @@ class RewardStats:
     def pop(self, accelerator, prefix: str = "") -> dict[str, float]:
         """`means` over all processes since the last call; starts a new window."""
         self.sums = accelerator.reduce(self.sums.clone(), "sum")
-        means = self.means(prefix)
+        means = self.means(prefix) if self.sums[0] > 0 else dict.fromkeys(self.means(prefix))  # none: all skipped
         self.sums.zero_()
         return means
 

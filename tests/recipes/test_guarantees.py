@@ -1,0 +1,255 @@
+"""Every guarantee of the shared loop, proved on every recipe (in-process, tiny, a few steps each):
+
+- a stop signal mid-run saves a checkpoint, and the resumed run logs the uninterrupted run's losses step for step and
+  ends with its weights, byte for byte; `metrics.jsonl` continues without a gap or a repeat;
+- a run that dies inside a checkpoint save keeps the previous checkpoint as `latest`, and resumes from it;
+- `nan_policy: stop` ends the run naming the last good checkpoint; `skip` drops the step from the update and from the
+  logged figures;
+- early stopping and `load_best_model_at_end` export the best checkpoint's weights;
+- `save_strategy` epoch and no.
+The recipes differ only where their task differs: a test reads their `main` functions and checks the loop's calls.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import signal
+
+import pytest
+from conftest import ROOT, TINY_TEST_MODEL
+
+from tunebook import load_recipe
+from tunebook.checkpoint import list_checkpoints, resolve_checkpoint
+from tunebook.errors import TrainingError
+from tunebook.recipe import RECIPES
+
+pytestmark = pytest.mark.slow
+COMMON = {"disable_tqdm": True, "report_to": "none", "dataloader_num_workers": 0, "logging_steps": 1,
+          "eval_on_start": False, "per_device_train_batch_size": 4, "per_device_eval_batch_size": 8,
+          "log_level": "WARNING", "max_steps": 6, "learning_rate": 1e-3}  # fmt: skip
+TASKS = {
+    "sft": {"model_config": TINY_TEST_MODEL, "synthetic_train_size": 64, "synthetic_eval_size": 8,
+            "generation_eval": False},
+    "classify": {"synthetic_train_size": 64, "synthetic_eval_size": 16},
+    "pretrain": {"model_config": TINY_TEST_MODEL, "synthetic_train_size": 40, "synthetic_eval_size": 8,
+                 "max_seq_length": 64},
+    "dpo": {"model_config": TINY_TEST_MODEL, "synthetic_train_size": 64, "synthetic_eval_size": 8,
+            "sft_warmup_steps": 0},
+}  # fmt: skip
+
+
+def _run(name, out, cache, **overrides):
+    recipe = load_recipe(name)
+    config = recipe.config(**{**COMMON, **TASKS[name], "output_dir": str(out), "cache_dir": str(cache), **overrides})
+    return recipe.main(config)
+
+
+def _records(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _weights(out) -> bytes:
+    return (out / "model.safetensors").read_bytes()
+
+
+def _signal_at(monkeypatch, name: str, step: int, signum=signal.SIGTERM) -> None:
+    """Deliver a real `signum` to this process right after optimizer step `step` of recipe `name`."""
+    module = load_recipe(name).module
+    real = module.apply_update
+
+    def apply_then_signal(run, step_loss, window):
+        updated = real(run, step_loss, window)
+        if run.state.global_step == step:
+            signal.raise_signal(signum)
+        return updated
+
+    monkeypatch.setattr(module, "apply_update", apply_then_signal)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_a_stop_signal_then_resume_equals_the_uninterrupted_run(name, tmp_path, monkeypatch):
+    full = _run(name, tmp_path / "full", tmp_path / "cache", eval_steps=2)
+    with monkeypatch.context() as patch:
+        _signal_at(patch, name, 3)
+        with pytest.raises(SystemExit) as stopped:
+            _run(name, tmp_path / "cut", tmp_path / "cache", eval_steps=2)
+    assert stopped.value.code == 143
+    assert [p.name for p in list_checkpoints(tmp_path / "cut")] == ["step-3"]
+    resumed = _run(name, tmp_path / "cut", tmp_path / "cache", eval_steps=2, resume_from_checkpoint="latest")
+    assert _records(tmp_path / "cut") == [_without_rates(r) | _rates(c) for r, c in _paired(tmp_path)]
+    assert _weights(tmp_path / "cut") == _weights(tmp_path / "full")
+    assert resumed["eval"] == full["eval"] and resumed["train_steps"] == full["train_steps"] == 6
+    assert resumed["resumed_from"].endswith("step-3") and resumed["final_train_loss"] == full["final_train_loss"]
+
+
+RATES = ("tokens_per_second", "samples_per_second", "data_wait_fraction", "peak_rss_mb", "mfu")
+
+
+def _rates(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k in RATES}
+
+
+def _without_rates(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k not in RATES}
+
+
+def _paired(tmp_path):
+    """The uninterrupted run's records (timings aside) beside the resumed run's, which must match them."""
+    full, cut = _records(tmp_path / "full"), _records(tmp_path / "cut")
+    assert [r["step"] for r in full] == [r["step"] for r in cut]
+    return zip(full, cut)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_dying_inside_a_save_keeps_the_previous_checkpoint(name, tmp_path, monkeypatch):
+    from accelerate import Accelerator
+
+    real, calls = Accelerator.save_state, []
+
+    def save_then_die(self, *args, **kwargs):
+        calls.append(1)
+        result = real(self, *args, **kwargs)
+        if len(calls) == 2:  # the second checkpoint's files are written; the process dies before the rename
+            raise KeyboardInterrupt("killed")
+        return result
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Accelerator, "save_state", save_then_die)
+        with pytest.raises(KeyboardInterrupt):
+            _run(name, tmp_path / "run", tmp_path / "cache", save_steps=2)
+    assert (tmp_path / "run" / "checkpoints" / "step-4.tmp").is_dir()
+    assert resolve_checkpoint(tmp_path / "run", "latest").name == "step-2"
+    summary = _run(name, tmp_path / "run", tmp_path / "cache", save_steps=2, resume_from_checkpoint="latest")
+    assert summary["resumed_from"].endswith("step-2") and summary["train_steps"] == 6
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_nan_policy_stop_and_skip(name, tmp_path, monkeypatch):
+    import tunebook.training.loop as loop
+
+    real = loop.is_nonfinite
+
+    def third_step_is_nan(step_loss, grad_norm, accelerator):  # as if step 3's loss were NaN on some process
+        return real(step_loss, grad_norm, accelerator) or third_step_is_nan.step == 2
+
+    def counting(run, step_loss, window):
+        third_step_is_nan.step = run.state.global_step
+        return apply_update(run, step_loss, window)
+
+    module = load_recipe(name).module
+    apply_update = module.apply_update
+    monkeypatch.setattr(loop, "is_nonfinite", third_step_is_nan)
+    monkeypatch.setattr(module, "apply_update", counting)
+
+    with pytest.raises(
+        TrainingError, match=r"non-finite loss or gradient norm at step 3; .*Last good checkpoint: .*step-2"
+    ):
+        _run(name, tmp_path / "stop", tmp_path / "cache", save_steps=2)
+    assert [r["step"] for r in _records(tmp_path / "stop") if "loss" in r] == [1, 2]
+    assert not (tmp_path / "stop" / "model.safetensors").exists()
+
+    summary = _run(name, tmp_path / "skip", tmp_path / "cache", nan_policy="skip")
+    logged = {r["step"]: r for r in _records(tmp_path / "skip") if "loss" in r}
+    assert summary["skipped_updates"] == 1 and sorted(logged) == [1, 2, 3, 4, 5, 6]
+    assert logged[3]["loss"] is None and all(logged[s]["loss"] is not None for s in (1, 2, 4, 5, 6))
+    if name == "dpo":  # its rewards are logged figures too: none of the skipped step's
+        assert logged[3]["rewards/accuracy"] is None
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_early_stopping_exports_the_best_checkpoint(name, tmp_path):
+    from safetensors.torch import load_file
+
+    # With greater_is_better on the loss, "better" means higher: whichever way the tiny runs' losses move, the
+    # rule is replayed on the logged evaluations and the run must have stopped, and chosen, as it says.
+    summary = _run(name, tmp_path / "run", tmp_path / "cache", max_steps=12, eval_steps=2, save_steps=1,
+                   metric_for_best_model="loss", greater_is_better=True, early_stopping_patience=2,
+                   load_best_model_at_end=True, save_total_limit=1, learning_rate=3e-3)  # fmt: skip
+    evals = {r["step"]: r["eval_loss"] for r in _records(tmp_path / "run") if "eval_loss" in r}
+    best_step, waited, stop = None, 0, None
+    for step, loss in sorted(evals.items()):
+        if best_step is None or loss > evals[best_step]:
+            best_step, waited = step, 0
+        else:
+            waited += 1
+        if waited == 2 and step < 12:
+            stop = step
+            break
+    assert summary["stopped_early"] == (stop is not None) and summary["train_steps"] == (stop or 12)
+    assert sorted(evals) == list(range(2, (stop or 12) + 1, 2))  # each step evaluated once, the last one included
+    assert summary["best"]["best_step"] == best_step and summary["eval"]["eval_loss"] == evals[best_step]
+    best = load_file(tmp_path / "run" / "checkpoints" / f"step-{best_step}" / "model.safetensors")
+    exported = load_file(tmp_path / "run" / "model.safetensors")
+    assert all((exported[k] == v).all() for k, v in best.items() if k in exported)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_save_strategy_epoch_and_no(name, tmp_path):
+    summary = _run(name, tmp_path / "epoch", tmp_path / "cache", max_steps=-1, num_train_epochs=2,
+                   save_strategy="epoch", save_total_limit=0)  # fmt: skip
+    per_epoch = summary["train_steps"] // 2
+    assert [p.name for p in list_checkpoints(tmp_path / "epoch")] == [f"step-{per_epoch}", f"step-{2 * per_epoch}"]
+    _run(name, tmp_path / "no", tmp_path / "cache", save_strategy="no", save_steps=1)
+    assert list_checkpoints(tmp_path / "no") == []
+
+
+def test_the_recipes_differ_only_where_their_task_differs():
+    """The loop's calls, in one order, in every recipe's main; nothing of the loop's own written again."""
+    loop_calls = ["start_run", "prepare_then_join", "build_optimizer", "prepare", "plan_training", "resume",
+                  "epochs", "accumulation_windows", "backward", "apply_update", "after_step", "finish"]  # fmt: skip
+    for name in RECIPES:
+        source = (ROOT / "recipes" / f"{name}.py").read_text()
+        main = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "main")
+        nodes = sorted((n for n in ast.walk(main) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset))
+        calls = [_called(node) for node in nodes]
+        calls = [c for c in calls if c in loop_calls]
+        positions = [calls.index(c) for c in loop_calls]
+        assert positions == sorted(positions), (name, calls)
+        text = ast.unparse(main)
+        for own in ("optimizer.step", "lr_scheduler.step", "clip_grad_norm_", "save_checkpoint", "load_state",
+                    "StopSignals", "MetricsWriter", "free_memory", "set_epoch"):  # fmt: skip
+            assert own not in text, f"recipes/{name}.py writes the loop's {own} again"
+        assert len(source.splitlines()) <= 260 and main.end_lineno - main.lineno < 120, name
+        assert "fmt: skip" not in source, name
+
+
+def _called(call: ast.Call) -> str:
+    function = call.func
+    return function.attr if isinstance(function, ast.Attribute) else getattr(function, "id", "")
+
+
+@pytest.mark.multiprocess
+def test_a_stop_signal_on_two_processes_then_resume_equals_the_uninterrupted_run(tmp_path):
+    """SIGTERM reaches one of two processes: both save at the same step, and the resumed 2-process run is the same."""
+    import os
+    import subprocess
+    import sys
+
+    args = ["--model_config", json.dumps(TINY_TEST_MODEL), "--synthetic_train_size", "64", "--synthetic_eval_size",
+            "8", "--generation_eval", "false", "--eval_steps", "2", "--cache_dir", str(tmp_path / "cache"),
+            *[f"--{k}={v}" for k, v in COMMON.items() if k != "max_steps"], "--max_steps", "8"]  # fmt: skip
+
+    def launch(script, out, *extra, env=None):
+        cmd = [sys.executable, "-m", "tunebook.cli", "train", "--config_file", "accelerate_configs/multi_cpu.yaml",
+               "--main_process_port", str(_free_port()), script, *args, "--output_dir", str(out), *extra]  # fmt: skip
+        return subprocess.run(
+            cmd, capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, **(env or {})}
+        )
+
+    assert launch("sft", tmp_path / "full").returncode == 0
+    stopped = launch("tests/recipes/signal_at_step.py", tmp_path / "cut", env={"SIGNAL_AT_STEP": "3"})
+    assert stopped.returncode == 143, stopped.stdout[-2000:] + stopped.stderr[-2000:]
+    assert [p.name for p in list_checkpoints(tmp_path / "cut")] == ["step-3"]
+    resumed = launch("sft", tmp_path / "cut", "--resume_from_checkpoint", "latest")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert [_without_rates(r) for r in _records(tmp_path / "cut")] == [
+        _without_rates(r) for r in _records(tmp_path / "full")
+    ]
+    assert _weights(tmp_path / "cut") == _weights(tmp_path / "full")
+
+
+def _free_port() -> int:
+    from conftest import free_port
+
+    return free_port()
