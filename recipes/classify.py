@@ -24,7 +24,7 @@ from tunebook.config import load_config
 from tunebook.data import ClassificationData, prepare_classification_data, train_and_eval_loaders
 from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import classifier_inputs, evaluate_classifier
-from tunebook.models import TINY_BERT, apply_lora, build_sequence_classifier, describe_parameters, model_options
+from tunebook.models import apply_lora, build_sequence_classifier, describe_parameters, model_options
 from tunebook.recipe_configs import ClassifyConfig
 from tunebook.training import (
     LossWindow,
@@ -73,7 +73,7 @@ def main(config: ClassifyConfig) -> dict:
     )
 
     # --- model, optimizer, loaders
-    model = build_sequence_classifier(tokenizer, data.label_names, **model_options(config, TINY_BERT))
+    model = build_sequence_classifier(tokenizer, data.label_names, **model_options(config))
     if config.use_peft:  # LoRA: the base stays frozen; checkpoints and the output hold only the adapters
         model = apply_lora(model, config, "classification")
     log.info("Model: %s, %s", type(model).__name__, describe_parameters(model))

@@ -36,7 +36,7 @@ from tunebook.data import (
 )
 from tunebook.distributed import preparation_lock, prepare_then_join
 from tunebook.evaluation import evaluate_preferences
-from tunebook.models import TINY_LLAMA, apply_lora, build_causal_lm, describe_parameters, model_options
+from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options
 from tunebook.recipe_configs import DPOConfig
 from tunebook.training import (
     RewardStats,
@@ -80,7 +80,7 @@ def sft_warmup(config: DPOConfig, model, data: PreferenceData, device, log) -> N
     optimizer = build_optimizer(model, 3e-3, 0.0, (0.9, 0.999), 1e-8)
     model.to(device).train()
     step = 0
-    while step < config.warmup_steps:
+    while step < config.sft_warmup_steps:
         for batch in loader:  # a new order each epoch, from the loader's own seeded generator
             batch = {k: v.to(device) for k, v in batch.items()}
             losses = causal_lm_token_losses(
@@ -90,9 +90,9 @@ def sft_warmup(config: DPOConfig, model, data: PreferenceData, device, log) -> N
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            if step % 50 == 0 or step == config.warmup_steps:
-                log.info("SFT warm-up step %d/%d: loss %.4f", step, config.warmup_steps, losses.mean().item())
-            if step == config.warmup_steps:
+            if step % 50 == 0 or step == config.sft_warmup_steps:
+                log.info("SFT warm-up step %d/%d: loss %.4f", step, config.sft_warmup_steps, losses.mean().item())
+            if step == config.sft_warmup_steps:
                 break
 
 
@@ -128,8 +128,8 @@ def main(config: DPOConfig) -> dict:
     )
 
     # --- model: the policy; optionally a brief SFT warm-up; then the reference it is measured against
-    model = build_causal_lm(tokenizer, **model_options(config, TINY_LLAMA))
-    if config.warmup_steps:
+    model = build_causal_lm(tokenizer, **model_options(config))
+    if config.sft_warmup_steps:
         sft_warmup(config, model, data, accelerator.device, log)
     attn, dtype = model.config._attn_implementation, model.dtype
     reference = None  # with LoRA: the policy with its adapters off

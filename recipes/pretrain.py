@@ -31,7 +31,7 @@ from tunebook.data import (
 )
 from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import evaluate_loss
-from tunebook.models import TINY_LLAMA, apply_lora, build_causal_lm, describe_parameters, model_options
+from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options
 from tunebook.recipe_configs import PretrainConfig
 from tunebook.training import (
     LossWindow,
@@ -76,7 +76,7 @@ def main(config: PretrainConfig) -> dict:
     )
 
     # --- model, optimizer, loaders
-    model = build_causal_lm(tokenizer, **model_options(config, TINY_LLAMA))
+    model = build_causal_lm(tokenizer, **model_options(config))
     if config.use_peft:  # LoRA: the base stays frozen; checkpoints and the output hold only the adapters
         model = apply_lora(model, config)
     log.info("Model: %s, %s", type(model).__name__, describe_parameters(model))

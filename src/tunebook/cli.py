@@ -53,24 +53,13 @@ def prepare(argv: list[str]) -> dict:
     config_class = recipe_config_class(recipe)
     start = time.perf_counter()
     config = load_config(config_class, argv)
-    from .data import (
-        default_cache_dir,
-        prepare_classification_data,
-        prepare_preference_data,
-        prepare_sft_data,
-        prepare_text_data,
-    )
     from .distributed import data_fingerprint, preparation_lock
     from .logging import setup_logging
+    from .recipe import recipe_data
 
-    prepare_data = {
-        "sft": prepare_sft_data,
-        "classify": prepare_classification_data,
-        "pretrain": prepare_text_data,
-        "dpo": prepare_preference_data,
-    }[recipe]
+    prepare_data = recipe_data(recipe)
     log = setup_logging(True, config.log_level)
-    cache_dir = Path(config.cache_dir).expanduser() if config.cache_dir else default_cache_dir()
+    cache_dir = Path(config.cache_dir).expanduser()
     with preparation_lock(cache_dir):
         data = prepare_data(config, cache_dir, log)
     figures = {

@@ -24,6 +24,8 @@ from .errors import ConfigError, install_excepthook, same_on_every_rank
 __all__ = [
     "ALIASES",
     "TrainConfig",
+    "config_field",
+    "new_default",
     "aliases_used",
     "config_to_dict",
     "load_config",
@@ -35,132 +37,168 @@ __all__ = [
 C = TypeVar("C")
 
 
-def _help(text: str, default: Any = dataclasses.MISSING, **kwargs) -> Any:
+def config_field(text: str, default: Any = dataclasses.MISSING, **kwargs) -> Any:
+    """A config key: its help text (`--help`, the docs) and default (or `default_factory=`)."""
     if default is dataclasses.MISSING and "default_factory" not in kwargs:
         raise TypeError("config fields need a default")
     return field(default=default, metadata={"help": text}, **kwargs)
+
+
+_INHERIT = "\0inherit"  # a help text that is not one: take the key's help from the class it overrides
+
+
+def new_default(default: Any, text: str | None = None) -> Any:
+    """A recipe's own default for a key its base config class defines; the help text stays the base's unless the
+    key means something more specific here (`text`)."""
+    return config_field(_INHERIT if text is None else text, default)
 
 
 @dataclass
 class TrainConfig:
     """Fields every recipe shares. Names follow transformers' `TrainingArguments` where the concept is the same."""
 
+    def __init_subclass__(cls, **kwargs):
+        # Runs before @dataclass turns the class body into fields: a `new_default(...)` without a help text of its
+        # own gets the help of the key it overrides.
+        super().__init_subclass__(**kwargs)
+        for name, value in list(vars(cls).items()):
+            if isinstance(value, dataclasses.Field) and value.metadata.get("help") == _INHERIT:
+                base = next(
+                    b.__dataclass_fields__[name]
+                    for b in cls.__mro__[1:]
+                    if name in getattr(b, "__dataclass_fields__", {})
+                )
+                setattr(cls, name, config_field(base.metadata["help"], value.default))
+
     # --- outputs
-    output_dir: str = _help("Where the model, checkpoints, metrics.jsonl and summary.json go.", "outputs/run")
-    cache_dir: str | None = _help(
-        "Cache for tokenised data and generated assets (default: $TUNEBOOK_CACHE or ~/.cache/tunebook).", None
+    output_dir: str = config_field("Where the model, checkpoints, metrics.jsonl and summary.json go.", "outputs/run")
+    cache_dir: str | None = config_field(
+        "Cache for tokenised data and generated assets (unset: $TUNEBOOK_CACHE or ~/.cache/tunebook).", None
     )
-    push_to_hub: bool = _help(
+    push_to_hub: bool = config_field(
         "At the end, upload the final model directory (model, tokenizer, model card, config.yaml, summary.json, "
         "metrics.jsonl, report.png; never checkpoints or tracker files) to the Hub as hub_model_id. Needs network "
         "and a token with write access (HF_TOKEN or `hf auth login`), both checked at start-up.",
         False,
     )
-    hub_model_id: str | None = _help("The Hub repository to push to, 'name' or 'org/name' (with push_to_hub).", None)
-    hub_private_repo: bool | None = _help(
+    hub_model_id: str | None = config_field(
+        "The Hub repository to push to, 'name' or 'org/name' (with push_to_hub).", None
+    )
+    hub_private_repo: bool | None = config_field(
         "Create the repository private (None: the Hub's default for the account); an existing one is left as is.",
         None,
     )
     # --- optimisation
-    learning_rate: float = _help("Peak AdamW learning rate.", 5e-5)
-    weight_decay: float = _help("AdamW weight decay (not applied to biases and norm weights).", 0.0)
-    adam_beta1: float = _help("AdamW beta1.", 0.9)
-    adam_beta2: float = _help("AdamW beta2.", 0.999)
-    adam_epsilon: float = _help("AdamW epsilon.", 1e-8)
-    max_grad_norm: float = _help("Clip the global gradient norm to this (0 disables clipping).", 1.0)
-    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = _help(
+    learning_rate: float = config_field("Peak AdamW learning rate.", 5e-5)
+    weight_decay: float = config_field("AdamW weight decay (not applied to biases and norm weights).", 0.0)
+    adam_beta1: float = config_field("AdamW beta1.", 0.9)
+    adam_beta2: float = config_field("AdamW beta2.", 0.999)
+    adam_epsilon: float = config_field("AdamW epsilon.", 1e-8)
+    max_grad_norm: float = config_field("Clip the global gradient norm to this (0 disables clipping).", 1.0)
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = config_field(
         "Learning-rate schedule after warmup.", "linear"
     )
-    warmup_ratio: float = _help("Fraction of the optimizer steps spent warming up linearly from 0.", 0.0)
+    warmup_ratio: float = config_field("Fraction of the optimizer steps spent warming up linearly from 0.", 0.0)
     # --- batching and length of training
-    per_device_train_batch_size: int = _help("Micro-batch size per process.", 8)
-    per_device_eval_batch_size: int = _help("Evaluation batch size per process.", 8)
-    gradient_accumulation_steps: int = _help("Micro-batches per optimizer step.", 1)
-    num_train_epochs: float = _help("Epochs to train when max_steps is -1.", 1.0)
-    max_steps: int = _help("Optimizer steps to train; -1 uses num_train_epochs, 0 only evaluates.", -1)
-    gradient_checkpointing: bool = _help("Recompute activations in backward to save memory.", False)
+    per_device_train_batch_size: int = config_field("Micro-batch size per process.", 8)
+    per_device_eval_batch_size: int = config_field("Evaluation batch size per process.", 8)
+    gradient_accumulation_steps: int = config_field("Micro-batches per optimizer step.", 1)
+    num_train_epochs: float = config_field("Epochs to train when max_steps is -1.", 1.0)
+    max_steps: int = config_field("Optimizer steps to train; -1 uses num_train_epochs, 0 only evaluates.", -1)
+    gradient_checkpointing: bool = config_field("Recompute activations in backward to save memory.", False)
     # --- logging, evaluation, checkpoints
-    logging_steps: int = _help("Log train metrics every N optimizer steps.", 10)
-    eval_strategy: Literal["steps", "epoch"] = _help(
+    logging_steps: int = config_field("Log train metrics every N optimizer steps.", 10)
+    eval_strategy: Literal["steps", "epoch"] = config_field(
         "When to evaluate during training: every eval_steps optimizer steps, or at the end of every epoch. There is "
         "always an evaluation at the end when there is eval data.",
         "steps",
     )
-    eval_steps: int = _help("With eval_strategy steps: evaluate every N optimizer steps (0: only at the end).", 0)
-    eval_on_start: bool = _help("Also evaluate before the first step, to compare with the trained model.", True)
-    metric_for_best_model: str | None = _help(
+    eval_steps: int = config_field(
+        "With eval_strategy steps: evaluate every N optimizer steps (0: only at the end).", 0
+    )
+    eval_on_start: bool = config_field("Also evaluate before the first step, to compare with the trained model.", True)
+    metric_for_best_model: str | None = config_field(
         "Evaluation metric that picks the best checkpoint, e.g. eval_loss or eval_accuracy (the eval_ prefix may be "
         "left out). Default eval_loss when load_best_model_at_end or early_stopping_patience asks for one.",
         None,
     )
-    greater_is_better: bool | None = _help(
+    greater_is_better: bool | None = config_field(
         "Whether a larger metric_for_best_model is better (None: false for losses and perplexity, else true).", None
     )
-    load_best_model_at_end: bool = _help(
+    load_best_model_at_end: bool = config_field(
         "Export the best checkpoint's weights as the final model instead of the last step's. Every evaluation that "
         "improves on the best saves a checkpoint, which checkpoint rotation keeps.",
         False,
     )
-    early_stopping_patience: int = _help(
+    early_stopping_patience: int = config_field(
         "Stop training after this many evaluations in a row without improving metric_for_best_model (0: never).", 0
     )
-    save_strategy: Literal["steps", "epoch", "no"] = _help(
+    save_strategy: Literal["steps", "epoch", "no"] = config_field(
         "When to save resumable checkpoints: every save_steps optimizer steps, at the end of every epoch, or never "
         "(a stop signal still saves one).",
         "steps",
     )
-    save_steps: int = _help("With save_strategy steps: save every N optimizer steps (0: no step checkpoints).", 0)
-    save_total_limit: int = _help("Keep at most this many checkpoints, the newest (0: keep all).", 2)
-    resume_from_checkpoint: str | None = _help(
+    save_steps: int = config_field(
+        "With save_strategy steps: save every N optimizer steps (0: no step checkpoints).", 0
+    )
+    save_total_limit: int = config_field("Keep at most this many checkpoints, the newest (0: keep all).", 2)
+    resume_from_checkpoint: str | None = config_field(
         "Continue a run exactly where it stopped: 'latest' (the newest complete checkpoint in output_dir; an error "
         "when there is none), 'auto' (the newest one, or a fresh start when there is none: for jobs that are "
         "requeued) or a checkpoint directory. Keys that would change what the run computes (data, batches, model, "
         "seed) must equal the checkpoint's; the learning-rate schedule and optimizer settings follow the new config.",
         None,
     )
-    overwrite_output_dir: bool = _help(
+    overwrite_output_dir: bool = config_field(
         "Start afresh in an output_dir that holds another run's checkpoints, deleting them (and its metrics, "
         "summary and tracker logs); without it such a run stops at start-up.",
         False,
     )
-    nan_policy: Literal["stop", "skip"] = _help(
+    nan_policy: Literal["stop", "skip"] = config_field(
         "On a non-finite loss or gradient norm: stop (exit non-zero, keeping the last good checkpoint) or skip "
         "that update and count it.",
         "stop",
     )
-    peak_flops: float | None = _help(
+    peak_flops: float | None = config_field(
         "Peak FLOP/s of one device for the MFU figure (default: the data-sheet bf16 value of known GPUs; none on CPU).",
         None,
     )
-    report_to: str | list[str] = _help(
+    report_to: str | list[str] = config_field(
         "Experiment trackers (through Accelerate): tensorboard, trackio, wandb, mlflow, a list of them, auto "
         "(tensorboard when installed) or none. They get the config and every metrics.jsonl record; local ones write "
         "under output_dir/runs.",
         "auto",
     )
-    disable_tqdm: bool = _help("Turn off progress bars.", False)
+    disable_tqdm: bool = config_field("Turn off progress bars.", False)
     # --- several processes and machines
-    preflight_timeout: int = _help(
+    preflight_timeout: int = config_field(
         "Seconds all processes get to meet after data preparation; a node that never started, a crashed rank or "
         "ranks that disagree on config, data or versions then stop the run with one message instead of a hang.",
         300,
     )
-    ddp_timeout: int = _help(
+    ddp_timeout: int = config_field(
         "Timeout in seconds of the process group's collectives (torch.distributed); raise it if evaluation or a "
         "checkpoint save on one rank makes the others wait longer.",
         1800,
     )
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = _help("Log level of the main process.", "INFO")
-    seed: int = _help("Seed for model init, data order and dropout.", 42)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = config_field("Log level of the main process.", "INFO")
+    seed: int = config_field("Seed for model init, data order and dropout.", 42)
     # --- data loading
-    dataloader_num_workers: int = _help(
+    dataloader_num_workers: int = config_field(
         "DataLoader worker processes that collate batches in the background (0: collate in the training loop).", 2
     )
-    dataloader_prefetch_factor: int = _help("Batches each worker prepares ahead.", 2)
-    dataloader_pin_memory: bool = _help("Pin host memory for faster copies when training on CUDA.", True)
-    dataloader_non_blocking: bool = _help(
+    dataloader_prefetch_factor: int = config_field("Batches each worker prepares ahead.", 2)
+    dataloader_pin_memory: bool = config_field("Pin host memory for faster copies when training on CUDA.", True)
+    dataloader_non_blocking: bool = config_field(
         "Copy batches to the device asynchronously (with pinned memory), overlapping the copy with compute.", True
     )
+
+    def __post_init__(self) -> None:
+        """Computed defaults, resolved here so that config.yaml and `--help` show the values a run uses."""
+        if self.cache_dir is None:
+            from .locations import default_cache_dir
+
+            self.cache_dir = str(default_cache_dir())
 
     def validate(self) -> None:
         """Reject impossible settings with the key and value at fault."""
@@ -484,8 +522,9 @@ def saved_recipe(path: str | Path) -> str | None:
 def config_help(cls: type) -> str:
     hints = typing.get_type_hints(cls)
     lines = [f"{cls.__name__} keys (use --config FILE.yaml and/or --key value):"]
+    defaults = cls()  # computed defaults (cache_dir, the tiny model...) resolved, as a run would use them
     for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default = getattr(defaults, f.name)
         lines.append(
             f"  --{f.name} ({_type_name(hints[f.name])}, default {default!r})\n      {f.metadata.get('help', '')}"
         )

@@ -7,7 +7,7 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["hub_name_of_snapshot", "looks_like_local_path"]
+__all__ = ["default_cache_dir", "hub_name_of_snapshot", "looks_like_local_path"]
 
 # huggingface_hub's cache layout: <cache>/models--org--name/snapshots/<commit>/ (datasets--org--name for data sets)
 _SNAPSHOT = re.compile(r"(?:^|/)(models|datasets)--([^/]+?)(?:--([^/]+))?/snapshots/([0-9a-f]{7,64})/?$")
@@ -26,3 +26,9 @@ def hub_name_of_snapshot(path: str | Path) -> tuple[str, str] | None:
         return None
     _, first, second, commit = match.groups()
     return (f"{first}/{second}" if second else first), commit
+
+
+def default_cache_dir() -> Path:
+    """Where tokenised data, trained tokenizers and generated tasks are cached: $TUNEBOOK_CACHE or
+    ~/.cache/tunebook."""
+    return Path(os.environ.get("TUNEBOOK_CACHE", Path.home() / ".cache" / "tunebook")).expanduser()

@@ -56,10 +56,18 @@ def setup_logging(is_main_process: bool, level: str = "INFO", disable_tqdm: bool
     if not is_main_process:
         datasets.utils.logging.set_verbosity_error()
         transformers.utils.logging.set_verbosity_error()
+    # Tied embeddings are one tensor saved once: accelerate warns about it at every checkpoint, and resuming from
+    # them is tested exact (tests/equivalence/test_resume.py).
+    logging.getLogger("accelerate.utils.other").addFilter(_SharedTensorNote())
     if not is_main_process or disable_tqdm or not sys.stderr.isatty():
         datasets.disable_progress_bars()
         transformers.utils.logging.disable_progress_bar()
     return logger
+
+
+class _SharedTensorNote(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Removed shared tensor")
 
 
 class _OtherRanksFilter(logging.Filter):
@@ -181,18 +189,21 @@ class RunTimer:
         return min(self.data_wait_seconds / runtime, 1.0) if runtime > 0 else 0.0
 
 
-def data_wait_advice(fraction: float, num_workers: int, prefetch_factor: int, threshold: float = 0.05) -> str | None:
-    """What to change when the training loop waited for data more than `threshold` of its time, else None."""
+def data_wait_advice(
+    fraction: float, num_workers: int, prefetch_factor: int, threshold: float = 0.05, data_built: bool = False
+) -> str | None:
+    """What to change when the training loop waited for data more than `threshold` of its time, else None.
+    `data_built`: this run tokenised its data (rather than finding every cache built)."""
     if fraction <= threshold:
         return None
     if num_workers == 0:
         fix = "set dataloader_num_workers (now 0) to 2 or more so batches are collated in the background"
     else:
         fix = f"raise dataloader_num_workers (now {num_workers}) or dataloader_prefetch_factor (now {prefetch_factor})"
-    return (
-        f"The training loop waited for data {100 * fraction:.0f}% of the time (more than {100 * threshold:.0f}%): "
-        f"{fix}; prepare the data ahead with `tunebook prepare` if preprocessing is the slow part"
+    prepare = (
+        "; prepare the data ahead with `tunebook prepare` if preprocessing is the slow part" if data_built else ""
     )
+    return f"The training loop waited for data {100 * fraction:.0f}% of the time (more than {100 * threshold:.0f}%): {fix}{prepare}"
 
 
 def _process_start_time() -> float:
@@ -251,7 +262,11 @@ def log_run_start(log: logging.Logger, config, accelerator) -> None:
     """The resolved config, the other tools' key names it was given with (once each), and the processes."""
     from .config import aliases_used, config_to_dict
 
-    log.info("Resolved config:\n%s", "\n".join(f"  {k}: {v!r}" for k, v in config_to_dict(config).items()))
+    # One line of what differs from the recipe's defaults: the whole resolved config is in output_dir/config.yaml.
+    defaults = config_to_dict(type(config)())
+    changed = {k: v for k, v in config_to_dict(config).items() if defaults.get(k) != v and k != "cache_dir"}
+    shown = ", ".join(f"{k}={v!r}" for k, v in changed.items()) or "the recipe's defaults"
+    log.info("Config: %s (every key: %s)", shown, Path(config.output_dir) / "config.yaml")
     for alias, key in aliases_used(config).items():
         log.info("Config key '%s' (TRL's / transformers' name) is read as '%s'", alias, key)
     log.info(

@@ -25,7 +25,7 @@ from typing import Any
 from .config import parse_config
 from .errors import ConfigError, install_excepthook
 
-__all__ = ["RECIPES", "Recipe", "load_recipe", "recipe_config_class", "recipe_file", "recipe_name"]
+__all__ = ["RECIPES", "Recipe", "load_recipe", "recipe_config_class", "recipe_data", "recipe_file", "recipe_name"]
 
 RECIPES = ("sft", "classify", "pretrain", "dpo")
 
@@ -53,6 +53,22 @@ def recipe_name(config) -> str | None:
         if type(config) is recipe_config_class(name):
             return name
     return None
+
+
+def recipe_data(name: str):
+    """The function that prepares recipe `name`'s data (`prepare(config, cache_dir, log)`): what the recipe runs first
+    and `tunebook prepare` runs alone."""
+    from . import data
+
+    preparers = {
+        "sft": data.prepare_sft_data,
+        "classify": data.prepare_classification_data,
+        "pretrain": data.prepare_text_data,
+        "dpo": data.prepare_preference_data,
+    }
+    if name not in preparers:
+        raise ConfigError(f"unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
+    return preparers[name]
 
 
 def recipe_file(name: str) -> Path:

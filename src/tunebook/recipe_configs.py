@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
-from .config import TrainConfig, _help
+from .config import TrainConfig, config_field, new_default
 from .errors import ConfigError
 from .locations import looks_like_local_path
+from .models.tiny import TINY_BERT, TINY_LLAMA
 
 __all__ = ["ChatModelConfig", "ClassifyConfig", "DPOConfig", "ModelDataConfig", "PretrainConfig", "SFTConfig"]
 
@@ -18,84 +19,94 @@ class ModelDataConfig(TrainConfig):
     """The model, tokenizer and data fields every recipe shares (fields only; each recipe adds its own)."""
 
     # --- model and tokenizer
-    model_name_or_path: str | None = _help("Local HF model directory or Hub name to fine-tune.", None)
-    model_revision: str | None = _help("Branch, tag or commit of a Hub model (and of its tokenizer).", None)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _help(
+    model_name_or_path: str | None = config_field("Local HF model directory or Hub name to fine-tune.", None)
+    model_revision: str | None = config_field("Branch, tag or commit of a Hub model (and of its tokenizer).", None)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = config_field(
         "Weights' dtype in memory. auto: float32 for the weights that train (bf16/fp16 mixed precision comes from the "
         "accelerate config and computes in half precision over float32 master weights); with LoRA the frozen base "
         "as stored in the checkpoint. bfloat16/float16: all weights in that dtype, trained ones too (less memory, "
         "updates lose precision).",
         "auto",
     )
-    use_safetensors: bool = _help(
+    use_safetensors: bool = config_field(
         "Load weights only from safetensors files; false also allows pickled .bin weights (which can run code).",
         True,
     )
-    model_config: dict | str | None = _help(
-        "Build a fresh model from this config dict (or JSON/YAML file) instead of loading weights; with neither "
-        "this nor model_name_or_path, the recipe's tiny default model.",
+    model_config: dict | str | None = config_field(
+        "Build a fresh model from this config dict (or JSON/YAML file) instead of loading weights; unset with no "
+        "model_name_or_path either: the recipe's tiny default model (the embedded offline run).",
         None,
     )
-    tokenizer_name_or_path: str | None = _help(
+    tokenizer_name_or_path: str | None = config_field(
         "Tokenizer to load (default: the model's); with no model either, one is trained locally on train_data.",
         None,
     )
-    trust_remote_code: bool = _help(
+    trust_remote_code: bool = config_field(
         "Allow a model or tokenizer directory to run its own Python code (off: only standard architectures load).",
         False,
     )
-    tokenizer_vocab_size: int = _help("Vocabulary size of a locally trained tokenizer.", 512)
-    attn_implementation: str | None = _help(
+    tokenizer_vocab_size: int = config_field("Vocabulary size of a locally trained tokenizer.", 512)
+    attn_implementation: str | None = config_field(
         "Attention kernel: sdpa, eager, flash_attention_2 (None: model default).", "sdpa"
     )
     # --- LoRA / QLoRA through peft (pip install 'tunebook[peft]')
-    use_peft: bool = _help(
+    use_peft: bool = config_field(
         "Train LoRA adapters instead of all weights: the base stays frozen, checkpoints hold only the adapters and "
         "the output is a peft adapter directory.",
         False,
     )
-    lora_r: int = _help("Rank of the LoRA update matrices.", 16)
-    lora_alpha: float = _help("LoRA scale numerator: the update is scaled by lora_alpha / lora_r.", 32)
-    lora_dropout: float = _help("Dropout on the input of the LoRA update.", 0.05)
-    lora_target_modules: str | list[str] = _help(
+    lora_r: int = config_field("Rank of the LoRA update matrices.", 16)
+    lora_alpha: float = config_field("LoRA scale numerator: the update is scaled by lora_alpha / lora_r.", 32)
+    lora_dropout: float = config_field("Dropout on the input of the LoRA update.", 0.05)
+    lora_target_modules: str | list[str] = config_field(
         "Modules that get adapters: all-linear (every linear layer except the output head), a module name, or a "
         "list of names (e.g. [q_proj, v_proj]).",
         "all-linear",
     )
-    modules_to_save: list[str] | None = _help(
+    modules_to_save: list[str] | None = config_field(
         "Modules trained in full and saved with the adapters (e.g. [embed_tokens, lm_head] when the tokenizer has "
         "new tokens); a classifier's head is always trained.",
         None,
     )
-    merge_adapter: bool = _help(
+    merge_adapter: bool = config_field(
         "Also write the adapters folded into the base weights, as a plain model directory in output_dir/merged.",
         False,
     )
-    load_in_4bit: bool = _help(
+    load_in_4bit: bool = config_field(
         "QLoRA: load the base model quantised to 4-bit NF4 through bitsandbytes (CUDA only; needs use_peft and "
         "model_name_or_path).",
         False,
     )
     # --- data
-    train_data: str | dict | list | None = _help(
+    train_data: str | dict | list | None = config_field(
         "A local file (json, jsonl, jsonl.gz, csv, tsv, parquet, arrow, txt) or folder, a Hub data set name, or a "
         "mapping {path, name, split, revision, data_files, data_dir, columns, weight | samples}, or a list of them. "
         "A folder or Hub data set with several splits needs split. None: generate the recipe's synthetic task.",
         None,
     )
-    eval_data: str | dict | list | None = _help(
+    eval_data: str | dict | list | None = config_field(
         "Evaluation data, same forms as train_data (e.g. {path: HuggingFaceH4/ultrachat_200k, split: test_sft}).", None
     )
-    eval_split_ratio: float = _help(
+    eval_split_ratio: float = config_field(
         "Hold out this fraction of train_data for evaluation when eval_data is unset (0: no split).", 0.0
     )
-    max_seq_length: int = _help("Longest tokenised example in tokens.", 1024)
-    dataset_num_proc: int | None = _help("Processes for tokenisation (None: one).", None)
-    pad_to_multiple_of: int | None = _help(
+    max_seq_length: int = config_field("Longest tokenised example in tokens.", 1024)
+    dataset_num_proc: int | None = config_field("Processes for tokenisation (None: one).", None)
+    pad_to_multiple_of: int | None = config_field(
         "Round padded batch lengths up to a multiple of this (tensor-core friendly).", 8
     )
-    synthetic_train_size: int = _help("Training examples of the synthetic task (when train_data is None).", 8000)
-    synthetic_eval_size: int = _help("Held-out examples of the synthetic task (when train_data is None).", 200)
+    synthetic_train_size: int = config_field(
+        "Training examples of the synthetic task (when train_data is None).", 8000
+    )
+    synthetic_eval_size: int = config_field("Held-out examples of the synthetic task (when train_data is None).", 200)
+
+    # The model a recipe builds when the config names none: the embedded default's (tunebook.models.tiny).
+    tiny_model: ClassVar[dict] = TINY_LLAMA
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.model_config is None and self.model_name_or_path is None:
+            self.model_config = dict(self.tiny_model)
 
     def validate(self) -> None:
         super().validate()
@@ -131,7 +142,7 @@ class ModelDataConfig(TrainConfig):
 class ChatModelConfig(ModelDataConfig):
     """Fields of the recipes that render conversations with a chat template (fields only)."""
 
-    chat_template: str | None = _help(
+    chat_template: str | None = config_field(
         "Chat template: Jinja text, a .jinja file, or a tokenizer directory (or Hub name) to take it from. Default: "
         "the tokenizer's own, or ChatML with <|im_start|>/<|im_end|> added as tokens. The token ending an assistant "
         "turn becomes eos_token, so the model learns to stop.",
@@ -149,48 +160,46 @@ class SFTConfig(ChatModelConfig):
     """
 
     # --- data
-    data_format: Literal["auto", "chat", "sharegpt", "alpaca", "prompt_completion", "text"] = _help(
+    data_format: Literal["auto", "chat", "sharegpt", "alpaca", "prompt_completion", "text"] = config_field(
         "Data format; auto detects it from the columns (in this order): chat (messages), sharegpt (conversations), "
         "alpaca (instruction, output), prompt_completion (prompt, completion: strings or message lists), text "
         "(dataset_text_field; every token carries the loss).",
         "auto",
     )
-    dataset_text_field: str = _help("The plain-text column of text data (data_format text).", "text")
-    overlong_examples: Literal["truncate", "drop"] = _help(
+    dataset_text_field: str = config_field("The plain-text column of text data (data_format text).", "text")
+    overlong_examples: Literal["truncate", "drop"] = config_field(
         "Truncate or drop examples longer than max_seq_length.", "truncate"
     )
-    assistant_only_loss: bool = _help("Compute the loss on assistant/completion tokens only.", True)
-    packing: bool = _help(
+    assistant_only_loss: bool = config_field("Compute the loss on assistant/completion tokens only.", True)
+    packing: bool = config_field(
         "Pack examples into rows of max_seq_length (best-fit decreasing) with attention kept inside each example; "
         "removes nearly all padding.",
         False,
     )
-    group_by_length: bool = _help(
+    group_by_length: bool = config_field(
         "Without packing: batch examples of similar length together, so a batch pads only to similar lengths. "
         "Off by default (as in TrainingArguments): it makes batches less random, and where length correlates "
         "with content it hurts; on the synthetic task it groups by task and the model stops learning.",
         False,
     )
     # --- evaluation
-    generation_eval: bool = _help("Score greedy generations against the reference answers (exact match).", True)
-    generation_max_new_tokens: int = _help("Tokens to generate per eval prompt.", 32)
-    generation_eval_max_samples: int = _help(
+    generation_eval: bool = config_field("Score greedy generations against the reference answers (exact match).", True)
+    generation_max_new_tokens: int = config_field("Tokens to generate per eval prompt.", 32)
+    generation_eval_max_samples: int = config_field(
         "Generate answers for at most this many eval examples (0: all): generation is slow, and an eval split of "
         "thousands would take longer than training.",
         64,
     )
 
     # The embedded default run (see the class docstring).
-    output_dir: str = _help("Where the model, checkpoints, metrics.jsonl and summary.json go.", "outputs/sft-default")
-    learning_rate: float = _help("Peak AdamW learning rate.", 3e-3)
-    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = _help(
-        "Learning-rate schedule after warmup.", "cosine"
-    )
-    warmup_ratio: float = _help("Fraction of the optimizer steps spent warming up linearly from 0.", 0.05)
-    per_device_train_batch_size: int = _help("Micro-batch size per process.", 32)
-    per_device_eval_batch_size: int = _help("Evaluation batch size per process.", 100)
-    num_train_epochs: float = _help("Epochs to train when max_steps is -1.", 2.0)
-    logging_steps: int = _help("Log train metrics every N optimizer steps.", 25)
+    output_dir: str = new_default("outputs/sft-default")
+    learning_rate: float = new_default(3e-3)
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = new_default("cosine")
+    warmup_ratio: float = new_default(0.05)
+    per_device_train_batch_size: int = new_default(32)
+    per_device_eval_batch_size: int = new_default(100)
+    num_train_epochs: float = new_default(2.0)
+    logging_steps: int = new_default(25)
 
     def validate(self) -> None:
         super().validate()
@@ -207,35 +216,35 @@ class ClassifyConfig(ModelDataConfig):
     a tiny BERT built from config (tunebook.models.TINY_BERT).
     """
 
+    tiny_model: ClassVar[dict] = TINY_BERT
+
     # --- data
-    text_column: str = _help("Column with the text to classify.", "text")
-    text_pair_column: str | None = _help("Column with the second text of a pair (None: single texts).", None)
-    label_column: str = _help("Column with the labels: class names (strings) or class ids (integers).", "label")
-    label_names: list[str] | None = _help(
+    text_column: str = config_field("Column with the text to classify.", "text")
+    text_pair_column: str | None = config_field("Column with the second text of a pair (None: single texts).", None)
+    label_column: str = config_field("Column with the labels: class names (strings) or class ids (integers).", "label")
+    label_names: list[str] | None = config_field(
         "The classes in id order (None: the sorted distinct string labels of train_data, or 0..K-1 for integers).",
         None,
     )
     # --- evaluation
-    metrics: list[str] = _help(
+    metrics: list[str] = config_field(
         "evaluate metrics computed on the eval set (Tunebook ships accuracy, f1, precision, recall offline).",
         default_factory=lambda: ["accuracy", "f1", "precision", "recall"],
     )
-    metric_average: Literal["binary", "macro", "micro", "weighted"] | None = _help(
+    metric_average: Literal["binary", "macro", "micro", "weighted"] | None = config_field(
         "Averaging of f1/precision/recall (None: binary for 2 classes, else macro).", None
     )
 
     # The embedded default run (see the class docstring).
-    output_dir: str = _help(
-        "Where the model, checkpoints, metrics.jsonl and summary.json go.", "outputs/classify-default"
-    )
-    max_seq_length: int = _help("Longest tokenised example in tokens (longer ones are truncated).", 128)
-    learning_rate: float = _help("Peak AdamW learning rate.", 2e-3)
-    warmup_ratio: float = _help("Fraction of the optimizer steps spent warming up linearly from 0.", 0.05)
-    per_device_train_batch_size: int = _help("Micro-batch size per process.", 32)
-    per_device_eval_batch_size: int = _help("Evaluation batch size per process.", 64)
-    num_train_epochs: float = _help("Epochs to train when max_steps is -1.", 2.0)
-    synthetic_train_size: int = _help("Training examples of the synthetic task (when train_data is None).", 4000)
-    synthetic_eval_size: int = _help("Held-out examples of the synthetic task (when train_data is None).", 400)
+    output_dir: str = new_default("outputs/classify-default")
+    max_seq_length: int = new_default(128, "Longest tokenised example in tokens (longer ones are truncated).")
+    learning_rate: float = new_default(2e-3)
+    warmup_ratio: float = new_default(0.05)
+    per_device_train_batch_size: int = new_default(32)
+    per_device_eval_batch_size: int = new_default(64)
+    num_train_epochs: float = new_default(2.0)
+    synthetic_train_size: int = new_default(4000)
+    synthetic_eval_size: int = new_default(400)
 
     def validate(self) -> None:
         super().validate()
@@ -254,27 +263,27 @@ class PretrainConfig(ModelDataConfig):
     """
 
     # --- data
-    text_column: str = _help("Column holding the documents (a .txt file gives a 'text' column).", "text")
-    text_sample_by: Literal["document", "paragraph", "line"] = _help(
+    text_column: str = config_field("Column holding the documents (a .txt file gives a 'text' column).", "text")
+    text_sample_by: Literal["document", "paragraph", "line"] = config_field(
         "What one document is in a .txt file: the whole file, each blank-line separated paragraph, or each line.",
         "paragraph",
     )
 
     # The embedded default run (see the class docstring).
-    output_dir: str = _help(
-        "Where the model, checkpoints, metrics.jsonl and summary.json go.", "outputs/pretrain-default"
+    output_dir: str = new_default("outputs/pretrain-default")
+    max_seq_length: int = new_default(
+        256, "Tokens per training row (documents are cut to fit and never attend across)."
     )
-    max_seq_length: int = _help("Tokens per training row (documents are cut to fit and never attend across).", 256)
-    learning_rate: float = _help("Peak AdamW learning rate.", 3e-3)
-    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = _help(
-        "Learning-rate schedule after warmup.", "cosine"
+    learning_rate: float = new_default(3e-3)
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = new_default("cosine")
+    warmup_ratio: float = new_default(0.05)
+    per_device_train_batch_size: int = new_default(16)
+    per_device_eval_batch_size: int = new_default(16)
+    num_train_epochs: float = new_default(2.0)
+    synthetic_train_size: int = new_default(2000, "Documents of the synthetic corpus (when train_data is None).")
+    synthetic_eval_size: int = new_default(
+        100, "Held-out documents of the synthetic corpus (when train_data is None)."
     )
-    warmup_ratio: float = _help("Fraction of the optimizer steps spent warming up linearly from 0.", 0.05)
-    per_device_train_batch_size: int = _help("Micro-batch size per process.", 16)
-    per_device_eval_batch_size: int = _help("Evaluation batch size per process.", 16)
-    num_train_epochs: float = _help("Epochs to train when max_steps is -1.", 2.0)
-    synthetic_train_size: int = _help("Documents of the synthetic corpus (when train_data is None).", 2000)
-    synthetic_eval_size: int = _help("Held-out documents of the synthetic corpus (when train_data is None).", 100)
 
 
 @dataclass
@@ -287,41 +296,41 @@ class DPOConfig(ChatModelConfig):
     """
 
     # --- data
-    overlong_examples: Literal["truncate", "drop"] = _help(
+    overlong_examples: Literal["truncate", "drop"] = config_field(
         "Pairs longer than max_seq_length: cut the responses to fit (the prompt is kept whole) or drop the pair.",
         "truncate",
     )
     # --- DPO
-    beta: float = _help(
+    beta: float = config_field(
         "Strength of the KL penalty towards the reference model: the implicit reward is beta x the log-ratio of "
         "policy to reference (TRL's default 0.1; lower lets the policy move further).",
         0.1,
     )
-    label_smoothing: float = _help(
+    label_smoothing: float = config_field(
         "Assumed probability that a preference label is flipped (conservative DPO, cDPO); 0 is plain DPO.", 0.0
     )
-    precompute_ref_log_probs: bool = _help(
+    precompute_ref_log_probs: bool = config_field(
         "Compute the reference model's log-probabilities of every pair once before training and cache them with "
         "the data (no reference forward, or second model, during training).",
         False,
     )
-    sft_warmup_steps: int | None = _help(
+    sft_warmup_steps: int | None = config_field(
         "Optimizer steps of plain SFT on the chosen responses before DPO, for a model that has not learnt the task "
-        "format; None: 150 for a fresh model built from a config (the embedded default), 0 for a loaded one.",
+        "format; unset: 150 for a fresh model built from a config (the embedded default), 0 for a loaded one.",
         None,
     )
 
     # The embedded default run (see the class docstring).
-    output_dir: str = _help("Where the model, checkpoints, metrics.jsonl and summary.json go.", "outputs/dpo-default")
-    max_seq_length: int = _help("Longest prompt + response in tokens.", 64)
-    learning_rate: float = _help("Peak AdamW learning rate.", 2e-3)
-    warmup_ratio: float = _help("Fraction of the optimizer steps spent warming up linearly from 0.", 0.1)
-    per_device_train_batch_size: int = _help("Pairs per micro-batch per process.", 32)
-    per_device_eval_batch_size: int = _help("Pairs per evaluation batch per process.", 64)
-    max_steps: int = _help("Optimizer steps to train (-1: num_train_epochs).", 100)
-    logging_steps: int = _help("Log train metrics every N optimizer steps.", 10)
-    synthetic_train_size: int = _help("Preference pairs of the synthetic task (when train_data is None).", 4000)
-    synthetic_eval_size: int = _help("Held-out pairs of the synthetic task (when train_data is None).", 200)
+    output_dir: str = new_default("outputs/dpo-default")
+    max_seq_length: int = new_default(64, "Longest prompt + response in tokens.")
+    learning_rate: float = new_default(2e-3)
+    warmup_ratio: float = new_default(0.1)
+    per_device_train_batch_size: int = new_default(32, "Pairs per micro-batch per process.")
+    per_device_eval_batch_size: int = new_default(64, "Pairs per evaluation batch per process.")
+    max_steps: int = new_default(100)
+    logging_steps: int = new_default(10)
+    synthetic_train_size: int = new_default(4000, "Preference pairs of the synthetic task (when train_data is None).")
+    synthetic_eval_size: int = new_default(200, "Held-out pairs of the synthetic task (when train_data is None).")
 
     def validate(self) -> None:
         super().validate()
@@ -332,9 +341,8 @@ class DPOConfig(ChatModelConfig):
         if self.sft_warmup_steps is not None and self.sft_warmup_steps < 0:
             raise ConfigError(f"sft_warmup_steps must be >= 0 or null, got {self.sft_warmup_steps}")
 
-    @property
-    def warmup_steps(self) -> int:
-        """`sft_warmup_steps` resolved: None is 150 for a fresh model and 0 for one loaded from a path."""
-        if self.sft_warmup_steps is not None:
-            return self.sft_warmup_steps
-        return 0 if self.model_name_or_path else 150
+    def __post_init__(self) -> None:
+        fresh = self.model_name_or_path is None  # before the tiny model fills model_config in
+        super().__post_init__()
+        if self.sft_warmup_steps is None:
+            self.sft_warmup_steps = 150 if fresh else 0

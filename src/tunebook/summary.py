@@ -46,7 +46,8 @@ def run_summary(
     tokens, fed, samples = accelerator.reduce(totals, "sum").tolist()
     local_wait = torch.tensor(timer.data_wait_fraction(), device=accelerator.device)
     data_wait = accelerator.reduce(local_wait, "mean").item()
-    if advice := data_wait_advice(data_wait, config.dataloader_num_workers, config.dataloader_prefetch_factor):
+    workers, prefetch = config.dataloader_num_workers, config.dataloader_prefetch_factor
+    if advice := data_wait_advice(data_wait, workers, prefetch, data_built=bool(getattr(data, "built", []))):
         logger.warning(advice)
     summary = {
         "recipe": recipe,

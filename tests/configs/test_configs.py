@@ -7,11 +7,10 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from tunebook.config import parse_config
-from tunebook.recipe_configs import ClassifyConfig, DPOConfig, PretrainConfig, SFTConfig
+from tunebook.config import parse_config, save_config, saved_recipe
+from tunebook.recipe import RECIPES, recipe_config_class
 
 RECIPE_CONFIGS = sorted((ROOT / "recipes" / "configs").rglob("*.yaml"))
-CONFIG_CLASSES = {"sft": SFTConfig, "classify": ClassifyConfig, "pretrain": PretrainConfig, "dpo": DPOConfig}
 ACCELERATE_CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
 
 
@@ -30,13 +29,18 @@ def test_all_configs_are_found():
 
 
 @pytest.mark.parametrize("path", RECIPE_CONFIGS, ids=lambda p: str(p.relative_to(ROOT)))
-def test_recipe_config_parses(path: Path):
+def test_recipe_config_parses(path: Path, tmp_path):
     task = path.relative_to(ROOT / "recipes" / "configs").parts[0]
-    config = parse_config(CONFIG_CLASSES[task], config_file=path)
+    assert task in RECIPES
+    config = parse_config(recipe_config_class(task), config_file=path)
+    header = path.read_text().split("\n\n")[0]
     assert path.read_text().startswith("#"), "each config opens with a comment giving its launch command"
-    assert "tunebook train --config_file accelerate_configs/" in path.read_text().split("\n\n")[0]
-    assert f" {task} " in path.read_text().split("\n\n")[0] or f" {task}\n" in path.read_text().split("\n\n")[0]
-    assert config.output_dir
+    assert "tunebook train --config_file accelerate_configs/" in header
+    assert f" {task} " in header or f" {task}\n" in header
+    # What a run writes as output_dir/config.yaml loads back to the same config, naming its recipe.
+    save_config(config, tmp_path / "config.yaml", task)
+    assert parse_config(recipe_config_class(task), config_file=tmp_path / "config.yaml") == config
+    assert saved_recipe(tmp_path / "config.yaml") == task
 
 
 def _launch_env(path: Path) -> tuple[object, dict[str, str]]:
@@ -89,29 +93,8 @@ def test_accelerate_config_loads(path: Path, monkeypatch):
         assert {"num_machines", "num_processes", "machine_rank", "main_process_ip", "main_process_port"} <= set(edits)
 
 
-def test_default_yaml_is_the_embedded_default():
-    """The documented default must not drift from the dataclass defaults the recipe uses without --config."""
-    from tunebook.models import TINY_LLAMA
-
-    from_file = parse_config(SFTConfig, config_file=ROOT / "recipes/configs/sft/default.yaml")
-    embedded = SFTConfig()
-    assert from_file.model_config == TINY_LLAMA
-    differing = {k for k in vars(embedded) if getattr(embedded, k) != getattr(from_file, k)}
-    assert differing <= {"model_config", "max_seq_length", "generation_max_new_tokens"}
-
-
-@pytest.mark.parametrize(
-    "task, cls, model",
-    [
-        ("classify", ClassifyConfig, "TINY_BERT"),
-        ("pretrain", PretrainConfig, "TINY_LLAMA"),
-        ("dpo", DPOConfig, "TINY_LLAMA"),
-    ],
-)
-def test_other_default_yamls_are_the_embedded_defaults(task, cls, model):
-    import tunebook.models
-
-    from_file = parse_config(cls, config_file=ROOT / f"recipes/configs/{task}/default.yaml")
-    embedded = cls()
-    assert from_file.model_config == getattr(tunebook.models, model)
-    assert {k for k in vars(embedded) if getattr(embedded, k) != getattr(from_file, k)} == {"model_config"}
+@pytest.mark.parametrize("task", RECIPES)
+def test_default_yaml_spells_out_the_embedded_default(task):
+    """recipes/configs/<task>/default.yaml says it spells out the defaults the recipe runs without --config."""
+    cls = recipe_config_class(task)
+    assert parse_config(cls, config_file=ROOT / f"recipes/configs/{task}/default.yaml") == cls()

@@ -194,6 +194,38 @@ def test_save_strategy_epoch_and_no(name, tmp_path):
     assert list_checkpoints(tmp_path / "no") == []
 
 
+@pytest.mark.parametrize("name", RECIPES)
+def test_one_output_dir_holds_one_run(name, tmp_path, caplog):
+    from tunebook.errors import ConfigError
+
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    with pytest.raises(ConfigError, match="resume_from_checkpoint latest: no checkpoint in"):
+        _run(name, out, cache, max_steps=3, resume_from_checkpoint="latest")  # a mistyped output_dir, say
+    assert _run(name, out, cache, max_steps=3, save_steps=3, resume_from_checkpoint="auto")["resumed_from"] is None
+    with pytest.raises(ConfigError, match="holds checkpoints of an earlier run .*--overwrite_output_dir true"):
+        _run(name, out, cache, max_steps=3)
+    summary = _run(name, out, cache, max_steps=2, overwrite_output_dir=True)
+    assert summary["resumed_from"] is None and list_checkpoints(out) == []
+    assert [r["step"] for r in _records(out) if "loss" in r] == [1, 2]  # nothing of the earlier run
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_resuming_with_a_changed_config(name, tmp_path):
+    from tunebook.errors import ConfigError
+
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    constant = {"lr_scheduler_type": "constant", "save_steps": 3}
+    _run(name, out, cache, max_steps=3, **constant)
+    with pytest.raises(ConfigError, match="other values of per_device_train_batch_size, seed; resuming would not"):
+        _run(name, out, cache, max_steps=6, resume_from_checkpoint="latest", per_device_train_batch_size=2, seed=1,
+             **constant)  # fmt: skip
+    # Longer, with another learning rate and logging cadence: applied from the resumed step on.
+    _run(name, out, cache, max_steps=6, resume_from_checkpoint="latest", learning_rate=5e-4, logging_steps=3,
+         **constant)  # fmt: skip
+    rates = {r["step"]: r["learning_rate"] for r in _records(out) if "loss" in r}
+    assert rates == {1: 1e-3, 2: 1e-3, 3: 1e-3, 6: 5e-4}
+
+
 def test_the_recipes_differ_only_where_their_task_differs():
     """The loop's calls, in one order, in every recipe's main; nothing of the loop's own written again."""
     loop_calls = ["start_run", "prepare_then_join", "build_optimizer", "prepare", "plan_training", "resume",

@@ -8,15 +8,18 @@ import pytest
 from conftest import ROOT
 
 from tunebook import ConfigError, load_recipe
-from tunebook.recipe_configs import ClassifyConfig, PretrainConfig, SFTConfig
+from tunebook.recipe import RECIPES, recipe_config_class
+from tunebook.recipe_configs import ClassifyConfig, DPOConfig, PretrainConfig, SFTConfig
 
 
 def test_each_recipe_loads_with_its_config_class(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["jupyter", "--not-a-recipe-flag"])  # importing must not parse argv
-    for name, cls in [("sft", SFTConfig), ("classify", ClassifyConfig), ("pretrain", PretrainConfig)]:
+    classes = {"sft": SFTConfig, "classify": ClassifyConfig, "pretrain": PretrainConfig, "dpo": DPOConfig}
+    assert set(RECIPES) == set(classes)
+    for name, cls in classes.items():
         recipe = load_recipe(name)
-        assert recipe.config_class is cls and recipe.name == name
+        assert recipe.config_class is cls is recipe_config_class(name) and recipe.name == name
         assert recipe.module.__name__ == f"tunebook.recipes.{name}"
     assert list(tmp_path.iterdir()) == []  # nothing written, nothing trained
 

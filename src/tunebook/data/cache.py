@@ -21,15 +21,13 @@ from typing import Any
 import datasets
 from transformers import PreTrainedTokenizerBase
 
+from ..locations import default_cache_dir
+
 __all__ = ["PREPROCESSING_VERSION", "cached_dataset", "default_cache_dir", "fingerprint", "tokenizer_fingerprint"]
 
 # Bump when tokenisation or masking changes what it produces, so old caches are not reused.
 PREPROCESSING_VERSION = "1"
 STATS_FILE = "tunebook_stats.json"
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("TUNEBOOK_CACHE", Path.home() / ".cache" / "tunebook")).expanduser()
 
 
 def fingerprint(parts: dict[str, Any]) -> str:

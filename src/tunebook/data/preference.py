@@ -25,13 +25,13 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import DataError
-from ..models.tokenizer import config_tokenizer, setup_chat_template
 from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
 from .collate import PadCollator
 from .formats import as_messages, normalise_messages
 from .sources import DataSource, config_sources, fingerprint_sources, load_source
 from .synthetic import _write_disjoint, make_example
 from .tokenize import IGNORE_INDEX, render_chat
+from .tokenizer import config_tokenizer, setup_chat_template
 
 __all__ = [
     "PairCollator",

@@ -17,12 +17,12 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import ConfigError
-from ..models.tokenizer import config_tokenizer, setup_chat_template
 from .cache import cached_dataset, fingerprint
 from .packing import example_lengths, pack_dataset
 from .pipeline import conversation_texts, load_conversations, prepare_sft_dataset, sft_cache_key
 from .sources import DataSource, config_sources, fingerprint_sources
 from .synthetic import write_synthetic_task
+from .tokenizer import config_tokenizer, setup_chat_template
 
 __all__ = ["SFTData", "prepare_sft_data"]
 

@@ -20,12 +20,12 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import ConfigError, DataError
-from ..models.tokenizer import config_tokenizer
 from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
 from .packing import example_lengths
 from .sources import DataSource, config_sources, fingerprint_sources, load_source
 from .synthetic import write_synthetic_text
 from .tokenize import IGNORE_INDEX
+from .tokenizer import config_tokenizer
 
 __all__ = ["TextData", "chunk_documents", "prepare_text_data"]
 

@@ -1,44 +1,30 @@
-"""Model and tokenizer construction."""
+"""Model construction: build or load models (`build`), LoRA (`lora`), the tiny default configs (`tiny`), GGUF
+conversion (`gguf`). The tokenizer functions live in `tunebook.data.tokenizer` (the data path sets tokenizers up) and
+are re-exported here. Names load on first use: `from tunebook.models import TINY_LLAMA` imports no model code."""
 
-from .build import build_causal_lm, build_sequence_classifier, model_options, read_model_config, torch_dtype
-from .lora import (
-    apply_lora,
-    describe_parameters,
-    is_peft_model,
-    merge_adapter_dir,
-    parameter_counts,
-    register_adapter_checkpoints,
-    save_adapter,
-)
-from .tiny import TINY_BERT, TINY_LLAMA
-from .tokenizer import (
-    CHATML_TEMPLATE,
-    load_or_train_tokenizer,
-    load_tokenizer,
-    setup_chat_template,
-    train_chat_tokenizer,
-    train_encoder_tokenizer,
-)
+from __future__ import annotations
 
-__all__ = [
-    "CHATML_TEMPLATE",
-    "TINY_BERT",
-    "TINY_LLAMA",
-    "apply_lora",
-    "build_causal_lm",
-    "describe_parameters",
-    "is_peft_model",
-    "merge_adapter_dir",
-    "parameter_counts",
-    "register_adapter_checkpoints",
-    "save_adapter",
-    "build_sequence_classifier",
-    "model_options",
-    "torch_dtype",
-    "setup_chat_template",
-    "load_or_train_tokenizer",
-    "load_tokenizer",
-    "read_model_config",
-    "train_chat_tokenizer",
-    "train_encoder_tokenizer",
-]
+import importlib
+
+_LAZY = {
+    "tunebook.models.build": [
+        "build_causal_lm", "build_sequence_classifier", "model_options", "read_model_config", "torch_dtype",
+    ],
+    "tunebook.models.lora": [
+        "apply_lora", "describe_parameters", "is_peft_model", "merge_adapter_dir", "parameter_counts",
+        "register_adapter_checkpoints", "save_adapter",
+    ],
+    "tunebook.models.tiny": ["TINY_BERT", "TINY_LLAMA"],
+    "tunebook.data.tokenizer": [
+        "CHATML_TEMPLATE", "load_or_train_tokenizer", "load_tokenizer", "setup_chat_template", "train_chat_tokenizer",
+        "train_encoder_tokenizer",
+    ],
+}  # fmt: skip
+_WHERE = {name: module for module, names in _LAZY.items() for name in names}
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'tunebook.models' has no attribute {name!r}")

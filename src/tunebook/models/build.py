@@ -42,12 +42,12 @@ def read_model_config(model_config: dict[str, Any] | str) -> dict[str, Any]:
     return data
 
 
-def model_options(config, default_model_config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The `build_causal_lm` / `build_sequence_classifier` arguments of a recipe config; `default_model_config` is
-    the recipe's tiny model, built when the config names no model."""
+def model_options(config) -> dict[str, Any]:
+    """The `build_causal_lm` / `build_sequence_classifier` arguments of a recipe config (whose `model_config` is
+    the recipe's tiny model when it names no model)."""
     return {
         "model_name_or_path": config.model_name_or_path,
-        "model_config": config.model_config or (None if config.model_name_or_path else default_model_config),
+        "model_config": config.model_config,
         "attn_implementation": config.attn_implementation,
         "gradient_checkpointing": config.gradient_checkpointing,
         "trust_remote_code": config.trust_remote_code,

@@ -101,7 +101,6 @@ def start_run(config, recipe: str) -> Run:
     from accelerate.utils import set_seed
 
     from ..config import save_config
-    from ..data.cache import default_cache_dir
     from ..logging import RunTimer, log_run_start, setup_logging
     from .accelerator import recipe_accelerator
     from .resumption import prepare_output_dir
@@ -111,7 +110,7 @@ def start_run(config, recipe: str) -> Run:
     log = setup_logging(accelerator.is_main_process, config.log_level, config.disable_tqdm)
     set_seed(config.seed)
     output_dir = Path(config.output_dir)
-    cache_dir = Path(config.cache_dir).expanduser() if config.cache_dir else default_cache_dir()
+    cache_dir = Path(config.cache_dir).expanduser()  # resolved by the config when unset
     prepare_output_dir(accelerator, config, log)  # another run's checkpoints there: resume, overwrite, or stop
     if accelerator.is_main_process:
         save_config(config, output_dir / "config.yaml", recipe)
