@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tunebook.data.packing import SEGMENT_SDPA, PackedCollator, attention_inputs, pack_dataset, use_packed_attention
+from tunebook.data.collate import PackedCollator
+from tunebook.data.packing import SEGMENT_SDPA, attention_inputs, pack_dataset, use_packed_attention
 from tunebook.models import build_causal_lm
 
 TOL = 1e-5

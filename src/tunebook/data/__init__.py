@@ -2,11 +2,10 @@
 
 from .cache import cached_dataset, default_cache_dir, fingerprint, tokenizer_fingerprint
 from .classification import ClassificationData, label_names_of, prepare_classification_data
-from .collate import PadCollator, loss_positions
+from .collate import PackedCollator, PadCollator, PairCollator, PromptCollator, loss_positions
 from .formats import FORMAT_COLUMNS, detect_format, normalise_messages, to_conversations
 from .loaders import LengthGroupedSampler, build_loader, train_and_eval_loaders
 from .packing import (
-    PackedCollator,
     attention_inputs,
     best_fit_decreasing,
     example_lengths,
@@ -15,9 +14,8 @@ from .packing import (
     segment_sdpa_attention,
     use_packed_attention,
 )
-from .pipeline import conversation_texts, load_conversations, prepare_sft_dataset, sft_cache_key
-from .preference import PairCollator, PreferenceData, prepare_preference_data, write_synthetic_preferences
-from .prepare import SFTData, prepare_sft_data
+from .preference import PreferenceData, prepare_preference_data, write_synthetic_preferences
+from .sft import SFTData, conversation_texts, load_conversations, prepare_sft_data, prepare_sft_dataset, sft_cache_key
 from .sources import DataSource, fingerprint_sources, load_source, parse_sources
 from .synthetic import write_synthetic_task
 from .text import TextData, chunk_documents, prepare_text_data
@@ -40,6 +38,7 @@ __all__ = [
     "LengthGroupedSampler",
     "PackedCollator",
     "PadCollator",
+    "PromptCollator",
     "SFTData",
     "attention_inputs",
     "best_fit_decreasing",

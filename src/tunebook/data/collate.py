@@ -1,4 +1,6 @@
-"""Collators: pad a list of tokenised examples into a batch."""
+"""Collators: a list of tokenised examples into a batch, for each kind of batch the recipes and evaluations use:
+padded examples (`PadCollator`), packed rows (`PackedCollator`), preference pairs (`PairCollator`) and left-padded
+prompts for generation (`PromptCollator`)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import torch
 
 from .tokenize import IGNORE_INDEX
 
-__all__ = ["PadCollator", "loss_positions", "padded_length"]
+__all__ = ["PackedCollator", "PadCollator", "PairCollator", "PromptCollator", "loss_positions", "padded_length"]
 
 
 def padded_length(features: list[dict[str, Any]], pad_to_multiple_of: int | None) -> int:
@@ -54,3 +56,92 @@ class PadCollator:
             labels[i, :n] = torch.as_tensor(f["labels"])
             attention_mask[i, :n] = 1
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, **loss_positions(labels)}
+
+
+class PackedCollator:
+    """Batch packed rows: pad to the longest row (rounded up to a multiple), restart positions per example.
+
+    Returns `input_ids`, `labels`, `position_ids` and `seq_ids` (the example index of every token within its row;
+    the padding tail is a segment of its own, so no row of an attention mask is ever empty). `attention_inputs`
+    turns these into what the model's attention backend needs.
+    """
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None):
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        longest = padded_length(features, self.pad_to_multiple_of)
+        shape = (len(features), longest)
+        input_ids = torch.full(shape, self.pad_token_id, dtype=torch.long)
+        labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
+        position_ids = torch.zeros(shape, dtype=torch.long)
+        seq_ids = torch.zeros(shape, dtype=torch.long)
+        for i, f in enumerate(features):
+            n = len(f["input_ids"])
+            input_ids[i, :n] = torch.as_tensor(f["input_ids"])
+            labels[i, :n] = torch.as_tensor(f["labels"])
+            lengths = list(f["seq_lengths"]) + ([longest - n] if longest > n else [])
+            position_ids[i] = torch.cat([torch.arange(m) for m in lengths])
+            seq_ids[i] = torch.repeat_interleave(torch.arange(len(lengths)), torch.as_tensor(lengths))
+        # attention_mask marks real tokens for the token counters; the model gets attention_inputs() instead.
+        attention_mask = (
+            torch.arange(longest)[None, :] < torch.tensor([len(f["input_ids"]) for f in features])[:, None]
+        )
+        return {
+            "input_ids": input_ids,
+            "labels": labels,
+            "position_ids": position_ids,
+            "seq_ids": seq_ids,
+            "attention_mask": attention_mask.long(),
+            **loss_positions(labels),
+        }
+
+
+class PairCollator:
+    """A batch of B pairs as one padded batch of 2B sequences, the chosen first: one forward pass scores both
+    (and under DDP one all-reduce covers both). Precomputed reference log-probabilities come along as tensors."""
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None):
+        self.pad = PadCollator(pad_token_id, pad_to_multiple_of)
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        sequences = [
+            {"input_ids": f[f"{side}_input_ids"], "labels": f[f"{side}_labels"]}
+            for side in ("chosen", "rejected")
+            for f in features
+        ]
+        batch = self.pad(sequences)
+        for key in ("ref_chosen_logps", "ref_rejected_logps"):
+            if key in features[0]:
+                batch[key] = torch.tensor([f[key] for f in features], dtype=torch.float32)
+        return batch
+
+
+class PromptCollator:
+    """Left-pad the prompts (everything before the last assistant turn) and keep the reference answers' ids."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        prompts = [f["input_ids"][: f["prompt_length"]] for f in features]
+        longest = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), longest), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            input_ids[i, longest - len(p) :] = torch.as_tensor(p)
+            attention_mask[i, longest - len(p) :] = 1
+        references = [
+            [
+                t
+                for t, label in zip(f["input_ids"][f["prompt_length"] :], f["labels"][f["prompt_length"] :])
+                if label != IGNORE_INDEX
+            ]
+            for f in features
+        ]
+        width = max(len(r) for r in references)
+        ref_ids = torch.full((len(references), max(width, 1)), -1, dtype=torch.long)
+        for i, r in enumerate(references):
+            ref_ids[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "reference_ids": ref_ids}

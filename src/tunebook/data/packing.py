@@ -25,11 +25,9 @@ import torch.nn.functional as F
 from datasets.table import InMemoryTable
 
 from ..errors import ConfigError
-from .collate import loss_positions, padded_length
 from .tokenize import IGNORE_INDEX
 
 __all__ = [
-    "PackedCollator",
     "attention_inputs",
     "best_fit_decreasing",
     "example_lengths",
@@ -149,46 +147,6 @@ def pack_dataset(
         "packing_efficiency": float(lengths.sum() / (rows * max_seq_length)) if rows else 0.0,
     }
     return packed, stats
-
-
-class PackedCollator:
-    """Batch packed rows: pad to the longest row (rounded up to a multiple), restart positions per example.
-
-    Returns `input_ids`, `labels`, `position_ids` and `seq_ids` (the example index of every token within its row;
-    the padding tail is a segment of its own, so no row of an attention mask is ever empty). `attention_inputs`
-    turns these into what the model's attention backend needs.
-    """
-
-    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None):
-        self.pad_token_id = pad_token_id
-        self.pad_to_multiple_of = pad_to_multiple_of
-
-    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        longest = padded_length(features, self.pad_to_multiple_of)
-        shape = (len(features), longest)
-        input_ids = torch.full(shape, self.pad_token_id, dtype=torch.long)
-        labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
-        position_ids = torch.zeros(shape, dtype=torch.long)
-        seq_ids = torch.zeros(shape, dtype=torch.long)
-        for i, f in enumerate(features):
-            n = len(f["input_ids"])
-            input_ids[i, :n] = torch.as_tensor(f["input_ids"])
-            labels[i, :n] = torch.as_tensor(f["labels"])
-            lengths = list(f["seq_lengths"]) + ([longest - n] if longest > n else [])
-            position_ids[i] = torch.cat([torch.arange(m) for m in lengths])
-            seq_ids[i] = torch.repeat_interleave(torch.arange(len(lengths)), torch.as_tensor(lengths))
-        # attention_mask marks real tokens for the token counters; the model gets attention_inputs() instead.
-        attention_mask = (
-            torch.arange(longest)[None, :] < torch.tensor([len(f["input_ids"]) for f in features])[:, None]
-        )
-        return {
-            "input_ids": input_ids,
-            "labels": labels,
-            "position_ids": position_ids,
-            "seq_ids": seq_ids,
-            "attention_mask": attention_mask.long(),
-            **loss_positions(labels),
-        }
 
 
 # The kernels that take packed sequences as position ids (cumulative lengths), without a mask.

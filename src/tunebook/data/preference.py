@@ -21,12 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import datasets
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import DataError
 from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
-from .collate import PadCollator
 from .formats import as_messages, normalise_messages
 from .sources import DataSource, config_sources, fingerprint_sources, load_source
 from .synthetic import _write_disjoint, make_example
@@ -34,7 +32,6 @@ from .tokenize import IGNORE_INDEX, render_chat
 from .tokenizer import config_tokenizer, setup_chat_template
 
 __all__ = [
-    "PairCollator",
     "PreferenceData",
     "prepare_preference_data",
     "tokenize_pairs",
@@ -206,26 +203,6 @@ def tokenize_pairs(batch: dict[str, list], indices: list[int], *, tokenizer, max
         out["keep"].append(keep)
         out["truncated"].append(cut and keep)
     return out
-
-
-class PairCollator:
-    """A batch of B pairs as one padded batch of 2B sequences, the chosen first: one forward pass scores both
-    (and under DDP one all-reduce covers both). Precomputed reference log-probabilities come along as tensors."""
-
-    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None):
-        self.pad = PadCollator(pad_token_id, pad_to_multiple_of)
-
-    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        sequences = [
-            {"input_ids": f[f"{side}_input_ids"], "labels": f[f"{side}_labels"]}
-            for side in ("chosen", "rejected")
-            for f in features
-        ]
-        batch = self.pad(sequences)
-        for key in ("ref_chosen_logps", "ref_rejected_logps"):
-            if key in features[0]:
-                batch[key] = torch.tensor([f[key] for f in features], dtype=torch.float32)
-        return batch
 
 
 def make_preference(rng: random.Random) -> dict[str, str]:

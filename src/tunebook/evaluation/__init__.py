@@ -1,14 +1,13 @@
 """Evaluation shared by recipes: token-weighted loss, generation exact match, offline `evaluate` metrics."""
 
 from .classification import classifier_inputs, evaluate_classifier
-from .generate import PromptCollator, generation_exact_match
+from .generate import generation_exact_match
 from .loss import evaluate_loss
 from .metrics import LOCAL_METRICS, load_metric, load_metrics
 from .preference import evaluate_preferences
 
 __all__ = [
     "LOCAL_METRICS",
-    "PromptCollator",
     "classifier_inputs",
     "evaluate_classifier",
     "evaluate_loss",

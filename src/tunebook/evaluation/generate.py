@@ -2,47 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
-from ..data.tokenize import IGNORE_INDEX
+from ..data.collate import PromptCollator
 from ..logging import progress_bar
 from .metrics import load_metric
 
-__all__ = ["PromptCollator", "generation_exact_match"]
-
-
-class PromptCollator:
-    """Left-pad the prompts (everything before the last assistant turn) and keep the reference answers' ids."""
-
-    def __init__(self, pad_token_id: int):
-        self.pad_token_id = pad_token_id
-
-    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
-        prompts = [f["input_ids"][: f["prompt_length"]] for f in features]
-        longest = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), longest), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(prompts), longest), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            input_ids[i, longest - len(p) :] = torch.as_tensor(p)
-            attention_mask[i, longest - len(p) :] = 1
-        references = [
-            [
-                t
-                for t, label in zip(f["input_ids"][f["prompt_length"] :], f["labels"][f["prompt_length"] :])
-                if label != IGNORE_INDEX
-            ]
-            for f in features
-        ]
-        width = max(len(r) for r in references)
-        ref_ids = torch.full((len(references), max(width, 1)), -1, dtype=torch.long)
-        for i, r in enumerate(references):
-            ref_ids[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "reference_ids": ref_ids}
+__all__ = ["generation_exact_match"]
 
 
 def _decode(tokenizer: PreTrainedTokenizerBase, ids: torch.Tensor) -> str:

@@ -6,7 +6,7 @@ import shutil
 import pytest
 from conftest import ASSETS
 
-from tunebook.data.pipeline import prepare_sft_dataset
+from tunebook.data.sft import prepare_sft_dataset
 from tunebook.data.sources import parse_sources
 from tunebook.errors import DataError
 
@@ -41,7 +41,7 @@ def test_second_run_reuses_the_cache_and_any_input_change_rebuilds(tiny_tokenize
 
 
 def test_interrupted_build_leaves_no_entry(tiny_tokenizer, tmp_path, monkeypatch):
-    import tunebook.data.pipeline as pipeline
+    import tunebook.data.sft as pipeline
 
     def boom(*args, **kwargs):
         raise KeyboardInterrupt

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
+from tunebook.data.collate import PackedCollator
 from tunebook.data.packing import (
     SEGMENT_SDPA,
-    PackedCollator,
     attention_inputs,
     best_fit_decreasing,
     example_lengths,

@@ -6,7 +6,7 @@ import shutil
 import pytest
 from conftest import ASSETS
 
-from tunebook.data.pipeline import load_conversations
+from tunebook.data.sft import load_conversations
 from tunebook.data.sources import load_source, parse_sources
 from tunebook.errors import DataError
 

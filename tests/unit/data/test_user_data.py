@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 
 from tunebook.data import load_conversations, parse_sources
-from tunebook.data.pipeline import prepare_sft_dataset
 from tunebook.data.preference import tokenize_pairs
+from tunebook.data.sft import prepare_sft_dataset
 from tunebook.data.sources import fingerprint_sources, load_source
 from tunebook.data.tokenize import IGNORE_INDEX
 from tunebook.errors import DataError

@@ -8,7 +8,8 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from tunebook.data.preference import PairCollator, make_preference, tokenize_pairs
+from tunebook.data.collate import PairCollator
+from tunebook.data.preference import make_preference, tokenize_pairs
 from tunebook.models import build_causal_lm
 from tunebook.training import RewardStats, dpo_loss, policy_and_reference_log_probs, sequence_log_probs
 

@@ -1,0 +1,304 @@
+"""Supervised fine-tuning data: sources -> conversations -> tokenised, loss-masked examples -> packed rows, each
+cached under a fingerprint of everything it depends on.
+
+`prepare_sft_data` is what both `recipes/sft.py` and `tunebook prepare` call, so preparing ahead of time builds
+exactly the caches a training run with the same config looks up. `prepare_sft_dataset` is the tokenising step on
+its own (sources and a tokenizer in, a cached `datasets.Dataset` out).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from ..errors import ConfigError, DataError
+from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
+from .formats import detect_format, to_conversations
+from .packing import example_lengths, pack_dataset
+from .sources import DataSource, config_sources, fingerprint_sources, load_source
+from .synthetic import write_synthetic_task
+from .tokenize import tokenize_conversations
+from .tokenizer import config_tokenizer, setup_chat_template
+
+__all__ = [
+    "SFTData",
+    "conversation_texts",
+    "load_conversations",
+    "prepare_sft_data",
+    "prepare_sft_dataset",
+    "sft_cache_key",
+]
+
+
+PACKING_VERSION = "1"  # bump when packing changes what it produces
+
+
+@dataclass
+class SFTData:
+    """The prepared data of an SFT run."""
+
+    tokenizer: PreTrainedTokenizerBase
+    train: datasets.Dataset  # what the train loader reads: packed rows, or tokenised examples
+    eval: datasets.Dataset | None  # what the eval-loss loader reads (packed rows when packing)
+    eval_examples: datasets.Dataset | None  # unpacked eval examples, for generation eval
+    stats: dict[str, Any] = field(default_factory=dict)  # of the training data
+    built: list[str] = field(default_factory=list)  # what had to be built (empty: everything came from the cache)
+    seconds: float = 0.0
+
+
+def prepare_sft_data(config, cache_dir: Path, log: logging.Logger) -> SFTData:
+    """Sources -> tokenizer -> tokenised (and packed) train and eval sets, each from the cache when unchanged.
+
+    `config` is an `SFTConfig`. In multi-process runs call it through
+    `tunebook.distributed.prepare_then_join`: the first process builds the caches, the others find them finished.
+    """
+    start = time.perf_counter()
+    built: list[str] = []
+    # No train_data: the embedded default's generated task.
+    train_sources, eval_sources = config_sources(config, cache_dir, write_synthetic_task)
+
+    texts = lambda: conversation_texts(  # noqa: E731
+        load_conversations(
+            train_sources, config.data_format, cache_dir, config.seed, text_field=config.dataset_text_field
+        )
+    )
+    tokenizer = config_tokenizer(config, cache_dir, fingerprint_sources(train_sources), texts, built, log)
+    tokenizer = setup_chat_template(tokenizer, config.chat_template, config.trust_remote_code, log)
+
+    train, train_key, stats = _tokenised(config, train_sources, tokenizer, cache_dir, "train", built, log)
+    eval_examples, eval_key = None, None
+    if eval_sources:
+        eval_examples, eval_key, _ = _tokenised(config, eval_sources, tokenizer, cache_dir, "eval", built, log)
+    split = None
+    if eval_examples is None and config.eval_split_ratio > 0:
+        train, eval_examples, split = _split(train, config.eval_split_ratio, config.seed)
+        eval_key = train_key
+        log.info("Held out %d of the training examples for evaluation (eval_split_ratio)", len(eval_examples))
+
+    train_rows, eval_rows = train, eval_examples
+    if config.packing:
+        train_rows, pack_stats = _packed(config, train, train_key, split and "train", cache_dir, "train", built, log)
+        stats.update(pack_stats)
+        if eval_examples is not None:
+            eval_rows, _ = _packed(config, eval_examples, eval_key, split and "eval", cache_dir, "eval", built, log)
+    stats["train_rows"] = len(train_rows)
+    stats["train_tokens_per_epoch"] = int(example_lengths(train_rows).sum())
+    return SFTData(tokenizer, train_rows, eval_rows, eval_examples, stats, built, time.perf_counter() - start)
+
+
+def _tokenised(config, sources: list[DataSource], tokenizer, cache_dir: Path, name: str, built: list, log):
+    args = (config.data_format, config.max_seq_length, config.overlong_examples, config.assistant_only_loss)
+    key = sft_cache_key(sources, tokenizer, *args, config.seed, config.dataset_text_field)
+    dataset, stats, cached = prepare_sft_dataset(
+        sources,
+        tokenizer,
+        data_format=config.data_format,
+        max_seq_length=config.max_seq_length,
+        overlong=config.overlong_examples,
+        assistant_only_loss=config.assistant_only_loss,
+        cache_dir=cache_dir,
+        seed=config.seed,
+        num_proc=config.dataset_num_proc,
+        key=key,
+        text_field=config.dataset_text_field,
+    )
+    if not cached:
+        built.append(f"{name} tokenisation")
+    how = "loaded from cache, no tokenisation" if cached else "tokenised and cached"
+    log.info("%s data: %d examples (%s); %s", name, len(dataset), how, stats)
+    if stats["truncated"] or stats["dropped_overlong"] or stats["dropped_no_loss_tokens"]:
+        log.warning(
+            "%s data: %d truncated and %d dropped at max_seq_length=%d, %d dropped with no loss-bearing token left",
+            name,
+            stats["truncated"],
+            stats["dropped_overlong"],
+            config.max_seq_length,
+            stats["dropped_no_loss_tokens"],
+        )
+    return dataset, key, dict(stats)
+
+
+def _split(dataset: datasets.Dataset, ratio: float, seed: int):
+    """A seeded split of the examples (before any packing), as index views: nothing is copied."""
+    order = np.random.default_rng(seed).permutation(len(dataset))
+    n_eval = max(1, int(round(ratio * len(dataset))))
+    if n_eval >= len(dataset):
+        raise ConfigError(f"eval_split_ratio={ratio} leaves no training examples out of {len(dataset)}")
+    return dataset.select(np.sort(order[n_eval:])), dataset.select(np.sort(order[:n_eval])), (ratio, seed)
+
+
+def _packed(config, dataset, parent_key: str, part: str | None, cache_dir: Path, name: str, built: list, log):
+    key = fingerprint(
+        {
+            "parent": parent_key,
+            "split": [config.eval_split_ratio, config.seed, part] if part else None,
+            "max_seq_length": config.max_seq_length,
+            "seed": config.seed,
+            "version": PACKING_VERSION,
+        }
+    )
+    rows, stats, cached = cached_dataset(
+        cache_dir,
+        key,
+        lambda scratch: pack_dataset(
+            dataset, config.max_seq_length, config.seed, config.dataset_num_proc, str(scratch / "rows.arrow")
+        ),
+    )
+    if not cached:
+        built.append(f"{name} packing")
+    log.info(
+        "%s data: packed %d examples into %d rows of %d tokens, packing efficiency %.4f (%s)",
+        name,
+        stats["examples_packed"],
+        stats["packed_rows"],
+        config.max_seq_length,
+        stats["packing_efficiency"],
+        "loaded from cache" if cached else "packed and cached",
+    )
+    return rows, stats
+
+
+def load_conversations(
+    sources: list[DataSource],
+    data_format: str,
+    cache_dir: str | Path,
+    seed: int,
+    num_proc: int | None = None,
+    scratch: Path | None = None,
+    text_field: str = "text",
+) -> datasets.Dataset:
+    """All sources, weighted and converted to one `conversation` column of JSON rows (`tunebook.data.formats`)."""
+    parts = [
+        _conversations(source, data_format, cache_dir, seed, num_proc, scratch, i, text_field)
+        for i, source in enumerate(sources)
+    ]
+    return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+
+
+def _conversations(source, data_format, cache_dir, seed, num_proc, scratch, index, text_field) -> datasets.Dataset:
+    raw = load_source(source, cache_dir, seed)
+    fmt = detect_format(raw.column_names, data_format, source.where, text_field)
+    return raw.map(
+        to_conversations,
+        batched=True,
+        with_indices=True,
+        fn_kwargs={"data_format": fmt, "where": source.where, "text_field": text_field},
+        remove_columns=raw.column_names,
+        num_proc=num_proc,
+        cache_file_name=str(scratch / f"conversations-{index}.arrow") if scratch else None,
+        desc=f"Reading {Path(source.path).name} ({fmt})",
+    )
+
+
+def conversation_texts(conversations: datasets.Dataset) -> Iterator[str]:
+    """Plain text of every message with its role (or of every plain-text row), e.g. to train a tokenizer on."""
+    for row in conversations["conversation"]:
+        example = json.loads(row)
+        if "text" in example:
+            yield example["text"]
+        for m in example.get("messages", []):
+            yield f"{m['role']}\n{m['content']}"
+
+
+def sft_cache_key(
+    sources: list[DataSource],
+    tokenizer: PreTrainedTokenizerBase,
+    data_format: str,
+    max_seq_length: int,
+    overlong: str,
+    assistant_only_loss: bool,
+    seed: int,
+    text_field: str = "text",
+) -> str:
+    """Fingerprint of everything a tokenised data set depends on: the cache key of `prepare_sft_dataset`."""
+    return fingerprint(
+        {
+            "sources": fingerprint_sources(sources),
+            "tokenizer": tokenizer_fingerprint(tokenizer),
+            "data_format": data_format,
+            "max_seq_length": max_seq_length,
+            "overlong": overlong,
+            "assistant_only_loss": assistant_only_loss,
+            "text_field": text_field,
+            "seed": seed if any(s.weight != 1.0 or s.samples is not None for s in sources) else None,
+            "version": PREPROCESSING_VERSION,
+        }
+    )
+
+
+def prepare_sft_dataset(
+    sources: list[DataSource],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    data_format: str,
+    max_seq_length: int,
+    overlong: str,
+    assistant_only_loss: bool,
+    cache_dir: str | Path,
+    seed: int,
+    num_proc: int | None = None,
+    key: str | None = None,
+    text_field: str = "text",
+) -> tuple[datasets.Dataset, dict[str, Any], bool]:
+    """Tokenise and mask `sources`, cached by a fingerprint of every input. Returns (dataset, stats, was_cached).
+
+    The dataset has columns `input_ids`, `labels`, `prompt_length`; stats count the examples read, truncated
+    and dropped. `key` is `sft_cache_key(...)` of the same arguments, if the caller already computed it.
+    """
+    args = (data_format, max_seq_length, overlong, assistant_only_loss, seed, text_field)
+    key = key or sft_cache_key(sources, tokenizer, *args)
+
+    def build(scratch: Path) -> tuple[datasets.Dataset, dict[str, Any]]:
+        parts = []
+        for i, source in enumerate(sources):  # one source at a time, so errors name its file and row
+            conversations = _conversations(source, data_format, cache_dir, seed, num_proc, scratch, i, text_field)
+            parts.append(
+                conversations.map(
+                    tokenize_conversations,
+                    batched=True,
+                    with_indices=True,
+                    fn_kwargs={
+                        "tokenizer": tokenizer,
+                        "max_seq_length": max_seq_length,
+                        "overlong": overlong,
+                        "assistant_only_loss": assistant_only_loss,
+                        "where": source.where,
+                    },
+                    remove_columns=["conversation"],
+                    num_proc=num_proc,
+                    cache_file_name=str(scratch / f"tokenised-{i}.arrow"),
+                    desc="Tokenising",
+                )
+            )
+        tokenised = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+        # Read the flag columns straight from Arrow: `tokenised["keep"]` would build a Python list of every row.
+        keep = np.asarray(tokenised.data.column("keep"), dtype=bool)
+        truncated = np.asarray(tokenised.data.column("truncated"), dtype=bool)
+        dropped_overlong = int((truncated & ~keep).sum()) if overlong == "drop" else 0
+        stats = {
+            "examples_read": len(tokenised),
+            "truncated": int(truncated.sum()) if overlong == "truncate" else 0,
+            "dropped_overlong": dropped_overlong,
+            "dropped_no_loss_tokens": int((~keep).sum()) - dropped_overlong,
+        }
+        kept = tokenised.select(np.flatnonzero(keep)).remove_columns(["keep", "truncated"])
+        if len(kept) == 0:
+            raise DataError(
+                f"no examples left to train on from {', '.join(s.path for s in sources)}: "
+                f"{stats['dropped_overlong']} longer than max_seq_length={max_seq_length} were dropped and "
+                f"{stats['dropped_no_loss_tokens']} had no loss-bearing tokens left (answer truncated away, or the "
+                "chat template hides the assistant turn); raise max_seq_length or check the data"
+            )
+        stats["examples_kept"] = len(kept)
+        return kept.flatten_indices(cache_file_name=str(scratch / "kept.arrow")), stats
+
+    return cached_dataset(cache_dir, key, build)
