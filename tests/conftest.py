@@ -110,3 +110,18 @@ def launch(
     cmd = launch_command(script, args, accelerate_config, launcher_args)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+
+
+def base_tokenizer(eos: str = "<|endoftext|>", extra: tuple[str, ...] = ()):
+    """A base model's tokenizer: byte-level BPE, an EOS token, no chat template, no ChatML markers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    texts = ["user assistant question answer 0123456789 Reverse the digits. Sort the digits."] * 20
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[eos, *extra], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=eos)

@@ -44,7 +44,7 @@ _LAZY = {
     ],
     "tunebook.evaluation": ["evaluate_loss", "generation_exact_match", "evaluate_classifier", "load_metric"],
     "tunebook.models": ["build_causal_lm", "build_sequence_classifier", "train_chat_tokenizer", "apply_lora"],
-    "tunebook.summary": ["run_summary"],
+    "tunebook.record": ["run_summary", "finish_run"],
     "tunebook.report": ["render_report", "compare_runs"],
 }  # fmt: skip
 _WHERE = {name: module for module, names in _LAZY.items() for name in names}

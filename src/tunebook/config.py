@@ -231,15 +231,31 @@ class TrainConfig:
         if wants_best and self.eval_strategy == "steps" and self.eval_steps == 0:
             key = "load_best_model_at_end" if self.load_best_model_at_end else "early_stopping_patience"
             raise ConfigError(f"{key} needs evaluations during training: set eval_steps > 0 or eval_strategy: epoch")
-        from .trackers import resolve_report_to
-
-        resolve_report_to(self.report_to)  # unknown or missing trackers fail now, not after data preparation
+        report_to_names(self.report_to)  # unknown trackers fail now; one not installed when the run starts
         if self.max_steps == -1 and self.num_train_epochs <= 0:
             raise ConfigError(f"num_train_epochs must be > 0 when max_steps is -1, got {self.num_train_epochs}")
         if self.push_to_hub and not self.hub_model_id:
             raise ConfigError("push_to_hub needs hub_model_id, the repository to upload to ('name' or 'org/name')")
         if self.hub_model_id is not None and not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", self.hub_model_id):
             raise ConfigError(f"hub_model_id must be 'name' or 'org/name', got {self.hub_model_id!r}")
+
+
+TRACKERS = ("tensorboard", "trackio", "wandb", "mlflow")  # each installs as the package of its name
+
+
+def report_to_names(report_to: str | list[str]) -> list[str]:
+    """The names in a `report_to` value (a name, a comma-separated string or a list), checked: each one a tracker of
+    `TRACKERS`, `auto` or `none`, and `none` alone. Whether they are installed is `tunebook.trackers`' question."""
+    names = report_to if isinstance(report_to, list) else str(report_to).split(",")
+    names = [str(n).strip().lower() for n in names if str(n).strip()]
+    for name in names:
+        if name not in (*TRACKERS, "auto", "none"):
+            raise ConfigError(
+                f"report_to: unknown tracker {name!r}; choose from {', '.join(TRACKERS)}, auto or none (or a list)"
+            )
+    if "none" in names and len(names) > 1:
+        raise ConfigError(f"report_to: 'none' cannot be combined with trackers, got {report_to!r}")
+    return names
 
 
 # --------------------------------------------------------------------------------------------------------------

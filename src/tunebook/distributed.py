@@ -81,7 +81,7 @@ def data_fingerprint(dataset) -> str | None:
 def run_facts(config, data, num_processes: int) -> dict[str, Any]:
     """What every rank must agree on before training: world size, config, data, library versions."""
     from .config import config_to_dict
-    from .logging import versions
+    from .record import versions
 
     resolved = config_to_dict(config)
     resolved.pop("cache_dir", None)  # node-local caches may live at different paths

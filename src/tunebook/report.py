@@ -16,41 +16,13 @@ from typing import Any
 import yaml
 
 from .errors import ConfigError
-from .logging import write_summary
 
-__all__ = ["compare_runs", "finish_run", "flatten", "format_cell", "format_table", "read_metrics", "render_report"]
+__all__ = ["compare_runs", "flatten", "format_cell", "format_table", "read_metrics", "render_report"]
 
 logger = logging.getLogger("tunebook")
 
 # Eval keys that are counts or timings, not scores: not plotted as metrics.
 _NOT_SCORES = {"eval_loss", "eval_tokens", "eval_examples", "eval_pairs", "eval_perplexity"}
-
-
-def finish_run(output_dir: str | Path, summary: dict[str, Any], log: logging.Logger = logger) -> None:
-    """Write `summary.json`, `report.png` and the model card (`README.md`) into `output_dir`, log the summary as a
-    table and, with `push_to_hub` in the run's `config.yaml`, upload the model directory (main process, after the
-    model was saved)."""
-    # Imported here: `tunebook report` uses this module and must not load the data and model stack.
-    from .hub import push_output_dir, write_model_card
-
-    output_dir = Path(output_dir)
-    write_summary(output_dir / "summary.json", summary)
-    try:
-        path = render_report([output_dir], output_dir / "report.png")
-        log.info("Report: %s", path)
-    except Exception as error:  # a plot must never cost the run its outputs
-        log.warning("report.png not written: %s", error)
-    shown = {k: v for k, v in flatten(summary).items() if not k.startswith(("versions.", "data."))}
-    log.info("Run summary:\n%s", format_table(["", output_dir.name], [[k, v] for k, v in shown.items()]))
-    # The recipes write the resolved config at start-up; it says what the card describes and where to push.
-    config_path = output_dir / "config.yaml"
-    config = (yaml.safe_load(config_path.read_text()) or {}) if config_path.is_file() else {}
-    try:
-        log.info("Model card: %s", write_model_card(output_dir, summary, config))
-    except Exception as error:  # like the plot, a card must never cost the run its outputs
-        log.warning("README.md (model card) not written: %s", error)
-    if config.get("push_to_hub"):
-        push_output_dir(output_dir, config, summary.get("recipe") or "training", log)
 
 
 def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:

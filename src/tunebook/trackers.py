@@ -15,11 +15,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .config import TRACKERS, report_to_names
 from .errors import ConfigError
 
 __all__ = ["TRACKERS", "resolve_report_to", "start_trackers", "tracker_values", "trackers_dir"]
-
-TRACKERS = ("tensorboard", "trackio", "wandb", "mlflow")  # each installs as the package of its name
 
 
 def resolve_report_to(report_to: str | list[str]) -> list[str]:
@@ -28,8 +27,7 @@ def resolve_report_to(report_to: str | list[str]) -> list[str]:
     `auto` is tensorboard when it is installed (else nothing); `none` is nothing. A named tracker that is not
     installed is an error naming the package to install.
     """
-    names = report_to if isinstance(report_to, list) else str(report_to).split(",")
-    names = [str(n).strip().lower() for n in names if str(n).strip()]
+    names = report_to_names(report_to)
     # find_spec, not accelerate.tracking.get_available_trackers: configs are checked before torch is imported.
     available = {name for name in TRACKERS if importlib.util.find_spec(name) is not None}
     chosen: list[str] = []
@@ -40,10 +38,6 @@ def resolve_report_to(report_to: str | list[str]) -> list[str]:
             name = "tensorboard"
             if name not in available:
                 continue
-        if name not in TRACKERS:
-            raise ConfigError(
-                f"report_to: unknown tracker {name!r}; choose from {', '.join(TRACKERS)}, auto or none (or a list)"
-            )
         if name not in available:
             raise ConfigError(
                 f"report_to asks for {name} but it is not installed: pip install {name} "
@@ -51,8 +45,6 @@ def resolve_report_to(report_to: str | list[str]) -> list[str]:
             )
         if name not in chosen:
             chosen.append(name)
-    if "none" in names and len(chosen) > 0:
-        raise ConfigError(f"report_to: 'none' cannot be combined with trackers, got {report_to!r}")
     return chosen
 
 

@@ -4,18 +4,13 @@ pairs, and a base tokenizer without a chat template, whose fine-tuned model must
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
-from conftest import TINY_TEST_MODEL
+from conftest import TINY_TEST_MODEL, base_tokenizer
 
 from tunebook import load_recipe
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
-from test_models import base_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.slow
 QUICK = {"disable_tqdm": True, "report_to": "none", "dataloader_num_workers": 0, "eval_on_start": False,

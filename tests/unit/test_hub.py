@@ -19,7 +19,7 @@ from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 from tunebook import load_recipe
 from tunebook.errors import ConfigError
 from tunebook.hub import check_hub_access, push_output_dir, write_model_card
-from tunebook.report import finish_run
+from tunebook.record import finish_run
 
 SUMMARY = {
     "recipe": "sft",

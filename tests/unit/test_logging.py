@@ -1,44 +1,11 @@
 from __future__ import annotations
 
 import logging
-import time
 import warnings
 
 import pytest
 
-from tunebook.logging import RunTimer, data_wait_advice, progress_bar, setup_logging, show_progress
-from tunebook.training import accumulation_windows
-
-
-def _slow_batches(n, delay):
-    for i in range(n):
-        time.sleep(delay)
-        yield i
-
-
-def test_data_wait_is_measured_and_paused_time_is_not_training_time():
-    timer = RunTimer()
-    timer.start_training()
-    windows = list(accumulation_windows(_slow_batches(6, 0.02), 2, timer))
-    assert windows == [[0, 1], [2, 3], [4, 5]]
-    assert 0.12 <= timer.data_wait_seconds < 2.0  # six 20 ms waits (more on a loaded machine)
-    with timer.paused():
-        time.sleep(0.2)  # an evaluation: neither training time nor data wait
-    assert timer.paused_seconds >= 0.2
-    assert timer.train_runtime() < timer.data_wait_seconds + 0.1  # the paused 0.2 s is not training time
-    assert timer.data_wait_fraction() > 0.6  # the loop did nothing but wait
-    seconds, waited = timer.window()
-    assert waited / seconds > 0.6
-    assert seconds < timer.data_wait_seconds + 0.1  # the paused time excluded
-    time.sleep(0.05)
-    seconds, waited = timer.window()  # the next window starts where the last ended
-    assert 0.05 <= seconds < 0.5 and waited == 0
-
-
-def test_data_wait_advice_names_the_setting_to_change():
-    assert data_wait_advice(0.04, 2, 2) is None
-    assert "set dataloader_num_workers (now 0) to 2" in data_wait_advice(0.3, 0, 2)
-    assert "raise dataloader_num_workers (now 2) or dataloader_prefetch_factor (now 2)" in data_wait_advice(0.06, 2, 2)
+from tunebook.logging import progress_bar, setup_logging, show_progress
 
 
 @pytest.fixture

@@ -9,7 +9,8 @@ from conftest import assert_png
 
 from tunebook.cli import main as cli
 from tunebook.errors import ConfigError
-from tunebook.report import compare_runs, finish_run, format_table, read_metrics, render_report
+from tunebook.record import finish_run
+from tunebook.report import compare_runs, format_table, read_metrics, render_report
 
 
 def _run_dir(path, learning_rate, losses, evals=((0, 3.0), (4, 1.5))):

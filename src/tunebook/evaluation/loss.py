@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from accelerate import Accelerator
 
 from ..data.packing import attention_inputs
 from ..logging import progress_bar
 from ..training.loss import causal_lm_token_losses
-from .metrics import load_metric
+from .scores import perplexity
 
 __all__ = ["evaluate_loss"]
 
@@ -30,8 +31,7 @@ def evaluate_loss(
     was_training = model.training
     dtype = next(model.parameters()).dtype
     model.eval()
-    perplexity = load_metric("perplexity")  # Tunebook's offline module: token-weighted loss and exp(loss)
-    total_tokens = 0
+    loss_sums_seen, counts_seen = [], []
     for batch in progress_bar(
         accelerator.is_main_process, disable_tqdm, iterable=loader, desc="Evaluating", leave=False
     ):
@@ -43,8 +43,10 @@ def evaluate_loss(
         )
         counts = torch.bincount(rows, minlength=len(batch["labels"]))
         loss_sums, counts = accelerator.gather_for_metrics((loss_sums, counts))
-        perplexity.add_batch(predictions=loss_sums.double().cpu().numpy(), references=counts.cpu().numpy())
-        total_tokens += int(counts.sum())
+        loss_sums_seen.append(loss_sums.double().cpu().numpy())
+        counts_seen.append(counts.cpu().numpy())
     model.train(was_training)
-    result = perplexity.compute()
+    # Token-weighted: the sum of every token's loss over the number of tokens, then exp of that.
+    result = perplexity(np.concatenate(loss_sums_seen), np.concatenate(counts_seen))
+    total_tokens = int(np.concatenate(counts_seen).sum())
     return {"eval_loss": result["loss"], "eval_perplexity": result["perplexity"], "eval_tokens": total_tokens}

@@ -101,7 +101,8 @@ def start_run(config, recipe: str) -> Run:
     from accelerate.utils import set_seed
 
     from ..config import save_config
-    from ..logging import RunTimer, log_run_start, setup_logging
+    from ..logging import log_run_start, setup_logging
+    from ..record import RunTimer
     from .accelerator import recipe_accelerator
     from .resumption import prepare_output_dir
 
@@ -140,7 +141,8 @@ def resume(run: Run, data, figures, evaluate: Callable[[], dict] | None) -> None
     best model, logged `figures`) when asked to resume, else fresh; the trackers and `metrics.jsonl`; an evaluation
     before training (`eval_on_start`). `data` is the prepared data (its tokenizer goes into checkpoints, its training
     rows give the FLOPs per token); `evaluate()` runs the recipe's evaluation (None: there is no eval data)."""
-    from ..logging import MetricsWriter, progress_bar
+    from ..logging import progress_bar
+    from ..record import MetricsWriter
     from ..trackers import start_trackers
     from .resumption import resume_training
     from .throughput import Throughput
@@ -281,8 +283,7 @@ def finish(run: Run, data, headline: tuple[str, str, str] | None = None, **extra
     written. `headline` = (metric, name, format) logs "Eval <name>: <before> before training -> <after> after".
     Returns the summary (`extra` adds recipe-specific keys to it)."""
     from ..checkpoint import save_final_model
-    from ..report import finish_run
-    from ..summary import run_summary
+    from ..record import finish_run, run_summary
 
     config, state, accelerator, log = run.config, run.state, run.accelerator, run.log
     run.progress.close()

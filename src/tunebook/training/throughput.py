@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from ..logging import peak_rss_mb
 from ..models.lora import parameter_counts
+from ..record import peak_rss_mb
 from .flops import dataset_flop_shape, device_peak_flops, mfu, model_flops_per_token
 
 __all__ = ["Throughput", "peak_memory"]

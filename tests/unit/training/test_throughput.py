@@ -9,8 +9,8 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from tunebook.logging import RunTimer
 from tunebook.models import build_causal_lm
+from tunebook.record import RunTimer
 from tunebook.training import Throughput, TrainCounters
 from tunebook.training.flops import model_flops_per_token
 
