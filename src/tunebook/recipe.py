@@ -27,7 +27,21 @@ from .errors import ConfigError, install_excepthook
 
 __all__ = ["RECIPES", "Recipe", "load_recipe", "recipe_config_class", "recipe_data", "recipe_file", "recipe_name"]
 
-RECIPES = ("sft", "classify", "pretrain", "dpo")
+# The one map of recipe names: each recipe's config class (in tunebook.recipe_configs) and data preparation (in
+# tunebook.data), by name, so neither the recipe nor torch is imported to check a command line.
+_PARTS = {
+    "sft": ("SFTConfig", "prepare_sft_data"),
+    "classify": ("ClassifyConfig", "prepare_classification_data"),
+    "pretrain": ("PretrainConfig", "prepare_text_data"),
+    "dpo": ("DPOConfig", "prepare_preference_data"),
+}
+RECIPES = tuple(_PARTS)
+
+
+def _part(name: str, index: int) -> str:
+    if name not in _PARTS:
+        raise ConfigError(f"unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
+    return _PARTS[name][index]
 
 
 def recipe_config_class(name: str) -> type:
@@ -35,15 +49,7 @@ def recipe_config_class(name: str) -> type:
     command line against before launching, and what `tunebook prepare`/`export` read configs with."""
     from . import recipe_configs
 
-    classes = {
-        "sft": recipe_configs.SFTConfig,
-        "classify": recipe_configs.ClassifyConfig,
-        "pretrain": recipe_configs.PretrainConfig,
-        "dpo": recipe_configs.DPOConfig,
-    }
-    if name not in classes:
-        raise ConfigError(f"unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
-    return classes[name]
+    return getattr(recipe_configs, _part(name, 0))
 
 
 def recipe_name(config) -> str | None:
@@ -60,15 +66,7 @@ def recipe_data(name: str):
     and `tunebook prepare` runs alone."""
     from . import data
 
-    preparers = {
-        "sft": data.prepare_sft_data,
-        "classify": data.prepare_classification_data,
-        "pretrain": data.prepare_text_data,
-        "dpo": data.prepare_preference_data,
-    }
-    if name not in preparers:
-        raise ConfigError(f"unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
-    return preparers[name]
+    return getattr(data, _part(name, 1))
 
 
 def recipe_file(name: str) -> Path:
