@@ -20,6 +20,7 @@ from .data.sources import DataSource, parse_sources
 from .errors import ConfigError, first_line, same_on_every_rank
 from .locations import hub_name_of_snapshot, looks_like_local_path
 from .models.lora import BASE_MODEL_DIR
+from .recipe import recipe_task
 from .report import format_cell
 
 __all__ = ["UPLOAD_IGNORE_PATTERNS", "check_hub_access", "push_output_dir", "write_model_card"]
@@ -43,15 +44,6 @@ UPLOAD_IGNORE_PATTERNS = [
 ]
 
 _TRUE = {"1", "ON", "YES", "TRUE"}  # huggingface_hub's spellings of a true environment variable
-
-# recipe -> (what it trains, the Hub's pipeline tag)
-_RECIPES = {
-    "sft": ("supervised fine-tuning (SFT) of a causal language model on instruction or chat data", "text-generation"),
-    "pretrain": ("continued pretraining of a causal language model on plain text", "text-generation"),
-    "dpo": ("Direct Preference Optimization (DPO) of a causal language model on preference pairs", "text-generation"),
-    "classify": ("fine-tuning of a text classifier", "text-classification"),
-}
-
 
 # --------------------------------------------------------------------------------------------------------------
 # Start-up check and upload
@@ -160,7 +152,7 @@ def write_model_card(output_dir: str | Path, summary: dict[str, Any], config: di
 
 def _card(model_dir: Path, output_dir: Path, summary, config, *, lora: bool, merged: bool = False):
     recipe = summary.get("recipe") or "run"
-    what, pipeline_tag = _RECIPES.get(recipe, (f"a Tunebook `{recipe}` run", "text-generation"))
+    what, pipeline_tag = recipe_task(recipe) or (f"a Tunebook `{recipe}` run", "text-generation")
     train, evaluation = _sources(config)
     hub_datasets = list(dict.fromkeys(n for n in map(_hub_dataset, train + evaluation) if n))
     data = huggingface_hub.ModelCardData(

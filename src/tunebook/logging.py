@@ -41,7 +41,9 @@ def setup_logging(is_main_process: bool, level: str = "INFO", disable_tqdm: bool
         transformers.utils.logging.set_verbosity_error()
     # Tied embeddings are one tensor saved once: accelerate warns about it at every checkpoint, and resuming from
     # them is tested exact (tests/equivalence/test_resume.py).
-    logging.getLogger("accelerate.utils.other").addFilter(_SharedTensorNote())
+    accelerate_logger = logging.getLogger("accelerate.utils.other")
+    if not any(isinstance(f, _SharedTensorNote) for f in accelerate_logger.filters):  # once, not once per run
+        accelerate_logger.addFilter(_SharedTensorNote())
     if not is_main_process or disable_tqdm or not sys.stderr.isatty():
         datasets.disable_progress_bars()
         transformers.utils.logging.disable_progress_bar()

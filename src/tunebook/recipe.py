@@ -25,16 +25,21 @@ from typing import Any
 from .config import parse_config
 from .errors import ConfigError, install_excepthook
 
-__all__ = ["RECIPES", "Recipe", "load_recipe", "recipe_config_class", "recipe_data", "recipe_file", "recipe_name"]
+__all__ = ["RECIPES", "Recipe", "load_recipe", "recipe_config_class", "recipe_data", "recipe_file", "recipe_task"]
 
 # The one map of recipe names: each recipe's config class (in tunebook.recipe_configs) and data preparation (in
-# tunebook.data), by name, so neither the recipe nor torch is imported to check a command line.
+# tunebook.data), by name, so neither the recipe nor torch is imported to check a command line; and what it trains
+# with the Hub's pipeline tag of its model (for model cards).
 _PARTS = {
-    "sft": ("SFTConfig", "prepare_sft_data"),
-    "classify": ("ClassifyConfig", "prepare_classification_data"),
-    "pretrain": ("PretrainConfig", "prepare_text_data"),
-    "dpo": ("DPOConfig", "prepare_preference_data"),
-}
+    "sft": ("SFTConfig", "prepare_sft_data",
+            "supervised fine-tuning (SFT) of a causal language model on instruction or chat data", "text-generation"),
+    "classify": ("ClassifyConfig", "prepare_classification_data", "fine-tuning of a text classifier",
+                 "text-classification"),
+    "pretrain": ("PretrainConfig", "prepare_text_data",
+                 "continued pretraining of a causal language model on plain text", "text-generation"),
+    "dpo": ("DPOConfig", "prepare_preference_data",
+            "Direct Preference Optimization (DPO) of a causal language model on preference pairs", "text-generation"),
+}  # fmt: skip
 RECIPES = tuple(_PARTS)
 
 
@@ -52,21 +57,17 @@ def recipe_config_class(name: str) -> type:
     return getattr(recipe_configs, _part(name, 0))
 
 
-def recipe_name(config) -> str | None:
-    """The recipe ("sft", "classify", "pretrain", "dpo") whose config class is exactly `config`'s, or None for
-    another class (a recipe of one's own): what a checkpoint records, so `tunebook export` knows the model's head."""
-    for name in RECIPES:
-        if type(config) is recipe_config_class(name):
-            return name
-    return None
-
-
 def recipe_data(name: str):
     """The function that prepares recipe `name`'s data (`prepare(config, cache_dir, log)`): what the recipe runs first
     and `tunebook prepare` runs alone."""
     from . import data
 
     return getattr(data, _part(name, 1))
+
+
+def recipe_task(name: str) -> tuple[str, str] | None:
+    """(what recipe `name` trains, the Hub's pipeline tag of its model), or None for a recipe of one's own."""
+    return _PARTS[name][2:] if name in _PARTS else None
 
 
 def recipe_file(name: str) -> Path:

@@ -229,7 +229,7 @@ def run_summary(
     local_wait = torch.tensor(timer.data_wait_fraction(), device=accelerator.device)
     data_wait = accelerator.reduce(local_wait, "mean").item()
     workers, prefetch = config.dataloader_num_workers, config.dataloader_prefetch_factor
-    if advice := data_wait_advice(data_wait, workers, prefetch, data_built=bool(getattr(data, "built", []))):
+    if advice := data_wait_advice(data_wait, workers, prefetch, data_built=bool(data.built)):
         logger.warning(advice)
     summary = {
         "recipe": recipe,

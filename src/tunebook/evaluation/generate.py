@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
@@ -35,8 +36,6 @@ def generation_exact_match(
     Both sides are decoded without special tokens and stripped of surrounding whitespace. Returns the metrics
     and a few (prediction, reference) samples from the main process for the log.
     """
-    import numpy as np
-
     # Plain-text examples (prompt_length 0) have no prompt to answer: they count in the eval loss only.
     with_prompt = np.flatnonzero(np.asarray(dataset.data.column("prompt_length")) > 0)
     if len(with_prompt) == 0:

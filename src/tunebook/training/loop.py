@@ -119,9 +119,9 @@ def start_run(config, recipe: str) -> Run:
     return Run(config, recipe, accelerator, log, timer, output_dir, cache_dir)
 
 
-def plan_training(run: Run, model, optimizer, train_loader, unit: str = "micro-batches") -> Any:
-    """Total and per-epoch optimizer steps from the prepared loader, and the learning-rate schedule over them (also
-    returned); the run keeps the prepared model, optimizer, schedule and loader."""
+def plan_training(run: Run, model, optimizer, train_loader, unit: str = "micro-batches") -> None:
+    """Total and per-epoch optimizer steps from the prepared loader, and the learning-rate schedule over them; the
+    run keeps the prepared model, optimizer, schedule and loader."""
     config, accelerator = run.config, run.accelerator
     k = config.gradient_accumulation_steps
     run.total_steps, run.steps_per_epoch = total_optimizer_steps(
@@ -133,7 +133,6 @@ def plan_training(run: Run, model, optimizer, train_loader, unit: str = "micro-b
     run.log.info("Training %d optimizer steps (%d per epoch) of %d x %d %s x %d process(es)", run.total_steps,
                  run.steps_per_epoch, k, config.per_device_train_batch_size, unit, accelerator.num_processes)  # fmt: skip
     run.model, run.optimizer, run.lr_scheduler, run.train_loader = model, optimizer, lr_scheduler, train_loader
-    return lr_scheduler
 
 
 def resume(run: Run, data, figures, evaluate: Callable[[], dict] | None) -> None:
@@ -151,7 +150,9 @@ def resume(run: Run, data, figures, evaluate: Callable[[], dict] | None) -> None
     run.evaluate, run.tokenizer, run.figures = evaluate, data.tokenizer, figures
     run.counters = TrainCounters.zeros(accelerator.device)
     run.best = BestModel.from_config(config) if evaluate is not None else None  # best checkpoint, early stopping
-    run.checkpoint, state = resume_training(accelerator, config, run.counters, run.best, figures, run.log)
+    run.checkpoint, state = resume_training(
+        accelerator, config, run.counters, run.best, figures, run.log, run.optimizer, run.lr_scheduler
+    )
     run.state = RunState.from_state_dict(state)
     if run.checkpoint is not None:
         run.log.info("Resumed from %s: step %d, epoch %d, %d batches into it", run.checkpoint, run.state.global_step,

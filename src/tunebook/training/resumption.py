@@ -88,11 +88,12 @@ def save_training_state(
     )  # fmt: skip
 
 
-def resume_training(accelerator, config, counters, best, figures, log: logging.Logger):
+def resume_training(accelerator, config, counters, best, figures, log: logging.Logger, optimizer, lr_scheduler):
     """Continue from `config.resume_from_checkpoint` ('latest', 'auto', a path; None: a fresh start).
 
     Restores what `accelerator.save_state` saved (model, optimizer, scheduler, RNG states), this process's
-    `counters` and `figures`, and the `best` tracker, after checking the config against the checkpoint's. Returns
+    `counters` and `figures`, and the `best` tracker, after checking the config against the checkpoint's; changed
+    optimizer keys are applied to the prepared `optimizer` and `lr_scheduler`. Returns
     (checkpoint or None, the trainer state: global_step, epoch, batches_in_epoch, ...).
     """
     spec = config.resume_from_checkpoint
@@ -111,7 +112,7 @@ def resume_training(accelerator, config, counters, best, figures, log: logging.L
     if best is not None and state.get("best"):
         best.load_state_dict(state["best"])
     if optimizer_changes:
-        _apply_optimizer_config(accelerator, config)
+        _apply_optimizer_config(config, optimizer, lr_scheduler)
         log.warning("Resumed with changed optimizer settings, applied from step %d on: %s", state["global_step"],
                     ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in optimizer_changes.items()))  # fmt: skip
     return checkpoint, state
@@ -135,17 +136,15 @@ def check_resumed_config(config, checkpoint: Path, num_processes: int) -> dict[s
     return {k: v for k, v in changed.items() if k in OPTIMIZER_KEYS}
 
 
-def _apply_optimizer_config(accelerator, config) -> None:
+def _apply_optimizer_config(config, optimizer, lr_scheduler) -> None:
     """Optimizer hyperparameters from `config` after `load_state` restored the checkpoint's (the schedule's shape
     and length already come from the config: its multiplier functions are not saved, only its step)."""
-    for scheduler in accelerator._schedulers:
-        inner = getattr(scheduler, "scheduler", scheduler)
-        inner.base_lrs = [config.learning_rate for _ in inner.base_lrs]
-        for group, factor in zip(inner.optimizer.param_groups, (f(inner.last_epoch) for f in inner.lr_lambdas)):
-            group["lr"] = config.learning_rate * factor
-        inner._last_lr = [group["lr"] for group in inner.optimizer.param_groups]
-    for optimizer in accelerator._optimizers:
-        for index, group in enumerate(optimizer.param_groups):
-            group["betas"], group["eps"] = (config.adam_beta1, config.adam_beta2), config.adam_epsilon
-            if index == 0:  # the decayed matrices (build_optimizer): biases and norms never decay
-                group["weight_decay"] = config.weight_decay
+    schedule = getattr(lr_scheduler, "scheduler", lr_scheduler)  # Accelerate's wrapper holds the LambdaLR
+    schedule.base_lrs = [config.learning_rate for _ in schedule.base_lrs]
+    for group, multiplier in zip(optimizer.param_groups, schedule.lr_lambdas):
+        group["lr"] = config.learning_rate * multiplier(schedule.last_epoch)
+    schedule._last_lr = [group["lr"] for group in optimizer.param_groups]
+    for index, group in enumerate(optimizer.param_groups):
+        group["betas"], group["eps"] = (config.adam_beta1, config.adam_beta2), config.adam_epsilon
+        if index == 0:  # the decayed matrices (build_optimizer): biases and norms never decay
+            group["weight_decay"] = config.weight_decay
