@@ -1,13 +1,16 @@
 """The TRL baseline: `SFTTrainer` with packing, on conversational prompt/completion data (loss on completions).
 
+TRL's default packing ('bfd', best-fit decreasing) is padding-free: each batch of packed rows becomes one row with
+position ids that restart at every example.
+
 python benchmarks/peers/trl_sft.py DATA.json MODEL_DIR OUT_DIR RESULT.json [--bf16] [--batch 8] ...
 """
 
 from __future__ import annotations
 
 import datasets
-from common import FirstStepClock, alpaca_messages, parse_args, shared_training_arguments, train_and_report
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from common import alpaca_messages, callbacks, load_model, parse_args, shared_training_arguments, train_and_report
+from transformers import AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
 
@@ -22,16 +25,16 @@ def main():
         return {"prompt": messages[:1], "completion": messages[1:]}
 
     train = raw.map(to_prompt_completion, remove_columns=raw.column_names)
-    model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa")
-    clock = FirstStepClock()
+    model = load_model(args)
+    clocks = callbacks(args)
     trainer = SFTTrainer(
         model=model,
         args=SFTConfig(max_length=args.max_length, packing=True, **shared_training_arguments(args)),
         train_dataset=train,
         processing_class=tokenizer,
-        callbacks=[clock],
+        callbacks=clocks,
     )
-    train_and_report(trainer, clock, args.result)
+    train_and_report(trainer, clocks, args)
 
 
 if __name__ == "__main__":

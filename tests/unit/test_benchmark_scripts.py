@@ -1,0 +1,74 @@
+"""benchmarks/gpu_vs_peers.py's bookkeeping, without a GPU: the steady-state clock read from Tunebook's logging
+windows, the micro-batch plan, the override filter, and the table's goal verdicts. (The end-to-end check is
+`python benchmarks/gpu_vs_peers.py --smoke`, a few minutes on the CPU.)"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module("gpu_vs_peers")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_tunebook_figures_time_only_the_windows_after_warmup(bench, tmp_path):
+    # Windows of 10 steps: a slow first one (start-up), then 1000 tokens per 2 s, then per 1 s.
+    windows = [
+        {"step": 10, "train_tokens": 1000, "tokens_per_second": 10.0},
+        {"step": 20, "train_tokens": 2000, "tokens_per_second": 500.0},
+        {"step": 30, "train_tokens": 3000, "tokens_per_second": 1000.0},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(w) + "\n" for w in [{"step": 0}, *windows]))
+    summary = {"train_tokens": 3000, "train_steps": 30, "final_train_loss": 2.5, "peak_device_memory_mb": 1024.0}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    figures = bench.tunebook_figures(tmp_path, warmup=10)
+    assert figures["tokens_per_second"] == pytest.approx(2000 / 3)  # 2000 tokens in 2 + 1 seconds
+    assert figures["tokens_per_step"] == 100 and figures["final_loss"] == 2.5 and figures["peak_memory_mb"] == 1024
+
+
+def test_plan_gives_every_system_about_the_same_examples_per_step(bench, monkeypatch):
+    monkeypatch.setattr(bench, "flops_per_token", lambda *a: 1.0)
+    stats = {"mean": 150.0, "p95": 400.0}
+    run = bench.plan_run("x", bench.Shape({}, 8192, 2), 2048, stats)
+    assert run["rows"] == 4 and run["micro_examples"] == round(8192 / 150)
+    assert run["pad_examples"] == 20  # 20 x 400 <= 8192
+    examples = run["micro_examples"] * run["accumulation"]
+    assert abs(run["pad_examples"] * run["pad_accumulation"] - examples) <= run["pad_examples"] / 2
+
+
+def test_unknown_tunebook_overrides_are_dropped(bench, capsys):
+    kept = bench.tunebook_overrides("--learning_rate 1e-4 --no_such_key true --seed=3")
+    assert kept == ["--learning_rate", "1e-4", "--seed=3"]
+    assert "no_such_key" in capsys.readouterr().out
+
+
+def _record(system, tokens_per_second, memory_mb, status="ok", shape="Llama-3.2-1B", mfu=0.5):
+    return {"shape": shape, "seq_len": 2048, "system": system, "status": status, "micro_batches": "4 rows x 2",
+            "tokens_per_second": tokens_per_second, "tokens_per_step": 16000, "mfu": mfu, "final_loss": 3.0,
+            "peak_memory_mb": memory_mb, "wall_seconds": 60, "device": "NVIDIA H100 80GB HBM3", "machine": "m",
+            "versions": "v", "command": "python benchmarks/gpu_vs_peers.py", "tunebook_args": "",
+            "peer_training_args": "{}"}  # fmt: skip
+
+
+def test_goals_compare_with_the_faster_trainer_and_memory(bench):
+    records = [_record("tunebook", 30000, 20000), _record("trainer_pad", 10000, 30000),
+               _record("trainer_flat", 19000, 25000), _record("trl", 15000, 22000, status="oom")]  # fmt: skip
+    text = bench.table(records)
+    assert "1.58x the tokens/s of the faster Trainer (Trainer, DataCollatorWithFlattening)" in text
+    assert "goal >= 1.5x at equal or lower memory: met" in text
+    assert "MFU 50.0% (goal >= 45%: met)" in text
+    assert "| TRL SFTTrainer, packing (bfd, padding-free) | 4 rows x 2 | out of memory |" in text
+    more_memory = bench.table([_record("tunebook", 30000, 26000), _record("trainer_flat", 19000, 25000)])
+    assert "equal or lower memory: not met" in more_memory
