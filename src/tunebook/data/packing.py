@@ -30,6 +30,7 @@ from .tokenize import IGNORE_INDEX
 __all__ = [
     "attention_inputs",
     "best_fit_decreasing",
+    "document_block_mask",
     "example_lengths",
     "pack_dataset",
     "packing_mechanism",
@@ -160,6 +161,8 @@ VARLEN_BACKENDS = (
 SEGMENT_SDPA = "tunebook_segment_sdpa"
 
 
+# Eager under torch_compile: the per-example split depends on the batch's lengths, which a graph would specialise on.
+@torch.compiler.disable
 def segment_sdpa_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Causal attention run separately on every packed example: a varlen kernel for transformers' `sdpa` models.
 
@@ -245,6 +248,9 @@ def use_packed_attention(model, device: torch.device | str) -> str:
         AttentionMaskInterface.register(SEGMENT_SDPA, sdpa_mask)  # padded batches and generation get SDPA's masks
         model.set_attn_implementation(SEGMENT_SDPA)
         attn = SEGMENT_SDPA
+    if attn == "flex_attention" and torch.device(device).type == "cpu":
+        raise ConfigError("attn_implementation flex_attention: PyTorch's FlexAttention has no backward pass on a CPU; "
+                          "use sdpa (per-example attention on a CPU)")  # fmt: skip
     packing_mechanism(attn)  # a clear error now for a backend packing cannot isolate
     return attn
 
@@ -260,12 +266,36 @@ def packing_mechanism(attn_implementation: str) -> str:
         )
     if attn_implementation == "sdpa":
         return "explicit block-diagonal causal 4D boolean mask + position ids restarting per example"
+    if attn_implementation == "flex_attention":
+        return (
+            "FlexAttention with a document-causal block mask (blocks across examples skipped) + restarting positions"
+        )
     if attn_implementation == "eager":
         return "explicit block-diagonal causal 4D additive float mask + position ids restarting per example"
     raise ConfigError(
         f"packing does not know how to isolate examples with attn_implementation={attn_implementation!r}; "
-        "use sdpa, eager or flash_attention_2"
+        "use sdpa, eager, flex_attention or flash_attention_2"
     )
+
+
+def document_block_mask(seq_ids: torch.Tensor):
+    """FlexAttention's BlockMask for packed rows: a token sees the earlier tokens of its own example only.
+
+    The dense mask costs `length x length` per row in memory and, in SDPA, computes every score before masking it;
+    a BlockMask records which 128 x 128 tiles hold any allowed pair, and the kernel skips the rest (on a row of
+    examples averaging a few hundred tokens most tiles of a 4096 row), evaluating the rule only on partial tiles.
+    """
+    from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE as block
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch, length = seq_ids.shape
+    # The rule is also evaluated on the tiles' padding past `length`: give those positions an id of their own.
+    padded = F.pad(seq_ids, (0, -length % block), value=-1)
+
+    def document_causal(b, h, q, kv):
+        return (padded[b, q] == padded[b, kv]) & (q >= kv)
+
+    return create_block_mask(document_causal, batch, None, length, length, device=seq_ids.device)
 
 
 def attention_inputs(batch: dict[str, torch.Tensor], attn_implementation: str, dtype: torch.dtype) -> dict[str, Any]:
@@ -294,6 +324,9 @@ def attention_inputs(batch: dict[str, torch.Tensor], attn_implementation: str, d
         inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
         return inputs
     length = seq.shape[1]
+    if attn_implementation == "flex_attention":
+        inputs["attention_mask"] = document_block_mask(seq)
+        return inputs
     causal = torch.ones(length, length, dtype=torch.bool, device=seq.device).tril()
     allowed = (seq[:, :, None] == seq[:, None, :]) & causal  # (batch, query, key)
     if attn_implementation == "sdpa":

@@ -56,6 +56,7 @@ def model_options(config) -> dict[str, Any]:
         "revision": config.model_revision,
         "use_safetensors": config.use_safetensors,
         "frozen_base": config.use_peft,
+        "use_liger_kernel": config.use_liger_kernel,
     }
 
 
@@ -72,6 +73,7 @@ def build_causal_lm(
     revision: str | None = None,
     use_safetensors: bool = True,
     frozen_base: bool = False,
+    use_liger_kernel: bool = False,
 ) -> PreTrainedModel:
     """Load or build the model and make its embeddings and special token ids agree with `tokenizer`.
 
@@ -83,7 +85,7 @@ def build_causal_lm(
         AutoModelForCausalLM, "a causal LM", tokenizer, model_name_or_path, model_config, attn_implementation,
         trust_remote_code, {}, **_load_options(dtype, frozen_base, load_in_4bit, revision, use_safetensors),
     )  # fmt: skip
-    return _finish(model, tokenizer, model_name_or_path, gradient_checkpointing, dtype, frozen_base)
+    return _finish(model, tokenizer, model_name_or_path, gradient_checkpointing, dtype, frozen_base, use_liger_kernel)
 
 
 def build_sequence_classifier(
@@ -100,6 +102,7 @@ def build_sequence_classifier(
     revision: str | None = None,
     use_safetensors: bool = True,
     frozen_base: bool = False,
+    use_liger_kernel: bool = False,
 ) -> PreTrainedModel:
     """`AutoModelForSequenceClassification` with one output per label and the label names in its config
     (`id2label`/`label2id`), so `pipeline("text-classification", model=output_dir)` prints them.
@@ -120,7 +123,7 @@ def build_sequence_classifier(
         AutoModelForSequenceClassification, "a sequence classifier", tokenizer, model_name_or_path, model_config,
         attn_implementation, trust_remote_code, labels, **extra,
     )  # fmt: skip
-    return _finish(model, tokenizer, model_name_or_path, gradient_checkpointing, dtype, frozen_base)
+    return _finish(model, tokenizer, model_name_or_path, gradient_checkpointing, dtype, frozen_base, use_liger_kernel)
 
 
 def _load_options(dtype: str, frozen_base: bool, load_in_4bit: bool, revision, use_safetensors: bool) -> dict:
@@ -205,8 +208,10 @@ def _load_or_build(
         raise ConfigError(f"model_config: {first_line(e)}") from None
 
 
-def _finish(model, tokenizer, model_name_or_path, gradient_checkpointing: bool, dtype="auto", frozen_base=False):
-    """Embeddings sized for the tokenizer, special token ids in the configs, gradient checkpointing."""
+def _finish(model, tokenizer, model_name_or_path, gradient_checkpointing: bool, dtype="auto", frozen_base=False,
+            use_liger_kernel=False):  # fmt: skip
+    """Embeddings sized for the tokenizer, special token ids in the configs, gradient checkpointing, Liger's
+    kernels."""
     rows = model.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > rows:
         model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=8, mean_resizing=False)
@@ -232,6 +237,10 @@ def _finish(model, tokenizer, model_name_or_path, gradient_checkpointing: bool, 
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
         model.config.use_cache = False
+    if use_liger_kernel:
+        from .kernels import apply_liger_kernel
+
+        apply_liger_kernel(model)
     return model
 
 

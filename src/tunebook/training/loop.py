@@ -91,6 +91,7 @@ class Run:
     metrics: Any = None  # tunebook.logging.MetricsWriter
     progress: Any = None
     throughput: Any = None  # tunebook.training.Throughput
+    compiled: Any = None  # tunebook.training.compilation.CompiledBlocks, with torch_compile
     signals: StopSignals = field(default_factory=StopSignals)
     grad_norm: Any = None  # of the last step
     stop: BaseException | None = None  # what ends the run early, raised by `finish` once the model is freed
@@ -121,8 +122,15 @@ def start_run(config, recipe: str) -> Run:
 
 def plan_training(run: Run, model, optimizer, train_loader, unit: str = "micro-batches") -> None:
     """Total and per-epoch optimizer steps from the prepared loader, and the learning-rate schedule over them; the
-    run keeps the prepared model, optimizer, schedule and loader."""
+    run keeps the prepared model, optimizer, schedule and loader. With `torch_compile`, the model's transformer
+    blocks are compiled here, after the model is wrapped and any frozen reference copied from it."""
     config, accelerator = run.config, run.accelerator
+    if config.torch_compile:
+        from .compilation import compile_blocks
+
+        run.compiled = compile_blocks(model)
+        run.log.info("torch_compile: %d %s blocks, compiled in the first step", run.compiled.blocks,
+                     run.compiled.block_class)  # fmt: skip
     k = config.gradient_accumulation_steps
     run.total_steps, run.steps_per_epoch = total_optimizer_steps(
         config.max_steps, config.num_train_epochs, len(train_loader), k
@@ -209,6 +217,8 @@ def apply_update(run: Run, step_loss: torch.Tensor, window: list) -> bool:
     run.optimizer.zero_grad(set_to_none=True)
     state.global_step += 1
     run.timer.step_done()
+    if run.compiled is not None:
+        run.compiled.step_done()
     run.progress.update(1)
     return updated
 
@@ -259,7 +269,9 @@ def after_step(run: Run) -> bool:
 
 def _evaluate(run: Run, step: int, label: str) -> bool:
     """Evaluate now (not counted as training time), log and record it; True if it is the best so far."""
-    with run.timer.paused():
+    from .compilation import eager
+
+    with run.timer.paused(), eager():  # evaluation's shapes would compile graphs of their own
         results = run.evaluate()
     run.state.eval_history[step] = results
     run.log.info("%s: %s", label, results)
@@ -314,6 +326,7 @@ def finish(run: Run, data, headline: tuple[str, str, str] | None = None, **extra
         skipped_updates=state.skipped_updates,
         resumed_from=run.checkpoint,
         stopped_early=state.global_step < run.total_steps,  # only early stopping ends a finished run before its end
+        **(run.compiled.summary() if run.compiled is not None else {}),
         **extra,
     )  # fmt: skip
     if accelerator.is_main_process:

@@ -91,3 +91,11 @@ def test_lora_trains_the_rows_of_added_tokens(tmp_path, tiny_model_config, tied)
     merged = peft_model.merge_and_unload()
     changed = (merged.get_output_embeddings().weight - before).abs().sum(dim=1).nonzero().flatten().tolist()
     assert set(changed) <= set(added) and chat.eos_token_id in changed
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error for machines without a CUDA GPU")
+def test_liger_kernels_without_a_gpu_stop_with_one_line(tiny_tokenizer, tiny_model_config):
+    from tunebook.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="use_liger_kernel: Liger's kernels are Triton kernels for CUDA GPUs"):
+        build_causal_lm(tiny_tokenizer, model_config=tiny_model_config, use_liger_kernel=True)

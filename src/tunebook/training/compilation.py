@@ -1,0 +1,107 @@
+"""`torch_compile: true`: regional compilation of the transformer blocks, and a watch on recompiles.
+
+Compiling the whole model takes minutes and recompiles on every change of the loss code around it; compiling one
+block class lets every block reuse its graph (torchtune and torchtitan do the same: the compile time is that of one
+block). Each block's `forward` is replaced by its compiled version, so parameter names, checkpoints and the saved
+model do not change, and what runs around a forward stays eager and outside the graph: FSDP2's all-gather hooks,
+gradient checkpointing, DDP. Compilation is lazy: the first training step traces a block with whatever LoRA layers
+it has by then.
+
+Evaluation and generation run eagerly (`torch.compiler.set_stance("force_eager")`): their shapes (a KV cache that
+grows by one token per step, padded evaluation batches) would each compile graphs of their own, for a few calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from accelerate.utils import extract_model_from_parallel
+
+__all__ = ["CompiledBlocks", "compile_blocks", "eager"]
+
+logger = logging.getLogger("tunebook")
+
+
+def _frames_compiled() -> int:
+    from torch._dynamo.utils import counters  # dynamo's own tally of the frames it compiled
+
+    return int(counters["frames"]["ok"])
+
+
+class CompiledBlocks:
+    """What `compile_blocks` compiled, and the recompiles it has seen since the first step."""
+
+    def __init__(self, blocks: int, block_class: str):
+        self.blocks, self.block_class = blocks, block_class
+        self._start = _frames_compiled()
+        self._after_first_step: int | None = None
+        self._warned = 0
+
+    def step_done(self) -> None:
+        """Call after each optimizer step: the first one's compiles are expected, later ones are recompiles."""
+        if self._after_first_step is None:
+            self._after_first_step = _frames_compiled()
+            logger.info("torch.compile: %d graph(s) for %d %s blocks in the first step", self.graphs,
+                        self.blocks, self.block_class)  # fmt: skip
+        elif self.recompiles > self._warned:
+            self._warned = self.recompiles
+            logger.warning("torch.compile recompiled (%d so far): shapes or guards changed between steps; "
+                           "TORCH_LOGS=recompiles says why", self.recompiles)  # fmt: skip
+
+    @property
+    def graphs(self) -> int:
+        return _frames_compiled() - self._start
+
+    @property
+    def recompiles(self) -> int:
+        return 0 if self._after_first_step is None else _frames_compiled() - self._after_first_step
+
+    def summary(self) -> dict:
+        return {"torch_compile_blocks": self.blocks, "torch_compile_graphs": self.graphs,
+                "torch_compile_recompiles": self.recompiles}  # fmt: skip
+
+
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks: instances of the most numerous class transformers names in `_no_split_modules`
+    (what FSDP wraps one by one: LlamaDecoderLayer, BertLayer, ...)."""
+    inner = extract_model_from_parallel(model)
+    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    # By class lineage: FSDP2 swaps a sharded block's class for a subclass (FSDPLlamaDecoderLayer).
+    found: dict[str, list[torch.nn.Module]] = {}
+    for module in base.modules():
+        name = next((c.__name__ for c in type(module).__mro__ if c.__name__ in names), None)
+        if name is not None:
+            found.setdefault(name, []).append(module)
+    # The repeated class only (BertEmbeddings is also in BERT's list, once).
+    return max(found.values(), key=len) if found else []
+
+
+def compile_blocks(model: torch.nn.Module) -> CompiledBlocks:
+    """Compile every transformer block of `model` in place: its `forward` becomes the compiled one.
+
+    The blocks' shapes are dynamic from the start (`dynamic=True`): padded batches change their length, packed rows
+    their number of examples (the per-example attention's boundaries), the last batch of an epoch its size. With
+    torch's default, a static graph is compiled first and then recompiled for each input that changes.
+    """
+    blocks = transformer_blocks(model)
+    if not blocks:
+        from ..errors import ConfigError
+
+        raise ConfigError(
+            f"torch_compile: no transformer blocks found in {type(extract_model_from_parallel(model)).__name__} "
+            "(its _no_split_modules names none); set torch_compile: false"
+        )
+    for block in blocks:
+        block.forward = torch.compile(block.forward, dynamic=True)
+    name = next(c.__name__ for c in type(blocks[0]).__mro__ if not c.__name__.startswith("FSDP"))
+    return CompiledBlocks(len(blocks), name)
+
+
+def eager():
+    """A context in which compiled blocks run their plain Python code (evaluation, generation)."""
+    if hasattr(torch.compiler, "set_stance"):
+        return torch.compiler.set_stance("force_eager")
+    return contextlib.nullcontext()

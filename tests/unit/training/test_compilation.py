@@ -1,0 +1,62 @@
+"""Regional compilation (torch_compile): the blocks compile in place, and with LoRA and gradient checkpointing the
+compiled model's loss and gradients equal the eager model's; evaluation runs eagerly."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tunebook.errors import ConfigError
+from tunebook.models import apply_lora, build_causal_lm
+from tunebook.recipe_configs import SFTConfig
+from tunebook.training.compilation import compile_blocks, eager, transformer_blocks
+
+pytestmark = pytest.mark.slow  # a first compile takes ~10 s on 2 cores
+
+
+def _loss(model, batch):
+    return model(**batch).loss
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_compiled_blocks_give_eager_loss_and_gradients(tiny_tokenizer, tiny_model_config, lora):
+    torch.manual_seed(0)
+    model = build_causal_lm(tiny_tokenizer, model_config=tiny_model_config, gradient_checkpointing=True)
+    if lora:
+        model = apply_lora(model, SFTConfig(use_peft=True, lora_r=4, lora_dropout=0.0))
+    model.train()
+    compiled = copy.deepcopy(model)
+    names = [n for n, _ in compiled.named_parameters()]
+    blocks = compile_blocks(compiled)
+    assert blocks.blocks == 2 and blocks.block_class == "LlamaDecoderLayer"
+    assert [n for n, _ in compiled.named_parameters()] == names  # checkpoints and saved models keep their keys
+
+    texts = ["Reverse the digits.\n1234 4321", "hello world, two plus two"]
+    for length in (None, 24):  # two lengths: one dynamic graph serves both
+        batch = dict(tiny_tokenizer(texts, padding="max_length" if length else True, max_length=length,
+                                    return_tensors="pt"))  # fmt: skip
+        batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        expected, got = _loss(model, batch), _loss(compiled, batch)
+        expected.backward()
+        got.backward()
+        assert got.item() == pytest.approx(expected.item(), abs=1e-5)
+        for (name, p), q in zip(model.named_parameters(), compiled.parameters()):
+            if p.grad is not None:
+                torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
+        model.zero_grad()
+        compiled.zero_grad()
+        blocks.step_done()
+    assert blocks.recompiles == 0 and blocks.graphs >= 1
+
+    before = blocks.graphs
+    with torch.no_grad(), eager():  # inference would compile graphs of its own
+        compiled.eval()(**batch)
+    assert blocks.graphs == before
+
+
+def test_a_model_without_repeated_blocks_is_refused():
+    assert transformer_blocks(torch.nn.Linear(2, 2)) == []
+    with pytest.raises(ConfigError, match="torch_compile: no transformer blocks found in Linear"):
+        compile_blocks(torch.nn.Linear(2, 2))
