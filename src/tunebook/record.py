@@ -88,7 +88,8 @@ class RunTimer:
         self._mark = (time.perf_counter(), 0.0, 0.0)  # time, paused and data wait at the last window
 
     def start_training(self) -> None:
-        self.train_start = time.perf_counter()
+        # Pauses before the start (the evaluation before training) are not inside the training time to subtract.
+        self.train_start, self.paused_seconds = time.perf_counter(), 0.0
         self._mark = (self.train_start, self.paused_seconds, self.data_wait_seconds)
 
     def step_done(self) -> None:

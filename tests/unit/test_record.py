@@ -33,6 +33,15 @@ def test_data_wait_is_measured_and_paused_time_is_not_training_time():
     assert 0.05 <= seconds < 0.5 and waited == 0
 
 
+def test_an_evaluation_before_training_is_not_subtracted_from_the_training_time():
+    timer = RunTimer()
+    with timer.paused():
+        time.sleep(0.2)  # eval_on_start: before the training clock starts
+    timer.start_training()
+    time.sleep(0.05)
+    assert 0.05 <= timer.train_runtime() < 0.2  # was 0.05 - 0.2 < 0: negative tokens/s, no MFU in summary.json
+
+
 def test_data_wait_advice_names_the_setting_to_change():
     assert data_wait_advice(0.04, 2, 2) is None
     assert "set dataloader_num_workers (now 0) to 2" in data_wait_advice(0.3, 0, 2)
