@@ -1,8 +1,8 @@
 """Tunebook SFT against what users would pick instead, on the same model, tokenizer, data and settings.
 
-    python benchmarks/vs_peers.py [--examples 2000] [--repeats 3] [--precisions fp32,bf16]
+    python benchmarks/vs_peers.py [--data code_alpaca|sharegpt] [--examples 2000] [--repeats 3] [--precisions fp32,bf16]
 
-(a) Tunebook `recipes/sft.py` with packing, through `accelerate launch`;
+(a) Tunebook `recipes/sft.py` with packing, through `tunebook train` (the README's launch command);
 (b) transformers `Trainer`, prompt-masked, padding to the longest in each batch (benchmarks/peers/trainer_sft.py);
 (c) TRL `SFTTrainer` with packing (benchmarks/peers/trl_sft.py; `pip install -e ".[bench]"`).
 
@@ -29,12 +29,22 @@ from pathlib import Path
 from results import header, write_section
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "code_alpaca_2k" / "code_alpaca_2k.json"
+DATA = {  # name: (file, what it is)
+    "code_alpaca": (ROOT.parent / "shared" / "data" / "code_alpaca_2k" / "code_alpaca_2k.json",
+                    "Code Alpaca (`../shared/data/code_alpaca_2k`)"),
+    "sharegpt": (ROOT.parent / "shared" / "data" / "sharegpt_fastchat_dummy" / "dummy_conversation.json",
+                 "FastChat's ShareGPT sample, whole multi-turn conversations (`../shared/data/sharegpt_fastchat_dummy`)"),
+}  # fmt: skip
 SYSTEMS = ("tunebook", "trainer", "trl")
 BATCH, LR, MAX_LEN = 8, 5e-4, 512
 
 
-def prepare_assets(work: Path, examples: int) -> tuple[Path, Path]:
+def sharegpt_messages(record: dict) -> list[dict[str, str]]:
+    roles = {"human": "user", "gpt": "assistant", "system": "system"}
+    return [{"role": roles[turn["from"]], "content": turn["value"]} for turn in record["conversations"]]
+
+
+def prepare_assets(work: Path, examples: int, dataset: str) -> tuple[Path, Path]:
     """The data subset, and one model directory (initial weights + tokenizer) that every system loads."""
     sys.path.insert(0, str(ROOT / "src"))
     import torch
@@ -43,17 +53,20 @@ def prepare_assets(work: Path, examples: int) -> tuple[Path, Path]:
     from tunebook.data.formats import to_conversations
     from tunebook.models import TINY_LLAMA, train_chat_tokenizer
 
-    records = json.loads(DATA.read_text())[:examples]
-    data = work / "code_alpaca_subset.json"
+    records = json.loads(DATA[dataset][0].read_text())[:examples]
+    if dataset == "sharegpt":  # as chat messages, which every system reads (Tunebook also reads ShareGPT itself)
+        records = [{"messages": sharegpt_messages(r)} for r in records]
+    data = work / f"{dataset}_subset.json"
     data.write_text(json.dumps(records))
-    model_dir = work / "init_model"
+    model_dir = work / f"init_model_{dataset}"
     if not (model_dir / "config.json").is_file():
-        batch = {k: [r.get(k, "") for r in records] for k in ("instruction", "input", "output")}
-        texts = [
-            f"{m['role']}\n{m['content']}"
-            for row in to_conversations(batch, data_format="alpaca", where="")["conversation"]
-            for m in json.loads(row)["messages"]
-        ]
+        if dataset == "sharegpt":
+            conversations = [r["messages"] for r in records]
+        else:
+            batch = {k: [r.get(k, "") for r in records] for k in ("instruction", "input", "output")}
+            rows = to_conversations(batch, data_format="alpaca", where="")["conversation"]
+            conversations = [json.loads(row)["messages"] for row in rows]
+        texts = [f"{m['role']}\n{m['content']}" for messages in conversations for m in messages]
         tokenizer = train_chat_tokenizer(texts, vocab_size=2048)
         values = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
         config = AutoConfig.for_model("llama", **values, vocab_size=len(tokenizer),
@@ -78,9 +91,9 @@ def run_one(system: str, precision: str, data: Path, model_dir: Path, work: Path
            "HF_DATASETS_CACHE": str(cache / "hf"), "TUNEBOOK_CACHE": str(cache / "tunebook")}  # fmt: skip
     bf16 = precision == "bf16"
     if system == "tunebook":
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--quiet",
+        cmd = [str(Path(sys.executable).parent / "tunebook"), "train", "--quiet",  # the README's launch command
                "--config_file", str(ROOT / "accelerate_configs" / "cpu.yaml"),
-               "--mixed_precision", "bf16" if bf16 else "no", str(ROOT / "recipes" / "sft.py"),
+               "--mixed_precision", "bf16" if bf16 else "no", "sft",
                "--model_name_or_path", str(model_dir), "--train_data", str(data), "--packing", "true",
                "--max_seq_length", str(MAX_LEN), "--num_train_epochs", "1", "--per_device_train_batch_size", str(BATCH),
                "--learning_rate", str(LR), "--lr_scheduler_type", "linear", "--warmup_ratio", "0",
@@ -153,6 +166,7 @@ def table(runs: list[dict], precision: str, systems: list[str]) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--examples", type=int, default=2000)
+    parser.add_argument("--data", choices=sorted(DATA), default="code_alpaca")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--precisions", default="fp32,bf16")
     parser.add_argument("--work_dir", default="/tmp/tunebook-vs-peers")
@@ -166,7 +180,7 @@ def main():
         parser.error("a subset of --systems needs --no_write: RESULTS.md keeps the full comparison")
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    data, model_dir = prepare_assets(work, args.examples)
+    data, model_dir = prepare_assets(work, args.examples, args.data)
     runs = []
     for precision in args.precisions.split(","):
         for _ in range(args.repeats):
@@ -178,9 +192,9 @@ def main():
                     print(json.dumps(r), flush=True)
     (work / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
     body = [
-        *header("Tunebook vs transformers Trainer vs TRL (benchmarks/vs_peers.py)", "trl"),
+        *header(f"Tunebook vs transformers Trainer vs TRL on {args.data} (benchmarks/vs_peers.py)", "trl"),
         f"- Setup: tiny Llama (4 layers, hidden 128, 2048-token BPE vocabulary trained on the data), the first "
-        f"{args.examples} examples of Code Alpaca (`../shared/data/code_alpaca_2k`), one epoch, max_seq_length "
+        f"{args.examples} examples of {DATA[args.data][1]}, one epoch, max_seq_length "
         f"{MAX_LEN}, batch {BATCH}, learning rate {LR}, linear schedule, no evaluation, final model saved. Medians of "
         f"{args.repeats} runs per system, runs alternating between systems. Whole-process time is measured from "
         "outside (launch to exit, `accelerate launch` included for Tunebook); tokens/s counts non-padding tokens "
@@ -192,7 +206,7 @@ def main():
     text = "\n".join(body)
     print(text)
     if not args.no_write:
-        write_section("vs_peers", text)
+        write_section("vs_peers" if args.data == "code_alpaca" else f"vs_peers_{args.data}", text)
 
 
 if __name__ == "__main__":

@@ -25,14 +25,28 @@ def alpaca_messages(record: dict) -> list[dict[str, str]]:
     return [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
 
 
+def record_messages(record: dict) -> list[dict[str, str]]:
+    """A chat record's `messages` (multi-turn data), or an Alpaca record as one user and one assistant turn."""
+    return record["messages"] if record.get("messages") else alpaca_messages(record)
+
+
 def sft_features(tokenizer, record: dict, max_length: int) -> dict[str, list[int]]:
-    """Chat-template token ids of one record, truncated to `max_length`, labels masked (-100) on the prompt."""
-    messages = alpaca_messages(record)
-    prompt = tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+    """Chat-template token ids of one record, truncated to `max_length`, labels masked (-100) outside the assistant
+    turns (each turn's span found by rendering the conversation up to it, as TRL's assistant masks do)."""
+    messages = record_messages(record)
+
+    def length(turns, prompt):
+        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=prompt)
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     ids = tokenizer(text, add_special_tokens=False, truncation=True, max_length=max_length)["input_ids"]
-    n_prompt = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-    return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": [-100] * n_prompt + ids[n_prompt:]}
+    labels = [-100] * len(ids)
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            start, end = length(messages[:i], True), length(messages[: i + 1], False)
+            labels[start:end] = ids[start:end]
+    return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels[: len(ids)]}
 
 
 class FirstStepClock(TrainerCallback):

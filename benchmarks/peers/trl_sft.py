@@ -9,7 +9,7 @@ python benchmarks/peers/trl_sft.py DATA.json MODEL_DIR OUT_DIR RESULT.json [--bf
 from __future__ import annotations
 
 import datasets
-from common import alpaca_messages, callbacks, load_model, parse_args, shared_training_arguments, train_and_report
+from common import callbacks, load_model, parse_args, record_messages, shared_training_arguments, train_and_report
 from transformers import AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
@@ -21,7 +21,7 @@ def main():
     raw = datasets.load_dataset("json", data_files=args.data, split="train", cache_dir=args.cache_dir)
 
     def to_prompt_completion(record):
-        messages = alpaca_messages(record)
+        messages = record_messages(record)
         return {"prompt": messages[:1], "completion": messages[1:]}
 
     train = raw.map(to_prompt_completion, remove_columns=raw.column_names)

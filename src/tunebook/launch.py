@@ -9,14 +9,20 @@ from calling `accelerate launch recipes/sft.py` directly, and why:
 - the recipe's config is checked before torch is imported, so a typo is reported in about a second;
 - a failed run ends with the recipe's one-line error: no launcher traceback (`CalledProcessError`, torchrun's
   `ChildFailedError` report and its log lines), and the exit code is the recipe's own (143 after SIGTERM);
-- a single process gets signals through the launcher: SIGTERM or Ctrl-C sent to the launcher reaches the recipe
-  once, which saves a checkpoint and stops (accelerate's own single-process launcher does not forward them, and a
-  terminal's Ctrl-C would reach the recipe twice if it shared the launcher's process group).
+- a single process runs in the launcher's own interpreter, with the environment `accelerate launch` would give it:
+  no second interpreter to start and no second import of torch (about 2 s of a short run's start-up), and SIGTERM or
+  Ctrl-C reach the recipe once, which saves a checkpoint and stops. Where the launch needs a fresh process (`--module`,
+  `--no_python`, mpirun, `--gpu_ids` or other device selection, which must precede the device runtime's start), the
+  recipe runs as a child in a session of its own and the launcher forwards those signals to it (accelerate's own
+  single-process launcher does not, and a terminal's Ctrl-C would reach the recipe twice if it shared the launcher's
+  process group).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -82,12 +88,31 @@ def _simple_launcher(args) -> None:
     from accelerate.utils import prepare_simple_launcher_cmd_env
 
     cmd, env = prepare_simple_launcher_cmd_env(args)
+    if _runs_here(args, cmd, env):
+        os.environ.update(env)
+        sys.argv = cmd[1:]
+        sys.path.insert(0, str(Path(cmd[1]).resolve().parent))  # as `python recipes/sft.py` would
+        runpy.run_path(cmd[1], run_name="__main__")
+        raise SystemExit(0)
     # A session of its own: a terminal's Ctrl-C or a job's SIGTERM reaches the recipe once, forwarded from here;
     # a second one, forwarded too, makes the recipe stop without waiting for its step.
     process = subprocess.Popen(cmd, env=env, start_new_session=True)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda signum, frame: process.send_signal(signum))
     raise SystemExit(_exit_status(process.wait()))
+
+
+# Variables that select devices or threads: read when the runtime starts, so only a fresh process honours them.
+_FRESH_PROCESS_ONLY = ("VISIBLE_DEVICES", "AFFINITY_MASK", "VISIBLE_MODULES", "VISIBLE_CORES", "OMP_NUM_THREADS")
+
+
+def _runs_here(args, cmd: list[str], env: dict[str, str]) -> bool:
+    """Whether the recipe can run in this interpreter: a Python script, and no variable that only a new process
+    would honour differs from this one's (KMP_* tune Intel's OpenMP, which PyTorch's wheels do not use)."""
+    if args.no_python or args.module or args.mpirun_hostfile is not None or cmd[0] != sys.executable:
+        return False
+    changed = {k for k, v in env.items() if os.environ.get(k) != v}
+    return not any(k.endswith(_FRESH_PROCESS_ONLY) for k in changed)
 
 
 def _exit_status(returncode: int) -> int:
