@@ -1,0 +1,251 @@
+"""The fused, chunked LM-head loss equals the loss on full logits, losses and every gradient (fp32, 1e-5), and never
+materialises the (positions, vocab) logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tunebook.training.linear_ce as linear_ce
+import tunebook.training.loss as loss_module
+from tunebook.data import PackedCollator, PadCollator, attention_inputs, use_packed_attention
+from tunebook.models import apply_lora, build_causal_lm
+from tunebook.recipe_configs import SFTConfig
+from tunebook.training import causal_lm_token_losses, per_example_token_loss
+from tunebook.training.linear_ce import linear_cross_entropy
+
+TOL = 1e-5
+CHUNK_ROWS = 7  # loss positions per chunk in these tests: several chunks and a remainder
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch, tiny_tokenizer):
+    monkeypatch.setattr(linear_ce, "CHUNK_ELEMENTS", CHUNK_ROWS * len(tiny_tokenizer) + 3)
+    monkeypatch.setattr(loss_module, "_CHANGES_LOGITS", set())
+
+
+def _rows(tokenizer, lengths, prompt=3):
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for n in lengths:
+        ids = torch.randint(10, len(tokenizer), (n,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
+    return rows
+
+
+def _batch(tokenizer, kind: str) -> dict:
+    if kind == "padded":
+        return PadCollator(tokenizer.pad_token_id, 8)(_rows(tokenizer, (5, 17, 11)))
+    examples = _rows(tokenizer, (7, 9, 12, 6, 10))
+    packs = []
+    for group in ([0, 1, 2], [3, 4]):
+        labels = [t for i in group for t in [-100] + examples[i]["labels"][1:]]  # the packer masks each first label
+        ids = [t for i in group for t in examples[i]["input_ids"]]
+        packs.append(
+            {"input_ids": ids, "labels": labels, "seq_lengths": [len(examples[i]["input_ids"]) for i in group]}
+        )
+    return PackedCollator(tokenizer.pad_token_id, 8)(packs)
+
+
+def _losses_and_grads(model, batch, attn, fused: bool):
+    """Per-row loss sums and the gradients of a loss weighting each token by its row (as DPO's sequence sums do)."""
+    model.zero_grad(set_to_none=True)
+    inputs = attention_inputs(batch, attn, torch.float32)
+    rows = len(batch["labels"])
+    if fused:
+        losses, positions = causal_lm_token_losses(model, inputs, batch)
+        sums = torch.zeros(rows).index_add(0, positions // batch["labels"].shape[1], losses)
+    else:
+        sums = per_example_token_loss(model(**inputs).logits, batch["labels"])[0]
+    (sums * torch.arange(1.0, rows + 1)).sum().div(100).backward()
+    return sums.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _head_output_shapes(model) -> list:
+    """Shapes the output layer returns from now on (the fused path returns one loss per position)."""
+    shapes = []
+    model.get_output_embeddings().register_forward_hook(lambda m, a, out: shapes.append(tuple(out.shape)))
+    return shapes
+
+
+def _assert_equal_to_full_logits(model, batch, attn="sdpa", fused_head=True):
+    shapes = _head_output_shapes(model)
+    full_sums, full_grads = _losses_and_grads(model, batch, attn, fused=False)
+    sums, grads = _losses_and_grads(model, batch, attn, fused=True)
+    positions = batch["loss_positions"].numel()
+    assert shapes[-1] == ((positions,) if fused_head else (positions, model.config.vocab_size))
+    torch.testing.assert_close(sums, full_sums, atol=TOL, rtol=TOL)
+    assert grads.keys() == full_grads.keys() and grads
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=TOL, rtol=TOL, msg=f"gradient of {name}")
+
+
+def test_chunked_function_equals_cross_entropy_of_linear(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    vocab, rows = 301, 37  # neither a multiple of the 8-row chunks
+    hidden = torch.randn(rows, 16, generator=g, requires_grad=True)
+    weight = torch.randn(vocab, 16, generator=g, requires_grad=True)
+    bias = torch.randn(vocab, generator=g, requires_grad=True)
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    upstream = torch.rand(rows, generator=g)  # a different weight per token
+    results = []
+    for fused in (False, True):
+        hidden.grad = weight.grad = bias.grad = None
+        if fused:
+            monkeypatch.setattr(linear_ce, "CHUNK_ELEMENTS", 8 * vocab)
+            losses = linear_cross_entropy(hidden, weight, bias, targets)
+        else:
+            losses = F.cross_entropy(F.linear(hidden, weight, bias), targets, reduction="none")
+        (losses * upstream).sum().backward()
+        results.append([losses.detach(), hidden.grad, weight.grad, bias.grad])
+    for got, expected in zip(*reversed(results)):
+        torch.testing.assert_close(got, expected, atol=TOL, rtol=TOL)
+    empty = linear_cross_entropy(hidden[:0], weight, None, targets[:0])
+    empty.sum().backward()
+    assert empty.shape == (0,) and empty.dtype == torch.float32
+
+
+def test_bf16_weights_and_autocast_keep_float32_losses():
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(37, 16, generator=g), torch.randn(301, 16, generator=g) / 4
+    targets = torch.randint(0, 301, (37,), generator=g)
+    expected = F.cross_entropy(F.linear(hidden, weight), targets, reduction="none")
+    low = [hidden.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_()]
+    losses = linear_cross_entropy(*low, None, targets)
+    losses.sum().backward()
+    assert losses.dtype == torch.float32 and low[1].grad.dtype == torch.bfloat16
+    torch.testing.assert_close(losses, expected, atol=0.05, rtol=0.02)
+    # Under autocast the matmuls run in bf16 as F.linear's would; the float32 weight gets a float32 gradient.
+    full = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        unfused = F.cross_entropy(F.linear(*full).float(), targets, reduction="none")
+        losses = linear_cross_entropy(hidden, weight.requires_grad_(), None, targets)
+    assert losses.dtype == torch.float32
+    torch.testing.assert_close(losses, unfused, atol=1e-3, rtol=1e-3)
+    losses.sum().backward()
+    unfused.sum().backward()
+    assert weight.grad.dtype == torch.float32
+    torch.testing.assert_close(weight.grad, full[1].grad, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("kind", ["padded", "packed"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_fused_loss_equals_full_logits(tiny_tokenizer, tiny_model_config, kind, tied):
+    torch.manual_seed(0)
+    model = build_causal_lm(tiny_tokenizer, model_config={**tiny_model_config, "tie_word_embeddings": tied}).train()
+    batch = _batch(tiny_tokenizer, kind)
+    assert batch["loss_positions"].numel() % CHUNK_ROWS
+    attn = use_packed_attention(model, "cpu") if kind == "packed" else "sdpa"
+    _assert_equal_to_full_logits(model, batch, attn)
+
+
+@pytest.mark.parametrize(
+    "lora",
+    [
+        {},  # adapters in the body, the head frozen
+        {"modules_to_save": ["lm_head"]},  # peft's ModulesToSaveWrapper: a trained copy of the head
+        {"new_tokens": True},  # trainable_token_indices: the added tokens' rows train
+        {"new_tokens": True, "tied": True},
+    ],
+)
+def test_fused_loss_equals_full_logits_with_lora(tiny_tokenizer, tiny_model_config, lora):
+    torch.manual_seed(0)
+    config = {**tiny_model_config, "tie_word_embeddings": lora.get("tied", False)}
+    model = build_causal_lm(tiny_tokenizer, model_config=config)
+    if lora.get("new_tokens"):
+        model.new_token_rows = range(len(tiny_tokenizer) - 40, len(tiny_tokenizer))  # rows the targets hit
+    settings = SFTConfig(
+        use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, modules_to_save=lora.get("modules_to_save")
+    )
+    model = apply_lora(model, settings).train()
+    for module in model.modules():  # peft starts LoRA B (and the token deltas) as no-ops: move them off it
+        for name, param in module.named_parameters(recurse=False):
+            if "lora_B" in name or "trainable_tokens_delta" in name:
+                param.data.add_(torch.randn_like(param) * 0.1)
+    batch = _batch(tiny_tokenizer, "padded")
+    _assert_equal_to_full_logits(model, batch)
+    with torch.no_grad(), model.disable_adapter():  # DPO's reference: the frozen original head
+        full = per_example_token_loss(model(**attention_inputs(batch, "sdpa", torch.float32)).logits, batch["labels"])
+        losses, positions = causal_lm_token_losses(model, attention_inputs(batch, "sdpa", torch.float32), batch)
+    sums = torch.zeros(len(batch["labels"])).index_add(0, positions // batch["labels"].shape[1], losses)
+    torch.testing.assert_close(sums, full[0], atol=TOL, rtol=TOL)
+
+
+def test_one_chunk_lora_on_the_head_and_softcapped_logits_take_the_logits_path(
+    tiny_tokenizer, tiny_model_config, monkeypatch
+):
+    torch.manual_seed(0)
+    batch = _batch(tiny_tokenizer, "padded")
+    model = build_causal_lm(tiny_tokenizer, model_config=tiny_model_config).train()
+    monkeypatch.setattr(linear_ce, "CHUNK_ELEMENTS", batch["loss_positions"].numel() * len(tiny_tokenizer))
+    _assert_equal_to_full_logits(model, batch, fused_head=False)  # the logits fit in one chunk
+    monkeypatch.setattr(linear_ce, "CHUNK_ELEMENTS", CHUNK_ROWS * len(tiny_tokenizer))
+    model = build_causal_lm(tiny_tokenizer, model_config=tiny_model_config)
+    settings = SFTConfig(
+        use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=["q_proj", "lm_head"]
+    )
+    _assert_equal_to_full_logits(
+        apply_lora(model, settings).train(), _batch(tiny_tokenizer, "padded"), fused_head=False
+    )
+    gemma2 = {"model_type": "gemma2", "head_dim": 8, "final_logit_softcapping": 3.0, "attn_logit_softcapping": None}
+    model = build_causal_lm(tiny_tokenizer, model_config={**tiny_model_config, **gemma2}).train()
+    _assert_equal_to_full_logits(model, _batch(tiny_tokenizer, "padded"), fused_head=False)
+
+
+def test_logits_changed_after_the_head_are_found_and_recomputed(tiny_tokenizer, tiny_model_config, caplog):
+    torch.manual_seed(0)
+    model = build_causal_lm(tiny_tokenizer, model_config=tiny_model_config).train()
+
+    def halve_logits(module, args, kwargs, output):  # as an unknown model's logit scale would
+        output.logits = output.logits / 2
+        return output
+
+    model.register_forward_hook(halve_logits, with_kwargs=True)
+    batch = _batch(tiny_tokenizer, "padded")
+    full_sums, full_grads = _losses_and_grads(model, batch, "sdpa", fused=False)
+    sums, grads = _losses_and_grads(model, batch, "sdpa", fused=True)
+    assert "changes its logits after the output layer" in caplog.text
+    assert loss_module._CHANGES_LOGITS == {"llama"}  # and the next batches go straight to the logits path
+    torch.testing.assert_close(sums, full_sums, atol=TOL, rtol=TOL)
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=TOL, rtol=TOL, msg=f"gradient of {name}")
+
+
+def _peak_rss_growth(fn) -> int:
+    """Bytes the process's resident set grew by at its peak while `fn` ran (Linux: VmHWM reset via clear_refs)."""
+
+    def status(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+    start = status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    fn()
+    return status("VmHWM") - start
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/clear_refs"), reason="peak RSS reset is Linux-only")
+def test_full_logits_are_never_materialised(tiny_tokenizer, tiny_model_config, monkeypatch):
+    """A 131,072-token vocabulary and 1,024 loss positions: the logits would take 512 MiB."""
+    monkeypatch.setattr(linear_ce, "CHUNK_ELEMENTS", 2**22)  # 16 MiB chunks
+    torch.manual_seed(0)
+    config = {**tiny_model_config, "vocab_size": 131072, "hidden_size": 16, "num_attention_heads": 2}
+    model = build_causal_lm(tiny_tokenizer, model_config=config).train()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 131072, (4, 257), generator=g)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    logits_bytes = 4 * 256 * 131072 * 4
+    shapes = _head_output_shapes(model)
+
+    def step():
+        causal_lm_token_losses(model, {"input_ids": ids, "attention_mask": batch["attention_mask"]}, batch)[
+            0
+        ].sum().backward()
+
+    step()  # first use: weight gradients and allocator pools
+    assert shapes[-1] == (1024,)
+    assert _peak_rss_growth(step) < logits_bytes / 4
+    monkeypatch.setattr(loss_module, "_fusable", lambda *args: False)  # the selected-logits path, for scale
+    assert _peak_rss_growth(step) > logits_bytes
