@@ -170,7 +170,7 @@ def main():
         "- **Memory is the headline; tokens/s is indicative**: the machine's 2 cores were shared with other work "
         "while this ran.",
         "",
-        "| loss | peak memory of the step (MiB) | step (s) | tokens/s | loss |",
+        "| loss computed by | peak memory of the step (MiB) | step (s) | tokens/s | loss value |",
         "| --- | ---: | ---: | ---: | ---: |",
     ]
     for way, label in WAYS.items():

@@ -10,14 +10,15 @@ sums them per sequence, do not give).
 Why not torch's own `F.linear_cross_entropy(..., reduction="none", options=LinearCrossEntropyOptions(...))`
 (torch >= 2.13), the same algorithm: on bf16 weights it returns the per-token losses in bf16 (0.3% off, where
 Tunebook's losses are float32, as DPO's sequence sums need); Tunebook supports torch >= 2.4; and it is no faster.
-On this 2-core AMD EPYC (shared, medians of 3-5), 2048 rows x hidden 256, float32, forward + backward:
+On a shared 2-core AMD EPYC, 2048 rows x hidden 256, float32, forward + backward, medians of 3-5 runs in turn,
+peak resident-set growth:
 
-    vocab    plain logits + F.cross_entropy    torch's op (rows/chunk)    this module (rows/chunk)
-    32,768   2.25 s, 802 MiB                   2.54 s, 267 MiB (1024)     2.43 s, 192 MiB (1024)
-    131,072  10.6 s, 3,202 MiB                 10.9 s, 458 MiB (256)      10.3 s, 384 MiB (256)
+    vocab    logits + F.cross_entropy    torch's op (rows per chunk)    this module (rows per chunk)
+    32,768   2.42 s, 802 MiB             2.72 s, 197 MiB (1024)         2.65 s, 196 MiB (1024)
+    131,072  10.3 s, 3,202 MiB           10.6 s, 392 MiB (256)          10.3 s, 388 MiB (256)
 
-(peak RSS above the start). torch's default chunking picks 2-row chunks here: 6.5 s at 32,768 and more than ten
-minutes at 131,072.
+torch's default chunking (float32 on a CPU falls back to chunks whose logits are half the input's size) picks
+8-row chunks at 32,768 (25-38 s) and 2-row chunks at 131,072 (stopped after ten minutes).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 __all__ = ["CHUNK_ELEMENTS", "LinearLosses", "linear_cross_entropy"]
 
 # Logits per chunk: 128 MiB in float32, 256 rows of a 131,072-token vocabulary. Smaller chunks cost time on CPU
-# (128 rows: 12 s instead of 10 s above), as each re-reads the whole weight for a thinner matmul.
+# (128 rows: about 12 s instead of 10 s in the table above), as each re-reads the whole weight for a thinner matmul.
 CHUNK_ELEMENTS = 2**25
 
 
@@ -97,8 +98,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def _logits_buffer(hidden: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:
-    # One float32 buffer for every chunk: a fresh (rows, vocab) tensor per chunk costs page faults on CPU
-    # (about 10% of the time above).
+    # One float32 buffer for every chunk: a fresh (rows, vocab) tensor per chunk made the loop about 10% slower on
+    # the CPU above (page faults).
     return torch.empty(min(rows, hidden.shape[0]), weight.shape[0], dtype=torch.float32, device=hidden.device)
 
 
