@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     from .errors import install_excepthook
 
     install_excepthook()
+    whole_process = argv is None  # the console script, not a caller in Python
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     if command == "train":
         from .launch import train
 
-        train(rest)
+        train(rest, whole_process=whole_process)
     elif command == "prepare":
         prepare(rest)
     elif command == "report":

@@ -20,23 +20,31 @@ from calling `accelerate launch recipes/sft.py` directly, and why:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import runpy
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from .errors import ConfigError
 
-__all__ = ["train"]
+__all__ = ["launch_time", "train"]
+
+# When the user's command began (epoch seconds), set by `tunebook train` for the recipe's processes.
+LAUNCH_TIME_VARIABLE = "TUNEBOOK_LAUNCH_TIME"
 
 USAGE = "usage: tunebook train [ACCELERATE LAUNCH OPTIONS] RECIPE [--config FILE.yaml] [--key value ...]"
 
 
-def train(argv: list[str]) -> None:
-    """Check the recipe's config, then `accelerate launch` it; exits with the recipe's exit code."""
+def train(argv: list[str], whole_process: bool = False) -> None:
+    """Check the recipe's config, then `accelerate launch` it; exits with the recipe's exit code.
+
+    `whole_process`: this interpreter exists for this command (the `tunebook` console script), so a run in it may
+    end the process without the interpreter's teardown."""
     from .recipe import RECIPES, recipe_config_class, recipe_file
 
     position = next((i for i, a in enumerate(argv) if a in RECIPES or a.endswith(".py")), None)
@@ -55,9 +63,11 @@ def train(argv: list[str]) -> None:
 
     import accelerate.commands.launch as accelerate_launch
 
+    # The run's time to first step counts from this command's start, also in child processes.
+    os.environ.setdefault(LAUNCH_TIME_VARIABLE, repr(launch_time()))
     args = accelerate_launch.launch_command_parser().parse_args([*launcher_args, script, *recipe_args])
     # One process: our launcher instead of accelerate's (see the module docstring); the rest is accelerate's.
-    accelerate_launch.simple_launcher = _simple_launcher
+    accelerate_launch.simple_launcher = functools.partial(_simple_launcher, whole_process=whole_process)
     _quiet_torchrun()
     try:
         accelerate_launch.launch_command(args)
@@ -84,15 +94,21 @@ def _quiet_torchrun() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def _simple_launcher(args) -> None:
+def _simple_launcher(args, whole_process: bool) -> None:
     from accelerate.utils import prepare_simple_launcher_cmd_env
 
     cmd, env = prepare_simple_launcher_cmd_env(args)
     if _runs_here(args, cmd, env):
         os.environ.update(env)
+        if "OMP_NUM_THREADS" in env:  # read once when torch loaded; the launcher has loaded it already
+            import torch
+
+            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
         sys.argv = cmd[1:]
         sys.path.insert(0, str(Path(cmd[1]).resolve().parent))  # as `python recipes/sft.py` would
         runpy.run_path(cmd[1], run_name="__main__")
+        if whole_process:
+            _exit_without_teardown()
         raise SystemExit(0)
     # A session of its own: a terminal's Ctrl-C or a job's SIGTERM reaches the recipe once, forwarded from here;
     # a second one, forwarded too, makes the recipe stop without waiting for its step.
@@ -102,8 +118,9 @@ def _simple_launcher(args) -> None:
     raise SystemExit(_exit_status(process.wait()))
 
 
-# Variables that select devices or threads: read when the runtime starts, so only a fresh process honours them.
-_FRESH_PROCESS_ONLY = ("VISIBLE_DEVICES", "AFFINITY_MASK", "VISIBLE_MODULES", "VISIBLE_CORES", "OMP_NUM_THREADS")
+# Variables that select devices: read when the device runtime starts, so only a fresh process honours them.
+# (OMP_NUM_THREADS, which accelerate sets on every CPU launch, is honoured here through torch.set_num_threads.)
+_FRESH_PROCESS_ONLY = ("VISIBLE_DEVICES", "AFFINITY_MASK", "VISIBLE_MODULES", "VISIBLE_CORES")
 
 
 def _runs_here(args, cmd: list[str], env: dict[str, str]) -> bool:
@@ -113,6 +130,34 @@ def _runs_here(args, cmd: list[str], env: dict[str, str]) -> bool:
         return False
     changed = {k for k, v in env.items() if os.environ.get(k) != v}
     return not any(k.endswith(_FRESH_PROCESS_ONLY) for k in changed)
+
+
+def _exit_without_teardown() -> None:
+    """Ends a run that finished: what Python's own exit does for the program (its threads joined, its exit handlers,
+    which close loggers and trackers, and flushed streams), without freeing every loaded module's objects one by one,
+    which took torch's, transformers' and datasets' modules ~1.1 s at the end of every run."""
+    import atexit
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def launch_time() -> float:
+    """When the user's command started (epoch seconds): this process's start, or its launcher's."""
+    if LAUNCH_TIME_VARIABLE in os.environ:
+        return float(os.environ[LAUNCH_TIME_VARIABLE])
+    try:
+        import psutil
+
+        return psutil.Process(os.getpid()).create_time()
+    except Exception:  # psutil missing or /proc unreadable: fall back to now
+        return time.time()
 
 
 def _exit_status(returncode: int) -> int:

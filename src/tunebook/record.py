@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import yaml
 
+from .launch import launch_time
 from .report import flatten, format_table, render_report
 
 __all__ = [
@@ -74,13 +75,13 @@ class MetricsWriter:
 class RunTimer:
     """Wall-clock bookkeeping of a training run.
 
-    Time since process start to the first optimizer step; training time that excludes evaluation and
+    Time from the command's start (`tunebook.launch.launch_time`) to the first optimizer step; training time that excludes evaluation and
     checkpointing inside the loop (`paused()`); the time the loop waited for its next batch (`add_data_wait`);
     and, per logging window, the training time and data wait that `tunebook.training.Throughput` turns into rates.
     """
 
     def __init__(self):
-        self.process_start = _process_start_time()
+        self.process_start = launch_time()
         self.train_start: float | None = None
         self.first_step_done: float | None = None
         self.paused_seconds = 0.0
@@ -144,15 +145,6 @@ def data_wait_advice(
         "; prepare the data ahead with `tunebook prepare` if preprocessing is the slow part" if data_built else ""
     )
     return f"The training loop waited for data {100 * fraction:.0f}% of the time (more than {100 * threshold:.0f}%): {fix}{prepare}"
-
-
-def _process_start_time() -> float:
-    try:
-        import psutil
-
-        return psutil.Process(os.getpid()).create_time()
-    except Exception:  # psutil missing or /proc unreadable: fall back to import time
-        return time.time()
 
 
 def peak_rss_mb() -> float:

@@ -143,3 +143,42 @@ def test_a_truncated_gguf_file_is_one_line(tmp_path):
             f"tunebook: error: {tmp_path / 'cut.gguf'}: truncated or corrupt GGUF file (it ends inside its header "
             "or tensors)\n"
         )
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_process_runs_in_the_launchers_interpreter_with_the_threads_asked_for(tmp_path, threads):
+    """No second interpreter for one process (it costs a short run ~2 s): accelerate's OMP_NUM_THREADS, set on every
+    CPU launch, is honoured in place; the time to first step counts from the launcher's start."""
+    report = tmp_path / "report.json"
+    script = tmp_path / "where.py"
+    script.write_text(
+        "import json, os, sys, torch\n"
+        "json.dump({'pid': os.getpid(), 'threads': torch.get_num_threads(),"
+        " 'launch_time': os.environ.get('TUNEBOOK_LAUNCH_TIME')}, open(sys.argv[1], 'w'))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-m", "tunebook.cli", "train", "--config_file",
+                             "accelerate_configs/cpu.yaml", "--num_cpu_threads_per_process", str(threads),
+                             str(script), str(report)], cwd=ROOT)  # fmt: skip
+    assert proc.wait(timeout=120) == 0
+    seen = json.loads(report.read_text())
+    assert seen["pid"] == proc.pid
+    assert seen["threads"] == threads
+    assert seen["launch_time"] is not None and float(seen["launch_time"]) <= time.time()
+
+
+def test_a_run_in_the_launchers_interpreter_ends_as_python_would(tmp_path):
+    """The in-place run skips the interpreter's teardown, not what the program asked for at exit."""
+    script = tmp_path / "ends.py"
+    script.write_text(
+        "import atexit, pathlib, sys, threading, time\n"
+        "out = pathlib.Path(sys.argv[1])\n"
+        "atexit.register(lambda: (out / 'atexit').write_text('ran'))\n"
+        "threading.Thread(target=lambda: (time.sleep(0.5), (out / 'thread').write_text('joined'))).start()\n"
+        "print('buffered, not flushed', end='')\n"
+    )
+    result = subprocess.run([sys.executable, "-m", "tunebook.cli", "train", "--config_file", "accelerate_configs/cpu.yaml",
+                             str(script), str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "buffered, not flushed"
+    assert (tmp_path / "atexit").read_text() == "ran"
+    assert (tmp_path / "thread").read_text() == "joined"
