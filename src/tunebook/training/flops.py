@@ -76,7 +76,7 @@ def dataset_flop_shape(dataset) -> tuple[float, float]:
     """(`attention_span`, fraction of tokens with a label) of a prepared data set, read from its Arrow columns.
 
     Examples are the packed `seq_lengths` when present, else the rows of every `*input_ids` column (both
-    responses of preference pairs); the label fraction is 1 unless the `*labels` columns are per-token (-100
+    responses of preference pairs), or of `prompt_ids` (GRPO's prompts, whose completions are not known yet); the label fraction is 1 unless the `*labels` columns are per-token (-100
     marks a position without loss).
     """
     import pyarrow as pa
@@ -86,7 +86,8 @@ def dataset_flop_shape(dataset) -> tuple[float, float]:
     if "seq_lengths" in table.column_names:
         lengths = [pc.list_flatten(table.column("seq_lengths"))]
     else:
-        lengths = [pc.list_value_length(table.column(c)) for c in table.column_names if c.endswith("input_ids")]
+        lengths = [pc.list_value_length(table.column(c)) for c in table.column_names
+                   if c.endswith("input_ids") or c == "prompt_ids"]  # fmt: skip
     lengths = np.concatenate([np.asarray(part.to_numpy(zero_copy_only=False)) for part in lengths])
     span = attention_span(lengths)
     labels = [c for c in table.column_names if c.endswith("labels") and pa.types.is_list(table.column(c).type)]

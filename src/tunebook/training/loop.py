@@ -120,9 +120,12 @@ def start_run(config, recipe: str) -> Run:
     return Run(config, recipe, accelerator, log, timer, output_dir, cache_dir)
 
 
-def plan_training(run: Run, model, optimizer, train_loader, unit: str = "micro-batches") -> None:
-    """Total and per-epoch optimizer steps from the prepared loader, and the learning-rate schedule over them; the
-    run keeps the prepared model, optimizer, schedule and loader. With `torch_compile`, the model's transformer
+def plan_training(
+    run: Run, model, optimizer, train_loader, unit: str = "micro-batches", updates_per_window: int = 1
+) -> None:
+    """Total and per-epoch optimizer steps from the prepared loader (`updates_per_window` optimizer steps per
+    accumulation window), and the learning-rate schedule over them; the run keeps the prepared model, optimizer,
+    schedule and loader. With `torch_compile`, the model's transformer
     blocks are compiled here, after the model is wrapped and any frozen reference copied from it."""
     config, accelerator = run.config, run.accelerator
     if config.torch_compile:
@@ -133,7 +136,7 @@ def plan_training(run: Run, model, optimizer, train_loader, unit: str = "micro-b
                      run.compiled.block_class)  # fmt: skip
     k = config.gradient_accumulation_steps
     run.total_steps, run.steps_per_epoch = total_optimizer_steps(
-        config.max_steps, config.num_train_epochs, len(train_loader), k
+        config.max_steps, config.num_train_epochs, len(train_loader), k, updates_per_window
     )
     lr_scheduler = accelerator.prepare(
         build_scheduler(config.lr_scheduler_type, optimizer, run.total_steps, config.warmup_ratio)

@@ -11,14 +11,20 @@ __all__ = ["accumulation_windows", "eval_due", "save_due", "total_optimizer_step
 
 
 def total_optimizer_steps(
-    max_steps: int, num_train_epochs: float, batches_per_epoch: int, gradient_accumulation_steps: int
+    max_steps: int,
+    num_train_epochs: float,
+    batches_per_epoch: int,
+    gradient_accumulation_steps: int,
+    updates_per_window: int = 1,
 ) -> tuple[int, int]:
     """Return (total optimizer steps, optimizer steps per epoch).
 
     `batches_per_epoch` is per process (the prepared loader's length). The last, partial accumulation window of
-    an epoch still makes an optimizer step. `max_steps` > 0 wins over epochs; 0 means evaluate only.
+    an epoch still makes an optimizer step (`updates_per_window` of them where a window is trained on several
+    times, as GRPO's `num_iterations`). `max_steps` > 0 wins over epochs; 0 means evaluate only.
     """
-    steps_per_epoch = max(math.ceil(batches_per_epoch / gradient_accumulation_steps), 1)
+    windows = max(math.ceil(batches_per_epoch / gradient_accumulation_steps), 1)
+    steps_per_epoch = windows * updates_per_window
     if max_steps >= 0:
         return max_steps, steps_per_epoch
     return math.ceil(num_train_epochs * steps_per_epoch), steps_per_epoch

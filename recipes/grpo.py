@@ -1,0 +1,204 @@
+"""Group Relative Policy Optimization (GRPO) of a causal language model with verifiable rewards.
+
+With no arguments it runs the embedded offline default: the SFT default's digit task as prompts with reference
+answers, a locally trained tokenizer and a tiny Llama that a short SFT warm-up first teaches the answer format;
+then GRPO samples 8 completions per prompt, rewards exact matches, and reports the held-out exact match of greedy
+answers when GRPO starts and at the end.
+
+    tunebook train --config_file accelerate_configs/cpu.yaml grpo                                # CPU
+    tunebook train --config_file accelerate_configs/multi_cpu.yaml grpo                          # 2 CPU processes
+    tunebook train --config_file accelerate_configs/single_gpu.yaml grpo \\
+        --model_name_or_path outputs/my-sft-model --train_data prompts.jsonl \\
+        --reward_functions '[exact_match, my_rewards.py:format_ok]' --max_new_tokens 512          # one GPU
+
+Each row of the data has a `prompt` (text or messages); its other columns reach the reward functions. Every
+optimizer step: the window's prompts (each process its own, whole groups) -> `num_generations` sampled completions
+each -> rewards -> advantages within each group -> `num_iterations` updates of the clipped objective
+(`tunebook.training.grpo`). Outputs in `output_dir` as for the other recipes; `metrics.jsonl` adds reward mean/std
+per function, the fraction of groups with one reward for all, completion lengths, clip ratio, KL, and generation
+vs. training seconds.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+from tunebook.config import load_config
+from tunebook.data import PromptData, PromptRows, prepare_prompt_data, reference_examples, train_and_eval_loaders
+from tunebook.distributed import prepare_then_join
+from tunebook.evaluation.completions import evaluate_completions
+from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options
+from tunebook.recipe_configs import GRPOConfig
+from tunebook.training import (
+    accumulation_windows,
+    after_step,
+    apply_update,
+    build_optimizer,
+    epochs,
+    finish,
+    plan_training,
+    resume,
+    start_run,
+    step_loss_scale,
+)
+from tunebook.training.grpo import (
+    GRPOStats,
+    Rollouts,
+    completion_log_probs,
+    completion_seed,
+    group_advantages,
+    grpo_token_losses,
+    loss_numerator,
+    rollout_rows,
+    sample_completions,
+    step_normaliser,
+)
+from tunebook.training.rewards import combined, describe, load_reward_functions, score
+from tunebook.training.warmup import sft_warmup
+
+
+def generate_rollouts(config: GRPOConfig, run, model, reference, window, rewards, figures, tokenizer) -> list:
+    """Completions of the window's prompts, their rewards and advantages, and the log-probs the loss compares to."""
+    accelerator, G = run.accelerator, config.num_generations
+    policy = accelerator.unwrap_model(model)
+    eos = policy.generation_config.eos_token_id or tokenizer.eos_token_id
+    parts = []
+    for batch in window:
+        start = time.perf_counter()
+        prompt_ids = [p for p in batch["prompt_ids"] for _ in range(G)]  # a group's completions stay together
+        seeds = [completion_seed(config.seed, run.state.global_step, int(row), g)
+                 for row in batch["row"] for g in range(G)]
+        prompt_ids, completions = sample_completions(
+            policy, prompt_ids, seeds, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
+            max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_p=config.top_p,
+            device=accelerator.device,
+        )
+        texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+        skip = ("prompt", "prompt_ids", "row")
+        columns = {k: [v for v in values for _ in range(G)] for k, values in batch.items() if k not in skip}
+        columns["completion_lengths"] = [len(c) for c in completions]
+        prompts = [p for p in batch["prompt"] for _ in range(G)]
+        per_function = score(rewards, prompts, texts, columns, accelerator.device)
+        figures.add_rewards(per_function)
+        parts.append((prompt_ids, completions, combined(per_function, rewards), time.perf_counter() - start))
+    # scale_rewards batch: the std over the whole generation batch, every process's completions included.
+    batch_std = accelerator.gather(torch.cat([total for _, _, total, _ in parts])).std()
+    rollouts = []
+    for prompt_ids, completions, total, seconds in parts:
+        advantages, zero_std = group_advantages(total, G, config.scale_rewards, batch_std)
+        rows = rollout_rows(prompt_ids, completions, tokenizer.pad_token_id, accelerator.device)
+        r = Rollouts(*rows, advantages, None, None)
+        with torch.no_grad():
+            if config.num_iterations > 1:  # later updates compare with the policy that sampled
+                r.old_log_probs = completion_log_probs(model, r)
+            if config.beta > 0 and reference is None:  # LoRA: the reference is the policy with adapters off
+                with policy.disable_adapter():
+                    r.ref_log_probs = completion_log_probs(model, r)
+            elif config.beta > 0:
+                r.ref_log_probs = completion_log_probs(reference, r)
+        figures.add(completions=len(completions), reward=total.sum(), reward_sq=(total**2).sum(),
+                    zero_std_groups=zero_std.sum(), groups=len(completions) // G, tokens=r.completion_lengths.sum(),
+                    max_length=r.completion_lengths.max(), generation_seconds=seconds)
+        rollouts.append(r)
+    return rollouts
+
+
+def evaluate(config: GRPOConfig, model, data: PromptData, rewards, accelerator, log) -> dict:
+    metrics, samples = evaluate_completions(
+        model, data.tokenizer, data.eval, rewards, accelerator, batch_size=config.per_device_eval_batch_size,
+        max_new_tokens=config.max_new_tokens, reference_column=config.reference_column,
+        disable_tqdm=config.disable_tqdm,
+    )
+    for s in samples:
+        log.info("  generated %r, reference %r", s["prediction"], s["reference"])
+    return metrics
+
+
+def main(config: GRPOConfig) -> dict:
+    run = start_run(config, "grpo")  # Accelerator, logging, seed, output_dir, config.yaml
+    accelerator, log = run.accelerator, run.log
+
+    # --- data: prompts (and their other columns, for the rewards), prepared under a file lock, then all meet
+    data = prepare_then_join(accelerator, config, prepare_prompt_data, run.cache_dir, log)
+    tokenizer = data.tokenizer
+    log.info("Data ready in %.1f s (%s)", data.seconds, "built: " + ", ".join(data.built) if data.built else "all cached")
+
+    # --- model: the policy; optionally a brief SFT warm-up on the reference answers; the reference for the KL
+    model = build_causal_lm(tokenizer, **model_options(config))
+    if config.sft_warmup_steps:
+        examples = reference_examples(data.train, tokenizer, config.reference_column, config.max_seq_length)
+        sft_warmup(model, examples, tokenizer.pad_token_id, steps=config.sft_warmup_steps, seed=config.seed,
+                   batch_size=32, device=accelerator.device, log=log, lr_scheduler_type="cosine", max_grad_norm=1.0)
+    reference = None  # beta 0: none; with LoRA: the policy with its adapters off
+    if config.beta > 0 and not config.use_peft:
+        reference = copy.deepcopy(model).requires_grad_(False).eval().to(accelerator.device)
+    if config.use_peft:  # LoRA: the base stays frozen; checkpoints and the output hold only the adapters
+        model = apply_lora(model, config)
+    log.info("Model: %s, %s", type(model).__name__, describe_parameters(model))
+    rewards = load_reward_functions(config, accelerator.device)
+    log.info("Rewards: %s; %d completions per prompt, loss %s, advantages scaled by %s", describe(rewards),
+             config.num_generations, config.loss_type, config.scale_rewards)
+
+    # --- optimizer, loaders
+    optimizer = build_optimizer(
+        model, config.learning_rate, config.weight_decay, (config.adam_beta1, config.adam_beta2), config.adam_epsilon
+    )
+    train_loader, _ = train_and_eval_loaders(config, data.train, None, PromptRows())
+    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    plan_training(run, model, optimizer, train_loader, "prompts", updates_per_window=config.num_iterations)
+
+    # --- resume (or start), then train: the loop's bookkeeping is tunebook.training.loop, the loss is here
+    def run_evaluation() -> dict:
+        return evaluate(config, model, data, rewards, accelerator, log)
+
+    figures = GRPOStats(accelerator.device, [f.name for f in rewards])  # and the rollouts a checkpoint keeps
+    resume(run, data, figures, run_evaluation if data.eval is not None else None)
+    k, device = config.gradient_accumulation_steps, accelerator.device
+    for loader in epochs(run, train_loader):
+        for window in accumulation_windows(loader, k, run.timer):
+            # Sample, score and compare within groups once; then num_iterations updates on these rollouts.
+            first, rollouts = figures.take_pending(device) or (
+                0, generate_rollouts(config, run, model, reference, window, rewards, figures, tokenizer)
+            )
+            # The loss is normalised over the whole step (all micro-batches and processes), per loss_type.
+            normaliser, tokens = step_normaliser(rollouts, config.loss_type, config.max_new_tokens, accelerator)
+            scale = step_loss_scale(normaliser, accelerator.num_processes, k)
+            ended = False
+            for iteration in range(first, config.num_iterations):
+                start = time.perf_counter()
+                step_loss = torch.zeros((), dtype=torch.float64, device=device)
+                clipped = kl = torch.zeros((), device=device)
+                for r in rollouts:
+                    with accelerator.accumulate(model):
+                        log_probs = completion_log_probs(model, r)
+                        rows = r.batch()["loss_positions"] // r.labels.shape[1]
+                        old = log_probs.detach() if r.old_log_probs is None else r.old_log_probs
+                        token_losses, token_clipped, token_kl = grpo_token_losses(
+                            log_probs, old, r.advantages[rows], config.epsilon, config.epsilon_high, config.beta,
+                            r.ref_log_probs,
+                        )
+                        numerator = loss_numerator(token_losses, rows, r.completion_lengths, config.loss_type)
+                        accelerator.backward(numerator * scale)
+                    step_loss += (numerator.detach() / normaliser).double()
+                    clipped, kl = clipped + token_clipped.sum(), kl + token_kl.sum()
+                    run.counters.add_batch({"attention_mask": r.attention_mask})  # tokens, completions trained
+                figures.keep_pending(iteration, rollouts, config.num_iterations)  # what a checkpoint here needs
+                last = iteration == config.num_iterations - 1
+                if apply_update(run, step_loss, window if last else []):  # the data moves on after the last
+                    figures.add(steps=1, loss=step_loss, trained_tokens=tokens / accelerator.num_processes,
+                                clipped=clipped, kl=kl, training_seconds=time.perf_counter() - start)
+                ended = after_step(run)  # log, evaluate, best model, stop signals, save, early stopping
+                if ended:
+                    break
+            if ended:
+                break
+
+    # --- final evaluation (the best checkpoint's weights with load_best_model_at_end) and outputs
+    return finish(run, data, headline=("eval_exact_match", "exact match", ".3f"))
+
+
+if __name__ == "__main__":
+    main(load_config(GRPOConfig))

@@ -1,0 +1,159 @@
+"""Reward functions for GRPO: plain Python functions `(prompts, completions, **columns) -> list[float]`.
+
+`prompts` are the data set's `prompt` values (text, or lists of messages), `completions` the decoded completions
+(text), and `columns` every other column of the prompts' rows, plus `completion_lengths` (tokens). A function may
+return None for a completion it does not apply to (it then adds nothing to that completion's reward).
+
+Built in, by name: `exact_match` (the completion, stripped, equals the `reference_column` value, stripped),
+`format_regex` (the whole stripped completion matches `format_pattern`), `length_penalty` (0 up to
+`max_new_tokens - length_penalty_buffer` tokens, then down linearly to -1 at `max_new_tokens`: DAPO's soft
+overlong punishment). A user's own: `path/to/file.py:function`. A trained reward model: `reward_model: DIR`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+
+__all__ = ["BUILTIN_REWARDS", "RewardFunction", "exact_match", "format_regex", "load_reward_functions", "score"]
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    name: str  # as the config names it: logged as rewards/<name>
+    fn: Callable[..., Sequence[float | None]]
+    weight: float
+
+
+def exact_match(prompts, completions, *, reference: Sequence[str], **_) -> list[float]:
+    return [float(c.strip() == str(r).strip()) for c, r in zip(completions, reference)]
+
+
+def format_regex(prompts, completions, *, pattern: str, **_) -> list[float]:
+    compiled = re.compile(pattern, re.DOTALL)
+    return [float(compiled.fullmatch(c.strip()) is not None) for c in completions]
+
+
+def length_penalty(prompts, completions, *, completion_lengths: Sequence[int], max_new_tokens: int, buffer: int,
+                   **_) -> list[float]:  # fmt: skip
+    start = max_new_tokens - buffer
+    return [-min(max(n - start, 0) / max(buffer, 1), 1.0) for n in completion_lengths]
+
+
+BUILTIN_REWARDS = ("exact_match", "format_regex", "length_penalty")
+
+
+def load_reward_functions(config, device=None) -> list[RewardFunction]:
+    """The config's `reward_functions` (and `reward_model`), each with its weight from `reward_weights`."""
+    specs = list(config.reward_functions)
+    if config.reward_model:
+        specs.append("reward_model")
+    weights = list(config.reward_weights) if config.reward_weights else [1.0] * len(specs)
+    if len(weights) != len(specs):
+        raise ConfigError(f"reward_weights has {len(weights)} values for {len(specs)} reward functions "
+                          f"({', '.join(specs)}); give one weight each")  # fmt: skip
+    functions = []
+    for spec, weight in zip(specs, weights):
+        functions.append(RewardFunction(spec, _reward_function(spec, config, device), float(weight)))
+    return functions
+
+
+def _reward_function(spec: str, config, device) -> Callable:
+    if spec == "exact_match":
+        column = config.reference_column
+
+        def fn(prompts, completions, **columns):
+            if column not in columns:
+                raise ConfigError(f"reward exact_match needs the reference column {column!r} in the prompt data "
+                                  f"(found {sorted(columns)}); set reference_column")  # fmt: skip
+            return exact_match(prompts, completions, reference=columns[column])
+
+        return fn
+    if spec == "format_regex":
+        if not config.format_pattern:
+            raise ConfigError("reward format_regex needs format_pattern (a regular expression the whole completion "
+                              "must match)")  # fmt: skip
+        return lambda prompts, completions, **columns: format_regex(prompts, completions, pattern=config.format_pattern)
+    if spec == "length_penalty":
+        return lambda prompts, completions, completion_lengths, **columns: length_penalty(
+            prompts, completions, completion_lengths=completion_lengths, max_new_tokens=config.max_new_tokens,
+            buffer=config.length_penalty_buffer,
+        )  # fmt: skip
+    if spec == "reward_model":
+        from .reward_model import load_reward_model
+
+        return load_reward_model(config.reward_model, device=device)
+    if ":" in spec:
+        return _from_file(spec)
+    raise ConfigError(f"unknown reward function {spec!r}: use one of {', '.join(BUILTIN_REWARDS)}, or "
+                      "path/to/file.py:function_name for your own")  # fmt: skip
+
+
+def _from_file(spec: str) -> Callable:
+    path, _, name = spec.rpartition(":")
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ConfigError(f"reward function {spec!r}: file not found: {path}")
+    module_spec = importlib.util.spec_from_file_location(f"tunebook_rewards_{file.stem}", file)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as error:  # the user's file: name it and the error, not our traceback
+        raise ConfigError(f"reward function {spec!r}: importing {path} failed: {type(error).__name__}: {error}") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ConfigError(f"reward function {spec!r}: {path} defines no function {name!r}")
+    return fn
+
+
+def score(functions: list[RewardFunction], prompts: list, completions: list[str], columns: dict[str, list],
+          device) -> torch.Tensor:  # fmt: skip
+    """Rewards of each completion under each function, shape (completions, functions), float32; NaN where a
+    function returned None. A function that raises, returns the wrong number of values or a non-number stops
+    the run with one line naming it."""
+    out = torch.full((len(completions), len(functions)), math.nan, dtype=torch.float32)
+    for j, f in enumerate(functions):
+        try:
+            values = f.fn(prompts, completions, **columns)
+        except ConfigError:
+            raise
+        except Exception as error:
+            raise ConfigError(f"reward function {f.name!r} raised {type(error).__name__}: {error}") from None
+        values = list(values) if values is not None else None
+        if values is None or len(values) != len(completions):
+            got = "None" if values is None else f"{len(values)} values"
+            raise ConfigError(f"reward function {f.name!r} returned {got} for {len(completions)} completions; it "
+                              "must return one float (or None) per completion")  # fmt: skip
+        for i, v in enumerate(values):
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ConfigError(f"reward function {f.name!r} returned {v!r} for completion {i}; rewards must be "
+                                  "finite numbers (or None)")  # fmt: skip
+            out[i, j] = float(v)
+    return out.to(device)
+
+
+def combined(rewards: torch.Tensor, functions: list[RewardFunction]) -> torch.Tensor:
+    """Each completion's reward: the weighted sum over functions, a None (NaN) counting as 0."""
+    weights = torch.tensor([f.weight for f in functions], dtype=rewards.dtype, device=rewards.device)
+    return torch.nan_to_num(rewards, nan=0.0) @ weights
+
+
+def describe(functions: list[RewardFunction]) -> str:
+    return ", ".join(f"{f.name} x {f.weight:g}" for f in functions)
+
+
+def _columns_for(rows: list[dict[str, Any]], skip: set[str]) -> dict[str, list]:
+    """Per-column lists of the rows' values (what reward functions receive as keyword arguments)."""
+    keys = [k for k in rows[0] if k not in skip] if rows else []
+    return {k: [r[k] for r in rows] for k in keys}

@@ -1,0 +1,20 @@
+"""Reward functions for the GRPO tests: what a user's file passed as `path/to/file.py:function` looks like."""
+
+
+def text_length(prompts, completions, **columns):
+    """Random completions differ in length, so their advantages, and the updates, are not zero."""
+    return [len(c) / 10 for c in completions]
+
+
+def uses_the_columns(prompts, completions, answer, completion_lengths, **columns):
+    """Checks what reaches a reward function: the prompt as the data has it, and each row's other columns."""
+    assert len(prompts) == len(completions) == len(answer) == len(completion_lengths)
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+
+def raises(prompts, completions, **columns):
+    raise KeyError("solution")
+
+
+def too_few(prompts, completions, **columns):
+    return [0.0]
