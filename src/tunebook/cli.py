@@ -1,7 +1,7 @@
 """The `tunebook` command.
 
     tunebook train [ACCELERATE LAUNCH OPTIONS] RECIPE [--config FILE.yaml] [--key value ...]
-    tunebook prepare [--recipe sft|classify|pretrain|dpo] --config FILE.yaml [--key value ...]
+    tunebook prepare [--recipe sft|classify|pretrain|dpo|reward] --config FILE.yaml [--key value ...]
     tunebook export CHECKPOINT OUT_DIR [--merge]
     tunebook convert-gguf MODEL.gguf OUT_DIR
     tunebook report RUN_DIR [RUN_DIR ...] [--output FILE.png]
@@ -9,12 +9,12 @@
 `prepare` builds the tokenised (and packed) data caches exactly as the recipe (`recipes/sft.py` by default) with the
 same config would, without loading model weights or starting training, prints what it built and the data's content
 fingerprint, and exits. Point `cache_dir` at a shared file system and a CPU machine can prepare data for a GPU job
-(or for every node of a multi-node one). `export` turns a checkpoint of any recipe (sft, classify, pretrain, dpo;
-of any number of processes) into a `from_pretrained`-ready model directory, rebuilt from the checkpoint alone; a
-LoRA checkpoint gives its adapter directory, or with `--merge` the merged model. `convert-gguf` dequantises a GGUF
-checkpoint into a safetensors model directory (once; the recipes then load it with `model_name_or_path`). `report`
-re-renders each run's `report.png` from its `metrics.jsonl` and prints the runs' summaries side by side, led by the
-config keys that differ; `--output` also draws all the runs into one figure.
+(or for every node of a multi-node one). `export` turns a checkpoint of any recipe (sft, classify, pretrain, dpo,
+reward), of any number of processes, into a `from_pretrained`-ready model directory, rebuilt from the checkpoint
+alone; a LoRA checkpoint gives its adapter directory, or with `--merge` the merged model. `convert-gguf`
+dequantises a GGUF checkpoint into a safetensors model directory (once; the recipes then load it with
+`model_name_or_path`). `report` re-renders each run's `report.png` from its `metrics.jsonl` and prints the runs'
+summaries side by side, led by the config keys that differ; `--output` also draws all the runs into one figure.
 """
 
 from __future__ import annotations
@@ -27,17 +27,17 @@ __all__ = ["main", "prepare", "report"]
 
 
 USAGE = """usage: tunebook train [ACCELERATE LAUNCH OPTIONS] RECIPE [--config FILE.yaml] [--key value ...]
-       tunebook prepare [--recipe sft|classify|pretrain|dpo] --config FILE.yaml [--key value ...]
+       tunebook prepare [--recipe sft|classify|pretrain|dpo|reward] --config FILE.yaml [--key value ...]
        tunebook export CHECKPOINT OUT_DIR [--merge]
        tunebook convert-gguf MODEL.gguf OUT_DIR
        tunebook report RUN_DIR [RUN_DIR ...] [--output FILE.png]
 
 commands:
-  train     accelerate launch a recipe (sft, classify, pretrain, dpo or a .py file): the config is checked first,
-            and a failure or a stop signal ends with the recipe's own lines, not a launcher traceback
+  train     accelerate launch a recipe (sft, classify, pretrain, dpo, reward or a .py file): the config is checked
+            first, and a failure or a stop signal ends with the recipe's own lines, not a launcher traceback
   prepare   build the tokenised (and packed) data caches of a recipe config, then exit
   export    write a Hugging Face model directory (safetensors + tokenizer) from a checkpoint of any recipe
-            (sft, pretrain, dpo: a causal LM; classify: a sequence classifier with its labels);
+            (sft, pretrain, dpo: a causal LM; classify: a sequence classifier with its labels; reward: one output);
             of a LoRA run: its adapter directory, or with --merge the merged model
   convert-gguf  write a Hugging Face model directory (float32 safetensors + tokenizer) from a GGUF file
   report    re-render runs' report.png and print their summaries side by side

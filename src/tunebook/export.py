@@ -16,7 +16,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, merge: bool =
     """Write a Hugging Face model directory (safetensors + tokenizer) from a checkpoint of any recipe.
 
     The model is rebuilt from the checkpoint alone (no Hub, no data): its recorded architecture (`model_config/`),
-    a causal LM for sft, pretrain and dpo, a sequence classifier with the run's labels for classify, with the
+    a causal LM for sft, pretrain and dpo, a sequence classifier with the run's labels for classify (with one
+    output for reward), with the
     weights from the checkpoint: Accelerate's `model.safetensors`, or the sharded state of an FSDP run merged first
     (checkpoints of any number of processes). A checkpoint written before checkpoints held `model_config/` is
     rebuilt from its `config.yaml` (the recipe told by which recipe's config it is, when the trainer state does
@@ -84,11 +85,13 @@ def _rebuild_model(checkpoint: Path, recipe: str | None, tokenizer):
     checkpoint from its `config.yaml` as the recipe built it (sft's head when the recipe is unknown)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 
+    from .recipe import recipe_task
+
     model_dir = checkpoint / MODEL_CONFIG_DIR
     if (model_dir / "config.json").is_file():
         config = AutoConfig.from_pretrained(model_dir)
         heads = config.architectures or []
-        classify = recipe == "classify" or (
+        classify = (recipe_task(recipe) or ("", ""))[1] == "text-classification" or (
             recipe is None and any(a.endswith("SequenceClassification") for a in heads)
         )
         model = (AutoModelForSequenceClassification if classify else AutoModelForCausalLM).from_config(config)
@@ -107,6 +110,10 @@ def _rebuild_model(checkpoint: Path, recipe: str | None, tokenizer):
     config = parse_config(recipe_config_class(recipe), config_file=checkpoint / "config.yaml")
     # Same architecture as training, built from the config: a pretrained model's own config.json, or model_config.
     kwargs = {"attn_implementation": config.attn_implementation, "trust_remote_code": config.trust_remote_code}
+    if recipe == "reward":  # one output, the reward, on the recipe's tiny Llama unless the config names a model
+        model_config = config.model_name_or_path or config.model_config or TINY_LLAMA
+        return build_sequence_classifier(tokenizer, ["reward"], problem_type="regression", model_config=model_config,
+                                         **kwargs)  # fmt: skip
     if recipe != "classify":
         model_config = config.model_name_or_path or config.model_config or TINY_LLAMA
         return build_causal_lm(tokenizer, model_config=model_config, **kwargs)

@@ -316,7 +316,7 @@ def _load_text(model_dir: Path, output_dir: Path, ref: str, recipe: str, config,
         return "No model to load: this run saved none."
     on_hub = bool(config.get("hub_model_id"))
     subfolder = ', subfolder="merged"' if merged and on_hub else ""
-    classify = recipe == "classify"
+    classify = (recipe_task(recipe) or ("", ""))[1] == "text-classification"  # classify and reward
     auto = "AutoModelForSequenceClassification" if classify else "AutoModelForCausalLM"
     if not lora:
         task = "text-classification" if classify else "text-generation"

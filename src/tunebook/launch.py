@@ -2,7 +2,7 @@
 
     tunebook train [ACCELERATE LAUNCH OPTIONS] RECIPE [--config FILE.yaml] [--key value ...]
 
-RECIPE is a name (sft, classify, pretrain, dpo) or the path of a recipe file; the options before it are exactly
+RECIPE is a name (sft, classify, pretrain, dpo, reward) or the path of a recipe file; the options before it are exactly
 `accelerate launch`'s (`--config_file accelerate_configs/multi_cpu.yaml`, `--num_processes`, ...). Differences
 from calling `accelerate launch recipes/sft.py` directly, and why:
 

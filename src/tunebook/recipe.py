@@ -2,7 +2,7 @@
 
     from tunebook import load_recipe
 
-    sft = load_recipe("sft")                       # or "classify", "pretrain", "dpo", or a path to a recipe file
+    sft = load_recipe("sft")                       # or "classify", "pretrain", "dpo", "reward", or a recipe file
     config = sft.config(max_steps=100, learning_rate=1e-3)           # keyword overrides, checked like the CLI
     config = sft.config("recipes/configs/sft/default.yaml", seed=1)  # a YAML file, then overrides
     summary = sft.main(config)                     # trains in this process; returns what summary.json holds
@@ -39,6 +39,8 @@ _PARTS = {
                  "continued pretraining of a causal language model on plain text", "text-generation"),
     "dpo": ("DPOConfig", "prepare_preference_data",
             "Direct Preference Optimization (DPO) of a causal language model on preference pairs", "text-generation"),
+    "reward": ("RewardConfig", "prepare_preference_data",
+               "a reward model (one-output sequence classifier) trained on preference pairs", "text-classification"),
 }  # fmt: skip
 RECIPES = tuple(_PARTS)
 

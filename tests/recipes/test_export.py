@@ -17,7 +17,8 @@ from tunebook.errors import ConfigError, ModelError
 from tunebook.export import export_checkpoint
 
 pytestmark = pytest.mark.slow
-RECIPES = ["sft", "classify", "pretrain", "dpo"]
+RECIPES = ["sft", "classify", "pretrain", "dpo", "reward"]
+CLASSIFIERS = ("classify", "reward")
 TEXTS = ["Reverse the digits.\n1234", "Sort the digits.\n981 hello world"]
 
 
@@ -61,10 +62,10 @@ def _auto(recipe: str, peft: bool = False):
     if peft:
         from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification
 
-        return AutoPeftModelForSequenceClassification if recipe == "classify" else AutoPeftModelForCausalLM
+        return AutoPeftModelForSequenceClassification if recipe in CLASSIFIERS else AutoPeftModelForCausalLM
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    return AutoModelForSequenceClassification if recipe == "classify" else AutoModelForCausalLM
+    return AutoModelForSequenceClassification if recipe in CLASSIFIERS else AutoModelForCausalLM
 
 
 def _assert_same_model(exported, output, exported_dir, output_dir):
@@ -84,6 +85,8 @@ def test_export_of_full_weights_equals_the_run_output(train, tmp_path, recipe):
     _assert_same_model(model, output, exported, out)
     if recipe == "classify":  # the labels came from the checkpoint, not from data or a default
         assert len(model.config.id2label) == len(json.loads((out / "summary.json").read_text())["labels"]) > 2
+    elif recipe == "reward":  # one output, the reward
+        assert model.config.id2label == {0: "reward"} and model.config.problem_type == "regression"
     else:
         assert model.generation_config.eos_token_id == output.generation_config.eos_token_id
 

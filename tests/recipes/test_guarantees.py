@@ -36,6 +36,7 @@ TASKS = {
                  "max_seq_length": 64},
     "dpo": {"model_config": TINY_TEST_MODEL, "synthetic_train_size": 64, "synthetic_eval_size": 8,
             "sft_warmup_steps": 0},
+    "reward": {"model_config": TINY_TEST_MODEL, "synthetic_train_size": 64, "synthetic_eval_size": 8},
 }  # fmt: skip
 
 
@@ -153,8 +154,8 @@ def test_nan_policy_stop_and_skip(name, tmp_path, monkeypatch):
     logged = {r["step"]: r for r in _records(tmp_path / "skip") if "loss" in r}
     assert summary["skipped_updates"] == 1 and sorted(logged) == [1, 2, 3, 4, 5, 6]
     assert logged[3]["loss"] is None and all(logged[s]["loss"] is not None for s in (1, 2, 4, 5, 6))
-    if name == "dpo":  # its rewards are logged figures too: none of the skipped step's
-        assert logged[3]["rewards/accuracy"] is None
+    if name in ("dpo", "reward"):  # their rewards are logged figures too: none of the skipped step's
+        assert logged[3]["rewards/chosen"] is None
 
 
 @pytest.mark.parametrize("name", RECIPES)

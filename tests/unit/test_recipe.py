@@ -9,13 +9,19 @@ from conftest import ROOT
 
 from tunebook import ConfigError, load_recipe
 from tunebook.recipe import RECIPES, recipe_config_class
-from tunebook.recipe_configs import ClassifyConfig, DPOConfig, PretrainConfig, SFTConfig
+from tunebook.recipe_configs import ClassifyConfig, DPOConfig, PretrainConfig, RewardConfig, SFTConfig
 
 
 def test_each_recipe_loads_with_its_config_class(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["jupyter", "--not-a-recipe-flag"])  # importing must not parse argv
-    classes = {"sft": SFTConfig, "classify": ClassifyConfig, "pretrain": PretrainConfig, "dpo": DPOConfig}
+    classes = {
+        "sft": SFTConfig,
+        "classify": ClassifyConfig,
+        "pretrain": PretrainConfig,
+        "dpo": DPOConfig,
+        "reward": RewardConfig,
+    }
     assert set(RECIPES) == set(classes)
     for name, cls in classes.items():
         recipe = load_recipe(name)

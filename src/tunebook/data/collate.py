@@ -100,7 +100,8 @@ class PackedCollator:
 
 class PairCollator:
     """A batch of B pairs as one padded batch of 2B sequences, the chosen first: one forward pass scores both
-    (and under DDP one all-reduce covers both). Precomputed reference log-probabilities come along as tensors."""
+    (and under DDP one all-reduce covers both). Precomputed reference log-probabilities and a reward model's
+    margins come along as tensors, one value per pair."""
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None):
         self.pad = PadCollator(pad_token_id, pad_to_multiple_of)
@@ -112,7 +113,7 @@ class PairCollator:
             for f in features
         ]
         batch = self.pad(sequences)
-        for key in ("ref_chosen_logps", "ref_rejected_logps"):
+        for key in ("ref_chosen_logps", "ref_rejected_logps", "margin"):
             if key in features[0]:
                 batch[key] = torch.tensor([f[key] for f in features], dtype=torch.float32)
         return batch

@@ -1,4 +1,5 @@
-"""Preference pairs for DPO: (prompt, chosen, rejected) rows rendered with the chat template, tokenised, cached.
+"""Preference pairs for DPO and reward models: (prompt, chosen, rejected) rows rendered with the chat template,
+tokenised, cached.
 
 Explicit prompts: a `prompt` column holds a string (one user message) or a list of chat messages; `chosen` and
 `rejected` hold a string (one assistant message), a list of response messages, or a whole conversation that repeats
@@ -7,7 +8,8 @@ column, as in HH-RLHF and UltraFeedback-binarized): `chosen` and `rejected` are 
 is their longest shared run of first messages. String transcripts ("Human: ... Assistant: ...") are not guessed at.
 Messages follow `tunebook.data.formats` (content parts, tool calls, a `tools` column). Each pair becomes
 `chosen_input_ids/labels` and `rejected_input_ids/labels`: the prompt rendered with the generation prompt, then the
-response's own tokens, which alone carry labels.
+response's own tokens, which alone carry labels. An optional numeric `margin` column (how much better the chosen
+response is, for a reward model's loss) is kept as `margin`.
 """
 
 from __future__ import annotations
@@ -34,11 +36,13 @@ from .tokenizer import config_tokenizer, setup_chat_template
 __all__ = [
     "PreferenceData",
     "prepare_preference_data",
+    "prompt_and_response",
+    "prompt_and_response_ids",
     "tokenize_pairs",
     "write_synthetic_preferences",
 ]
 
-PAIR_COLUMNS = ("chosen", "rejected")  # and an optional prompt
+PAIR_COLUMNS = ("chosen", "rejected")  # and an optional prompt and margin
 
 
 @dataclass
@@ -68,7 +72,7 @@ def prepare_preference_data(config, cache_dir: Path, log: logging.Logger) -> Pre
         keys[name] = fingerprint(
             {"pairs": fingerprint_sources(sources), "tokenizer": tokenizer_fingerprint(tokenizer),
              "max_seq_length": config.max_seq_length, "overlong": config.overlong_examples,
-             "version": PREPROCESSING_VERSION}
+             "version": f"pairs-margin-{PREPROCESSING_VERSION}"}
         )  # fmt: skip
         build = lambda scratch, s=sources: _build(s, tokenizer, config, cache_dir, scratch)  # noqa: E731
         splits[name], split_stats, cached = cached_dataset(cache_dir, keys[name], build)
@@ -117,6 +121,8 @@ def _build(sources: list[DataSource], tokenizer, config, cache_dir: Path, scratc
                 cache_file_name=str(scratch / f"pairs-{len(parts)}.arrow"), desc=f"Tokenising {Path(source.path).name}",
             )
         )  # fmt: skip
+    if any("margin" in part.column_names for part in parts):  # a source without margins: its pairs get 0
+        parts = [p if "margin" in p.column_names else p.add_column("margin", [0.0] * len(p)) for p in parts]
     dataset = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     read = len(dataset)
     truncated = sum(dataset["truncated"])
@@ -156,6 +162,13 @@ def preference_pair(row: dict[str, Any], where: str) -> tuple[list[dict], list[d
     return prompt, chosen, rejected, (json.loads(tools) if isinstance(tools, str) else tools)
 
 
+def prompt_and_response(prompt: Any, response: Any, where: str) -> tuple[list[dict], list[dict]]:
+    """One prompt and one response, in any form a pair's `prompt` and `chosen` take, as message lists: what a
+    reward model scores."""
+    prompt = as_messages(prompt, "user", where)
+    return prompt, _response(response, prompt, "response", where)
+
+
 def _response(value: Any, prompt: list[dict], side: str, where: str) -> list[dict]:
     if isinstance(value, str):
         return [{"role": "assistant", "content": value}]
@@ -178,21 +191,16 @@ def tokenize_pairs(batch: dict[str, list], indices: list[int], *, tokenizer, max
     out: dict[str, list] = {k: [] for k in ("chosen_input_ids", "chosen_labels", "rejected_input_ids",
                                             "rejected_labels", "keep", "truncated")}  # fmt: skip
     columns = list(batch)
+    if "margin" in columns:
+        out["margin"] = []
     for i, row in enumerate(indices):
         where_row = f"{where}, row {row + 1}"
         prompt, chosen, rejected, tools = preference_pair({c: batch[c][i] for c in columns}, where_row)
-        try:
-            prompt_text = render_chat(tokenizer, prompt, tools, generation_prompt=True)
-            full_texts = [render_chat(tokenizer, prompt + response, tools) for response in (chosen, rejected)]
-        except DataError as error:
-            raise DataError(f"{where_row}: {error}") from None
-        prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+        if "margin" in columns:
+            out["margin"].append(_margin(batch["margin"][i], where_row))
+        prompt_ids, responses = prompt_and_response_ids(tokenizer, prompt, (chosen, rejected), tools, where_row)
         keep, cut = len(prompt_ids) < max_seq_length, False
-        for side, full_text in zip(("chosen", "rejected"), full_texts):
-            if not full_text.startswith(prompt_text):
-                raise DataError(f"{where_row}: the chat template renders the prompt differently inside the full "
-                                "conversation; cannot tell the response tokens apart (set chat_template)")  # fmt: skip
-            response_ids = tokenizer(full_text[len(prompt_text) :], add_special_tokens=False)["input_ids"]
+        for side, response_ids in zip(("chosen", "rejected"), responses):
             room = max_seq_length - len(prompt_ids)
             if len(response_ids) > room:
                 cut = True
@@ -203,6 +211,28 @@ def tokenize_pairs(batch: dict[str, list], indices: list[int], *, tokenizer, max
         out["keep"].append(keep)
         out["truncated"].append(cut and keep)
     return out
+
+
+def prompt_and_response_ids(tokenizer, prompt: list[dict], responses, tools, where: str) -> tuple[list, list]:
+    """(the prompt's token ids, each response's token ids): the prompt rendered with the generation prompt, and each
+    response the rest of the full conversation's rendering, tokenised separately (as TRL does), so the split between
+    them never falls inside a token."""
+    try:
+        prompt_text = render_chat(tokenizer, prompt, tools, generation_prompt=True)
+        full_texts = [render_chat(tokenizer, prompt + response, tools) for response in responses]
+    except DataError as error:
+        raise DataError(f"{where}: {error}") from None
+    if not all(text.startswith(prompt_text) for text in full_texts):
+        raise DataError(f"{where}: the chat template renders the prompt differently inside the full conversation; "
+                        "cannot tell the response tokens apart (set chat_template)")  # fmt: skip
+    prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    return prompt_ids, [tokenizer(t[len(prompt_text) :], add_special_tokens=False)["input_ids"] for t in full_texts]
+
+
+def _margin(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise DataError(f"{where}: margin must be a number, got {value!r:.100}")
+    return float(value)
 
 
 def make_preference(rng: random.Random) -> dict[str, str]:

@@ -1,10 +1,12 @@
-"""Evaluation shared by recipes: token-weighted loss, generation exact match, offline `evaluate` metrics."""
+"""Evaluation shared by recipes: token-weighted loss, generation exact match, offline `evaluate` metrics, preference
+pairs (DPO and reward models)."""
 
 from .classification import classifier_inputs, evaluate_classifier
 from .generate import generation_exact_match
 from .loss import evaluate_loss
 from .metrics import LOCAL_METRICS, load_metric, load_metrics
 from .preference import evaluate_preferences
+from .reward_model import evaluate_reward_model
 
 __all__ = [
     "LOCAL_METRICS",
@@ -12,6 +14,7 @@ __all__ = [
     "evaluate_classifier",
     "evaluate_loss",
     "evaluate_preferences",
+    "evaluate_reward_model",
     "generation_exact_match",
     "load_metric",
     "load_metrics",

@@ -103,18 +103,20 @@ def build_sequence_classifier(
     use_safetensors: bool = True,
     frozen_base: bool = False,
     use_liger_kernel: bool = False,
+    problem_type: str = "single_label_classification",
 ) -> PreTrainedModel:
     """`AutoModelForSequenceClassification` with one output per label and the label names in its config
     (`id2label`/`label2id`), so `pipeline("text-classification", model=output_dir)` prints them.
 
     A pretrained encoder (or causal LM) gets a freshly initialised classification head; a head of another size
-    in the checkpoint is replaced.
+    in the checkpoint is replaced. A reward model is one label with `problem_type` regression: its output is the
+    score itself (a pipeline applies no softmax or sigmoid to it).
     """
     labels = {
         "num_labels": len(label_names),
         "id2label": dict(enumerate(label_names)),
         "label2id": {name: i for i, name in enumerate(label_names)},
-        "problem_type": "single_label_classification",
+        "problem_type": problem_type,
     }
     extra = _load_options(dtype, frozen_base, load_in_4bit, revision, use_safetensors)
     if model_name_or_path:

@@ -23,6 +23,7 @@ from .preference import (
     sequence_log_probs,
     weights_fingerprint,
 )
+from .reward_model import REWARD_FIGURES, RewardModel, bradley_terry_loss, load_reward_model, pair_rewards
 from .steps import accumulation_windows, eval_due, save_due, total_optimizer_steps
 from .throughput import Throughput, peak_memory
 
@@ -40,6 +41,11 @@ __all__ = [
     "recipe_accelerator",
     "Throughput",
     "RewardStats",
+    "REWARD_FIGURES",
+    "RewardModel",
+    "bradley_terry_loss",
+    "load_reward_model",
+    "pair_rewards",
     "dpo_loss",
     "policy_and_reference_log_probs",
     "precompute_reference_log_probs",

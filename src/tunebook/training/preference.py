@@ -70,11 +70,18 @@ def policy_and_reference_log_probs(model, reference, batch: dict[str, torch.Tens
         return policy, sequence_log_probs(reference, batch, attn, dtype)
 
 
-class RewardStats:
-    """Running sums of a logging window (this process): pairs, loss, chosen and rejected rewards, correct orderings."""
+# TRL's DPOTrainer names of the logged means of loss, chosen and rejected rewards, reward accuracy and margin.
+DPO_FIGURES = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin")
 
-    def __init__(self, device):
+
+class RewardStats:
+    """Running sums of a logging window (this process): pairs, loss, chosen and rejected rewards, correct orderings.
+    `names` are the logged names of the means of loss, chosen and rejected rewards, accuracy and margin: DPO's by
+    default (TRL's DPOTrainer names); a reward model logs TRL's RewardTrainer names."""
+
+    def __init__(self, device, names: tuple[str, ...] = DPO_FIGURES):
         self.sums = torch.zeros(5, dtype=torch.float64, device=device)
+        self.names = names
 
     def add(self, losses: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor) -> None:
         values = [losses.detach().sum(), chosen.sum(), rejected.sum(), (chosen > rejected).sum()]
@@ -94,17 +101,12 @@ class RewardStats:
         self.sums.copy_(torch.tensor(state["sums"], dtype=torch.float64))
 
     def means(self, prefix: str = "") -> dict[str, float]:
-        """Mean loss, rewards/chosen, rewards/rejected, rewards/accuracy and rewards/margin (TRL's names) of the
-        pairs added so far."""
+        """Mean loss, chosen and rejected rewards, accuracy (the share of pairs whose chosen response has the higher
+        reward) and margin (chosen minus rejected reward) of the pairs added so far, under `names`."""
         pairs, loss, chosen, rejected, correct = self.sums.tolist()
         n = max(pairs, 1.0)
-        return {
-            f"{prefix}loss": loss / n,
-            f"{prefix}rewards/chosen": chosen / n,
-            f"{prefix}rewards/rejected": rejected / n,
-            f"{prefix}rewards/accuracy": correct / n,
-            f"{prefix}rewards/margin": (chosen - rejected) / n,
-        }
+        values = (loss, chosen, rejected, correct, chosen - rejected)
+        return {f"{prefix}{name}": value / n for name, value in zip(self.names, values)}
 
 
 @torch.no_grad()

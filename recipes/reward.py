@@ -1,0 +1,123 @@
+"""Reward modelling: train a sequence classifier with one output, the reward, on (prompt, chosen, rejected) pairs with
+the Bradley-Terry loss, -log sigmoid(r_chosen - r_rejected - margin).
+
+With no arguments it runs the embedded offline default: it generates preference pairs over the SFT default's digit
+task (the right answer chosen, a near miss rejected), trains a tokenizer locally, builds a tiny Llama with a
+one-output head from a config, trains it and reports the pairwise accuracy on held-out pairs before and after.
+
+    tunebook train --config_file accelerate_configs/cpu.yaml reward                             # CPU
+    tunebook train --config_file accelerate_configs/multi_cpu.yaml reward                       # 2 CPU processes
+    tunebook train --config_file accelerate_configs/single_gpu.yaml reward \\
+        --model_name_or_path path/to/model --train_data prefs.jsonl --eval_split_ratio 0.05      # one GPU
+
+The data is DPO's (strings or chat messages, an explicit `prompt` column or conversations that share their first
+turns), with an optional `margin` column. Outputs in `output_dir` as for the other recipes: the model, which
+`AutoModelForSequenceClassification.from_pretrained` loads and a GRPO run takes as `reward_model: output_dir`
+(`tunebook.training.load_reward_model`), its tokenizer, `config.yaml`, `metrics.jsonl` (loss, accuracy, margin,
+rewards/chosen, rewards/rejected), `summary.json`, `report.png` and `checkpoints/step-N/`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tunebook.config import load_config
+from tunebook.data import PairCollator, PreferenceData, prepare_preference_data, train_and_eval_loaders
+from tunebook.distributed import prepare_then_join
+from tunebook.evaluation import evaluate_reward_model
+from tunebook.models import apply_lora, build_sequence_classifier, describe_parameters, model_options
+from tunebook.recipe_configs import RewardConfig
+from tunebook.training import (
+    REWARD_FIGURES,
+    RewardStats,
+    accumulation_windows,
+    after_step,
+    apply_update,
+    bradley_terry_loss,
+    build_optimizer,
+    epochs,
+    finish,
+    pair_rewards,
+    plan_training,
+    resume,
+    start_run,
+    step_loss_scale,
+)
+
+
+def build_dataloaders(config: RewardConfig, data: PreferenceData):
+    """Batches of pairs, each one padded batch of chosen then rejected sequences; workers collate in the background."""
+    collate = PairCollator(data.tokenizer.pad_token_id, config.pad_to_multiple_of)
+    return train_and_eval_loaders(config, data.train, data.eval, collate)
+
+
+def evaluate(config: RewardConfig, model, eval_loader, accelerator) -> dict:
+    return evaluate_reward_model(model, eval_loader, accelerator, config.disable_tqdm)
+
+
+def main(config: RewardConfig) -> dict:
+    run = start_run(config, "reward")  # Accelerator, logging, seed, output_dir, config.yaml
+    accelerator, log = run.accelerator, run.log
+
+    # --- data: prepared under a file lock (the first process builds, the others map the files), then all meet
+    data = prepare_then_join(accelerator, config, prepare_preference_data, run.cache_dir, log)
+    tokenizer = data.tokenizer
+    log.info(
+        "Data ready in %.1f s (%s)", data.seconds, "built: " + ", ".join(data.built) if data.built else "all cached"
+    )
+    pair = data.train[0]  # what the model scores: the whole conversation, its reward read at the last token
+    log.info(
+        "One training pair%s:\nchosen:   %s\nrejected: %s",
+        f" (margin {pair['margin']:g})" if "margin" in pair else "",
+        tokenizer.decode(pair["chosen_input_ids"]),
+        tokenizer.decode(pair["rejected_input_ids"]),
+    )
+
+    # --- model: a sequence classifier whose one output is the reward (a loaded model gets a fresh head)
+    model = build_sequence_classifier(tokenizer, ["reward"], problem_type="regression", **model_options(config))
+    if config.use_peft:  # LoRA: the base stays frozen; checkpoints and the output hold only the adapters (and head)
+        model = apply_lora(model, config, "classification")
+    log.info("Model: %s, %s", type(model).__name__, describe_parameters(model))
+
+    # --- optimizer, loaders
+    optimizer = build_optimizer(
+        model, config.learning_rate, config.weight_decay, (config.adam_beta1, config.adam_beta2), config.adam_epsilon
+    )
+    train_loader, eval_loader = build_dataloaders(config, data)
+    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    plan_training(run, model, optimizer, train_loader, "pairs")  # optimizer steps and the learning-rate schedule
+
+    # --- resume (or start), then train: the loop's bookkeeping is tunebook.training.loop, the loss is here
+    def run_evaluation() -> dict:
+        return evaluate(config, model, eval_loader, accelerator)
+
+    figures = RewardStats(accelerator.device, REWARD_FIGURES)  # loss, rewards, accuracy: means over the pairs
+    resume(run, data, figures, run_evaluation if eval_loader is not None else None)
+    k = config.gradient_accumulation_steps
+    for loader in epochs(run, train_loader):
+        for window in accumulation_windows(loader, k, run.timer):
+            # The loss is the mean over the pairs of the whole step (all micro-batches and processes).
+            local_pairs = sum(torch.tensor(b["input_ids"].shape[0] // 2, device=accelerator.device) for b in window)
+            scale = step_loss_scale(accelerator.reduce(local_pairs, "sum"), accelerator.num_processes, k)
+            step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+            step_rewards = []
+            for batch in window:
+                with accelerator.accumulate(model):
+                    # One forward of chosen + rejected (2B rows): both rewards from the same weights and batch.
+                    losses, chosen, rejected = bradley_terry_loss(pair_rewards(model, batch), batch.get("margin"))
+                    accelerator.backward(losses.sum() * scale)
+                step_loss += losses.detach().sum().double()
+                step_rewards.append((losses.detach(), chosen, rejected))
+                run.counters.add_batch(batch)  # tokens, padding and sequences (2 per pair), for the logs and summary
+            if apply_update(run, step_loss, window):  # clip, non-finite check on every process, step
+                for rewards in step_rewards:
+                    figures.add(*rewards)
+            if after_step(run):  # log, evaluate, best model, stop signals, save, early stopping
+                break
+
+    # --- final evaluation (the best checkpoint's weights with load_best_model_at_end) and outputs
+    return finish(run, data, headline=("eval_accuracy", "pairwise accuracy", ".3f"))
+
+
+if __name__ == "__main__":
+    main(load_config(RewardConfig))
