@@ -12,7 +12,8 @@ and reports the reward accuracy on held-out pairs before and after.
 
 The reference model is a frozen copy of the starting model, or with `use_peft` the policy with its adapters
 switched off (no second model in memory), or with `precompute_ref_log_probs` log-probabilities computed once and
-cached with the data. Outputs in `output_dir` as for the other recipes: the model (or adapters), `config.yaml`,
+cached with the data. `loss_type` picks the loss (sigmoid, ipo, hinge, robust; simpo and orpo need no reference, and
+none is built). Outputs in `output_dir` as for the other recipes: the model (or adapters), `config.yaml`,
 `metrics.jsonl` (loss, rewards/chosen, rewards/rejected, rewards/accuracy, rewards/margin), `summary.json`,
 `report.png` and `checkpoints/step-N/`.
 """
@@ -39,18 +40,20 @@ from tunebook.evaluation import evaluate_preferences
 from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options
 from tunebook.recipe_configs import DPOConfig
 from tunebook.training import (
+    REFERENCE_FREE_LOSSES,
     RewardStats,
     accumulation_windows,
     after_step,
     apply_update,
     build_optimizer,
     causal_lm_token_losses,
-    dpo_loss,
     epochs,
     finish,
     plan_training,
     policy_and_reference_log_probs,
     precompute_reference_log_probs,
+    preference_loss,
+    response_lengths,
     resume,
     start_run,
     step_loss_scale,
@@ -107,6 +110,9 @@ def evaluate(config: DPOConfig, model, reference, eval_loader, attn: str, dtype,
         config.beta,
         config.label_smoothing,
         config.disable_tqdm,
+        loss_type=config.loss_type,
+        simpo_gamma=config.simpo_gamma,
+        rpo_alpha=config.rpo_alpha,
     )
 
 
@@ -133,7 +139,10 @@ def main(config: DPOConfig) -> dict:
         sft_warmup(config, model, data, accelerator.device, log)
     attn, dtype = model.config._attn_implementation, model.dtype
     reference = None  # with LoRA: the policy with its adapters off
-    if config.precompute_ref_log_probs:  # once, by the model as it is now, cached with the tokenised pairs
+    use_reference = config.loss_type not in REFERENCE_FREE_LOSSES
+    if not use_reference:  # simpo, orpo: no copy, no adapters-off pass, nothing precomputed
+        log.info("Loss %s uses no reference model: none built", config.loss_type)
+    elif config.precompute_ref_log_probs:  # once, by the model as it is now, cached with the tokenised pairs
         model.to(accelerator.device)
         collate = PairCollator(tokenizer.pad_token_id, config.pad_to_multiple_of)
         reference_key = weights_fingerprint(model)
@@ -168,7 +177,7 @@ def main(config: DPOConfig) -> dict:
     train_loader, eval_loader = build_dataloaders(config, data)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     plan_training(run, model, optimizer, train_loader, "pairs")  # optimizer steps and the learning-rate schedule
-    log.info("DPO beta %g, label smoothing %g", config.beta, config.label_smoothing)
+    log.info("DPO loss %s, beta %g, label smoothing %g", config.loss_type, config.beta, config.label_smoothing)
 
     # --- resume (or start), then train: the loop's bookkeeping is tunebook.training.loop, the loss is here
     def run_evaluation() -> dict:
@@ -186,12 +195,14 @@ def main(config: DPOConfig) -> dict:
             step_rewards = []
             for batch in window:
                 with accelerator.accumulate(model):
-                    # One forward of chosen + rejected (2B rows); the reference without gradients.
-                    policy, ref = policy_and_reference_log_probs(model, reference, batch, attn, dtype, accelerator)
-                    half = policy.shape[0] // 2
-                    losses, chosen_rewards, rejected_rewards = dpo_loss(
-                        policy[:half], policy[half:], ref[:half], ref[half:], config.beta, config.label_smoothing
+                    # One forward of chosen + rejected (2B rows); the reference (if the loss has one) without gradients.
+                    policy, ref = policy_and_reference_log_probs(
+                        model, reference, batch, attn, dtype, accelerator, use_reference
                     )
+                    losses, chosen_rewards, rejected_rewards = preference_loss(
+                        policy, ref, response_lengths(batch["labels"]), config.loss_type, config.beta,
+                        config.label_smoothing, config.simpo_gamma, config.rpo_alpha,
+                    )  # fmt: skip
                     accelerator.backward(losses.sum() * scale)
                 step_loss += losses.detach().sum().double()
                 step_rewards.append((losses.detach(), chosen_rewards, rejected_rewards))
@@ -204,6 +215,7 @@ def main(config: DPOConfig) -> dict:
 
     # --- final evaluation (the best checkpoint's weights with load_best_model_at_end) and outputs
     kind = "precomputed" if config.precompute_ref_log_probs else "adapters off" if config.use_peft else "copy"
+    kind = kind if use_reference else "none"
     return finish(run, data, headline=("eval_rewards/accuracy", "reward accuracy", ".3f"), reference=kind)
 
 

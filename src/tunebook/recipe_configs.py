@@ -309,13 +309,33 @@ class DPOConfig(ChatModelConfig):
         "truncate",
     )
     # --- DPO
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"] = config_field(
+        "The preference loss, as TRL defines it: sigmoid (DPO), ipo, hinge (SLiC), robust (rDPO), or, with no "
+        "reference model at all, simpo (SimPO, length-normalised, margin simpo_gamma) or orpo (odds ratio plus the "
+        "chosen response's NLL).",
+        "sigmoid",
+    )
     beta: float = config_field(
         "Strength of the KL penalty towards the reference model: the implicit reward is beta x the log-ratio of "
-        "policy to reference (TRL's default 0.1; lower lets the policy move further).",
+        "policy to reference (TRL's default 0.1; lower lets the policy move further). ipo: the regulariser tau, "
+        "the target per-token log-ratio margin is 1/(2 beta). simpo: the reward scale, beta x mean per-token "
+        "log-prob (the SimPO paper uses 2-2.5). orpo: the weight lambda of the odds-ratio term (paper 0.1).",
         0.1,
     )
     label_smoothing: float = config_field(
-        "Assumed probability that a preference label is flipped (conservative DPO, cDPO); 0 is plain DPO.", 0.0
+        "Assumed probability that a preference label is flipped, sigmoid and robust only (conservative DPO, cDPO, "
+        "and robust DPO); 0 is plain DPO.",
+        0.0,
+    )
+    simpo_gamma: float = config_field(
+        "simpo only: the target reward margin gamma, loss -log sigmoid(beta x (chosen - rejected mean log-prob) - "
+        "gamma) (TRL's default 0.5).",
+        0.5,
+    )
+    rpo_alpha: float | None = config_field(
+        "Add rpo_alpha x the chosen response's NLL per token to the loss (RPO; the paper uses 1.0); any loss_type "
+        "but orpo, whose NLL term is built in. null: none.",
+        None,
     )
     precompute_ref_log_probs: bool = config_field(
         "Compute the reference model's log-probabilities of every pair once before training and cache them with "
@@ -346,6 +366,14 @@ class DPOConfig(ChatModelConfig):
             raise ConfigError(f"beta must be > 0, got {self.beta}")
         if not 0.0 <= self.label_smoothing < 0.5:
             raise ConfigError(f"label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.label_smoothing and self.loss_type not in ("sigmoid", "robust"):
+            raise ConfigError(f"label_smoothing applies to loss_type sigmoid or robust only, not {self.loss_type}")
+        if self.rpo_alpha is not None and self.loss_type == "orpo":
+            raise ConfigError("rpo_alpha does not apply to loss_type orpo: its loss already holds the chosen NLL")
+        if self.rpo_alpha is not None and self.rpo_alpha < 0:
+            raise ConfigError(f"rpo_alpha must be >= 0 or null, got {self.rpo_alpha}")
+        if self.precompute_ref_log_probs and self.loss_type in ("simpo", "orpo"):
+            raise ConfigError(f"precompute_ref_log_probs needs a reference model; loss_type {self.loss_type} has none")
         if self.sft_warmup_steps is not None and self.sft_warmup_steps < 0:
             raise ConfigError(f"sft_warmup_steps must be >= 0 or null, got {self.sft_warmup_steps}")
 

@@ -16,10 +16,14 @@ from .loss import (
 )
 from .optim import build_optimizer, build_scheduler
 from .preference import (
+    LOSS_TYPES,
+    REFERENCE_FREE_LOSSES,
     RewardStats,
     dpo_loss,
     policy_and_reference_log_probs,
     precompute_reference_log_probs,
+    preference_loss,
+    response_lengths,
     sequence_log_probs,
     weights_fingerprint,
 )
@@ -47,6 +51,10 @@ __all__ = [
     "load_reward_model",
     "pair_rewards",
     "dpo_loss",
+    "LOSS_TYPES",
+    "REFERENCE_FREE_LOSSES",
+    "preference_loss",
+    "response_lengths",
     "policy_and_reference_log_probs",
     "precompute_reference_log_probs",
     "sequence_log_probs",
