@@ -8,8 +8,8 @@ blocks the recipes use, all importable from here (loaded on first use, so `impor
   `build_loader`, `attention_inputs`;
 - training: `recipe_accelerator`, `build_accelerator`, `build_optimizer`, `build_scheduler`,
   `accumulation_windows`, `count_loss_tokens`, `step_loss_scale`, `causal_lm_token_losses`, `token_loss_sum`,
-  `Throughput`, `dpo_loss`, `sequence_log_probs`, `bradley_terry_loss`, `load_reward_model` (a trained reward
-  model as a scoring function);
+  `Throughput`, `dpo_loss`, `preference_loss` (every DPO loss type), `sequence_log_probs`, `bradley_terry_loss`,
+  `load_reward_model` (a trained reward model as a scoring function);
 - the loop's bookkeeping: `start_run`, `plan_training`, `resume`, `epochs`, `apply_update`, `after_step`,
   `finish` (`tunebook.training.loop`);
 - checkpoints: `save_checkpoint`, `resume_training`, `save_final_model`, `list_checkpoints`, `export_checkpoint`;
@@ -41,7 +41,7 @@ _LAZY = {
     "tunebook.training": [
         "recipe_accelerator", "build_accelerator", "build_optimizer", "build_scheduler", "accumulation_windows",
         "count_loss_tokens", "step_loss_scale", "causal_lm_token_losses", "token_loss_sum", "Throughput", "dpo_loss",
-        "sequence_log_probs", "bradley_terry_loss", "load_reward_model",
+        "sequence_log_probs", "bradley_terry_loss", "load_reward_model", "preference_loss",
     ],
     "tunebook.evaluation": ["evaluate_loss", "generation_exact_match", "evaluate_classifier", "load_metric"],
     "tunebook.models": ["build_causal_lm", "build_sequence_classifier", "train_chat_tokenizer", "apply_lora"],
