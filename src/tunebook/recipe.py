@@ -41,6 +41,9 @@ _PARTS = {
             "Direct Preference Optimization (DPO) of a causal language model on preference pairs", "text-generation"),
     "reward": ("RewardConfig", "prepare_preference_data",
                "a reward model (one-output sequence classifier) trained on preference pairs", "text-classification"),
+    "grpo": ("GRPOConfig", "prepare_prompt_data",
+             "Group Relative Policy Optimization (GRPO) of a causal language model with reward functions",
+             "text-generation"),
 }  # fmt: skip
 RECIPES = tuple(_PARTS)
 

@@ -15,6 +15,7 @@ __all__ = [
     "ChatModelConfig",
     "ClassifyConfig",
     "DPOConfig",
+    "GRPOConfig",
     "ModelDataConfig",
     "PretrainConfig",
     "RewardConfig",
@@ -411,3 +412,128 @@ class RewardConfig(ChatModelConfig):
     logging_steps: int = new_default(25)
     synthetic_train_size: int = new_default(8000, "Preference pairs of the synthetic task (when train_data is None).")
     synthetic_eval_size: int = new_default(200, "Held-out pairs of the synthetic task (when train_data is None).")
+
+
+@dataclass
+class GRPOConfig(ChatModelConfig):
+    """Group Relative Policy Optimization of a causal LM on prompts, with rewards from Python functions.
+
+    The defaults are the embedded offline run: the SFT default's digit task as prompts with reference answers, a
+    locally trained tokenizer and a tiny Llama that a short SFT warm-up first teaches the answer format, then GRPO
+    with the exact-match reward; the held-out exact match of greedy answers is reported before and after.
+    """
+
+    # --- data
+    max_prompt_length: int = config_field("Longest prompt in tokens (rendered with the chat template); longer "
+                                          "prompts are dropped, with a warning.", 48)  # fmt: skip
+    reference_column: str = config_field(
+        "Column of the prompt data with the reference answer: what `exact_match` compares against, what the "
+        "evaluation's exact match uses, and what an SFT warm-up trains on.",
+        "answer",
+    )
+    # --- generation
+    num_generations: int = config_field("Completions sampled per prompt (the group G of GRPO).", 8)
+    max_new_tokens: int = config_field(
+        "Longest completion in tokens, in training and evaluation (the default run's answers are short; reasoning "
+        "tasks need hundreds).",
+        12,
+    )
+    temperature: float = config_field("Sampling temperature of the completions.", 1.0)
+    top_p: float = config_field("Nucleus sampling: sample from the smallest set of tokens with this probability.", 1.0)
+    # --- loss
+    loss_type: Literal["grpo", "dapo", "dr_grpo"] = config_field(
+        "How token losses are averaged: grpo, each completion's token mean then the mean over completions; dapo, "
+        "the mean over every completion token of the step (longer completions are not under-weighted); dr_grpo, "
+        "the token sum over completions x max_new_tokens (a constant, no length bias).",
+        "dapo",
+    )
+    scale_rewards: Literal["group", "batch", "none"] = config_field(
+        "Divide each advantage (reward minus its group's mean) by the group's reward std, the generation batch's, "
+        "or nothing (Dr. GRPO: the group std over-weights easy and hard prompts).",
+        "group",
+    )
+    epsilon: float = config_field("Lower clipping range of the probability ratio: clip at 1 - epsilon.", 0.2)
+    epsilon_high: float | None = config_field(
+        "Upper clipping range: clip at 1 + epsilon_high (DAPO's clip-higher uses 0.28); unset: epsilon.", None
+    )
+    num_iterations: int = config_field(
+        "Optimizer updates per generation batch (mu); with more than one, the ratio is against the log-probs the "
+        "policy had when it sampled.",
+        1,
+    )
+    beta: float = config_field(
+        "Weight of the KL penalty towards the reference model (the starting model; with LoRA the policy with its "
+        "adapters off); 0 loads no reference.",
+        0.0,
+    )
+    # --- rewards
+    reward_functions: list[str] = config_field(
+        "Reward functions: built-in names (exact_match, format_regex, length_penalty) and your own as "
+        "path/to/file.py:function, each called as f(prompts, completions, **columns) -> list of floats.",
+        default_factory=lambda: ["exact_match"],
+    )
+    reward_weights: list[float] | None = config_field(
+        "One weight per reward function (then reward_model); unset: 1 each.", None
+    )
+    reward_model: str | None = config_field(
+        "A reward model directory (from recipes/reward.py) used as one more reward function.", None
+    )
+    format_pattern: str | None = config_field(
+        "Regular expression the whole (stripped) completion must match for the format_regex reward.", None
+    )
+    length_penalty_buffer: int = config_field(
+        "length_penalty: completions longer than max_new_tokens minus this many tokens are penalised, linearly "
+        "down to -1 at max_new_tokens.",
+        16,
+    )
+    sft_warmup_steps: int | None = config_field(
+        "Optimizer steps of plain SFT on the prompts' reference answers before GRPO, for a model that has not "
+        "learnt the answer format; unset: 200 for a fresh model built from a config (the embedded default), 0 "
+        "for a loaded one.",
+        None,
+    )
+
+    # The embedded default run (see the class docstring).
+    output_dir: str = new_default("outputs/grpo-default")
+    max_seq_length: int = new_default(64, "Longest prompt + answer of the SFT warm-up in tokens.")
+    learning_rate: float = new_default(1e-3)
+    warmup_ratio: float = new_default(0.0)
+    per_device_train_batch_size: int = new_default(16, "Prompts per micro-batch per process.")
+    per_device_eval_batch_size: int = new_default(64, "Prompts per evaluation batch per process.")
+    max_steps: int = new_default(60)
+    logging_steps: int = new_default(5)
+    eval_steps: int = new_default(20)
+    synthetic_train_size: int = new_default(8000, "Prompts of the synthetic task (when train_data is None).")
+    synthetic_eval_size: int = new_default(200, "Held-out prompts of the synthetic task (when train_data is None).")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.num_generations < 2:
+            raise ConfigError(f"num_generations must be >= 2 (advantages compare completions of one prompt), "
+                              f"got {self.num_generations}")  # fmt: skip
+        if self.scale_rewards == "group" and self.num_generations < 2:
+            raise ConfigError("scale_rewards group needs num_generations >= 2")
+        if self.temperature <= 0:
+            raise ConfigError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.epsilon <= 0 or (self.epsilon_high is not None and self.epsilon_high <= 0):
+            raise ConfigError("epsilon and epsilon_high must be > 0")
+        if self.num_iterations < 1:
+            raise ConfigError(f"num_iterations must be >= 1, got {self.num_iterations}")
+        if self.beta < 0:
+            raise ConfigError(f"beta must be >= 0, got {self.beta}")
+        if not self.reward_functions and not self.reward_model:
+            raise ConfigError("GRPO needs at least one reward: reward_functions or reward_model")
+        if self.sft_warmup_steps is not None and self.sft_warmup_steps < 0:
+            raise ConfigError(f"sft_warmup_steps must be >= 0 or null, got {self.sft_warmup_steps}")
+
+    def __post_init__(self) -> None:
+        fresh = self.model_name_or_path is None  # before the tiny model fills model_config in
+        super().__post_init__()
+        if self.sft_warmup_steps is None:
+            self.sft_warmup_steps = 200 if fresh else 0
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon

@@ -37,7 +37,13 @@ TASKS = {
     "dpo": {"model_config": TINY_TEST_MODEL, "synthetic_train_size": 64, "synthetic_eval_size": 8,
             "sft_warmup_steps": 0},
     "reward": {"model_config": TINY_TEST_MODEL, "synthetic_train_size": 64, "synthetic_eval_size": 8},
+    # A reward that random completions sometimes earn, so advantages, gradients and updates are not all zero.
+    "grpo": {"model_config": TINY_TEST_MODEL, "synthetic_train_size": 64, "synthetic_eval_size": 8,
+             "sft_warmup_steps": 0, "num_generations": 2, "max_new_tokens": 4,
+             "reward_functions": [str(ROOT / "tests" / "recipes" / "grpo_rewards.py") + ":text_length"]},
 }  # fmt: skip
+# What evaluation reports to choose the best model by (GRPO's evaluation has rewards, not a loss).
+EVAL_METRIC = {"grpo": "reward"}
 
 
 def _run(name, out, cache, **overrides):
@@ -84,7 +90,8 @@ def test_a_stop_signal_then_resume_equals_the_uninterrupted_run(name, tmp_path, 
     assert resumed["resumed_from"].endswith("step-3") and resumed["final_train_loss"] == full["final_train_loss"]
 
 
-RATES = ("tokens_per_second", "samples_per_second", "data_wait_fraction", "peak_rss_mb", "mfu")
+RATES = ("tokens_per_second", "samples_per_second", "data_wait_fraction", "peak_rss_mb", "mfu", "generation_seconds",
+         "training_seconds")
 
 
 def _rates(record: dict) -> dict:
@@ -164,10 +171,11 @@ def test_early_stopping_exports_the_best_checkpoint(name, tmp_path):
 
     # With greater_is_better on the loss, "better" means higher: whichever way the tiny runs' losses move, the
     # rule is replayed on the logged evaluations and the run must have stopped, and chosen, as it says.
+    metric = EVAL_METRIC.get(name, "loss")
     summary = _run(name, tmp_path / "run", tmp_path / "cache", max_steps=12, eval_steps=2, save_steps=1,
-                   metric_for_best_model="loss", greater_is_better=True, early_stopping_patience=2,
+                   metric_for_best_model=metric, greater_is_better=True, early_stopping_patience=2,
                    load_best_model_at_end=True, save_total_limit=1, learning_rate=3e-3)  # fmt: skip
-    evals = {r["step"]: r["eval_loss"] for r in _records(tmp_path / "run") if "eval_loss" in r}
+    evals = {r["step"]: r[f"eval_{metric}"] for r in _records(tmp_path / "run") if f"eval_{metric}" in r}
     best_step, waited, stop = None, 0, None
     for step, loss in sorted(evals.items()):
         if best_step is None or loss > evals[best_step]:
@@ -179,7 +187,7 @@ def test_early_stopping_exports_the_best_checkpoint(name, tmp_path):
             break
     assert summary["stopped_early"] == (stop is not None) and summary["train_steps"] == (stop or 12)
     assert sorted(evals) == list(range(2, (stop or 12) + 1, 2))  # each step evaluated once, the last one included
-    assert summary["best"]["best_step"] == best_step and summary["eval"]["eval_loss"] == evals[best_step]
+    assert summary["best"]["best_step"] == best_step and summary["eval"][f"eval_{metric}"] == evals[best_step]
     best = load_file(tmp_path / "run" / "checkpoints" / f"step-{best_step}" / "model.safetensors")
     exported = load_file(tmp_path / "run" / "model.safetensors")
     assert all((exported[k] == v).all() for k, v in best.items() if k in exported)
@@ -244,7 +252,8 @@ def test_torch_compile_trains_as_eager_does(name, tmp_path):
     # Graphs compiled by an earlier test of this process serve the same block class again: no count of them here.
     assert compiled["torch_compile_blocks"] == 2 and compiled["torch_compile_recompiles"] == 0
     assert "torch_compile_blocks" not in eager
-    assert compiled["eval"]["eval_loss"] == pytest.approx(eager["eval"]["eval_loss"], abs=1e-4)
+    metric = f"eval_{EVAL_METRIC.get(name, 'loss')}"
+    assert compiled["eval"][metric] == pytest.approx(eager["eval"][metric], abs=1e-4)
 
 
 def test_the_recipes_differ_only_where_their_task_differs():

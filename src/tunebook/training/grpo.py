@@ -29,6 +29,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from ..data.collate import loss_positions
 from ..data.tokenize import IGNORE_INDEX
+from .compilation import eager
 from .loss import causal_lm_token_losses
 
 __all__ = [
@@ -109,11 +110,12 @@ def sample_completions(model, prompt_ids: list[list[int]], seeds: list[int], *, 
     was_training = model.training
     model.eval()
     sampling = {} if greedy else {"logits_processor": LogitsProcessorList([SeededSampling(seeds, temperature, top_p)])}
-    out = model.generate(
-        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), max_new_tokens=max_new_tokens,
-        do_sample=False, pad_token_id=pad_token_id, eos_token_id=eos_token_id, **sampling,
-        temperature=None, top_p=None, top_k=None,
-    )  # fmt: skip
+    with eager():  # under torch_compile: decoding with a KV cache would compile graphs of its own
+        out = model.generate(
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), max_new_tokens=max_new_tokens,
+            do_sample=False, pad_token_id=pad_token_id, eos_token_id=eos_token_id, **sampling,
+            temperature=None, top_p=None, top_k=None,
+        )  # fmt: skip
     model.train(was_training)
     stops = set(eos_token_id if isinstance(eos_token_id, list) else [eos_token_id])
     completions = []

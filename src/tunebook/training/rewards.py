@@ -29,7 +29,7 @@ __all__ = ["BUILTIN_REWARDS", "RewardFunction", "exact_match", "format_regex", "
 
 @dataclass(frozen=True)
 class RewardFunction:
-    name: str  # as the config names it: logged as rewards/<name>
+    name: str  # logged as rewards/<name>: the built-in's name, or the function's, from a file
     fn: Callable[..., Sequence[float | None]]
     weight: float
 
@@ -61,9 +61,12 @@ def load_reward_functions(config, device=None) -> list[RewardFunction]:
     if len(weights) != len(specs):
         raise ConfigError(f"reward_weights has {len(weights)} values for {len(specs)} reward functions "
                           f"({', '.join(specs)}); give one weight each")  # fmt: skip
-    functions = []
+    functions, names = [], []
     for spec, weight in zip(specs, weights):
-        functions.append(RewardFunction(spec, _reward_function(spec, config, device), float(weight)))
+        name = spec.rpartition(":")[2] if ":" in spec else spec
+        name = name if name not in names else f"{name}_{len(names)}"  # two files' functions of the same name
+        names.append(name)
+        functions.append(RewardFunction(name, _reward_function(spec, config, device), float(weight)))
     return functions
 
 

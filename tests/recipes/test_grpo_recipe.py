@@ -1,0 +1,182 @@
+"""recipes/grpo.py beyond the guarantees every recipe shares (tests/recipes/test_guarantees.py): the data shapes users
+bring, rewards from a user's file, one-line errors, 2 processes equal to 1, resume between the updates of one
+generation batch, LoRA with a KL to the adapters-off policy, and memory that stays flat."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, TINY_TEST_MODEL, launch
+
+from tunebook import load_recipe
+from tunebook.errors import DataError
+
+REWARDS = ROOT / "tests" / "recipes" / "grpo_rewards.py"
+TINY = {"model_config": TINY_TEST_MODEL, "synthetic_train_size": 64, "synthetic_eval_size": 8, "sft_warmup_steps": 0,
+        "num_generations": 2, "max_new_tokens": 4, "reward_functions": [f"{REWARDS}:text_length"],
+        "disable_tqdm": True, "report_to": "none", "dataloader_num_workers": 0, "logging_steps": 1,
+        "eval_on_start": False, "per_device_train_batch_size": 4, "per_device_eval_batch_size": 8,
+        "log_level": "WARNING", "max_steps": 4, "learning_rate": 1e-3}  # fmt: skip
+
+
+def _run(out, cache, **overrides):
+    recipe = load_recipe("grpo")
+    return recipe.main(recipe.config(**{**TINY, "output_dir": str(out), "cache_dir": str(cache), **overrides}))
+
+
+def _records(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+TIMINGS = ("tokens_per_second", "samples_per_second", "data_wait_fraction", "peak_rss_mb", "mfu",
+           "generation_seconds", "training_seconds")  # fmt: skip
+
+
+def _untimed(records):
+    return [{k: v for k, v in r.items() if k not in TIMINGS} for r in records]
+
+
+def test_prompts_as_messages_and_text_with_their_columns_reach_a_users_reward(tmp_path):
+    rows = [
+        {"prompt": [{"role": "system", "content": "Answer with digits."}, {"role": "user", "content": "Reverse 123"}],
+         "answer": "321"},
+        {"prompt": "Sort 312", "answer": "123"},
+    ] * 8  # fmt: skip
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = _run(tmp_path / "run", tmp_path / "cache", train_data=str(data), eval_data=str(data),
+                   reward_functions=[f"{REWARDS}:uses_the_columns", "exact_match"], reward_weights=[0.5, 1.0],
+                   max_steps=2, eval_steps=0)  # fmt: skip
+    record = next(r for r in _records(tmp_path / "run") if "loss" in r)
+    assert {"rewards/uses_the_columns/mean", "rewards/exact_match/mean", "frac_reward_zero_std",
+            "completions/mean_length", "clip_ratio"} <= set(record)  # fmt: skip
+    assert {"eval_reward", "eval_exact_match", "eval_rewards/exact_match"} <= set(summary["eval"])
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([{"question": "hi", "answer": "1"}], r"prompt data needs a 'prompt' column .*found \['question', 'answer'\]"),
+        ([{"prompt": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "1"}]}],
+         r"row 1: the prompt ends with an assistant turn; GRPO generates that turn"),
+    ],
+)  # fmt: skip
+def test_prompt_data_it_cannot_use_is_one_line(tmp_path, rows, message):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=message):
+        _run(tmp_path / "run", tmp_path / "cache", train_data=str(data), sft_warmup_steps=0)
+
+
+@pytest.mark.parametrize(
+    "function, message",
+    [
+        ("raises", r"reward function 'raises' raised KeyError: 'solution'"),
+        ("too_few", r"reward function 'too_few' returned 1 values for 8 completions"),
+        ("missing", r"grpo_rewards.py defines no function 'missing'"),
+    ],
+)
+def test_a_broken_reward_function_stops_the_run_with_one_line(tmp_path, function, message):
+    cmd = [sys.executable, "-m", "tunebook.cli", "train", "--config_file", "accelerate_configs/cpu.yaml", "grpo",
+           "--model_config", json.dumps(TINY_TEST_MODEL), "--synthetic_train_size", "64", "--synthetic_eval_size", "8",
+           "--sft_warmup_steps", "0", "--num_generations", "2", "--max_new_tokens", "4",
+           "--per_device_train_batch_size", "4", "--eval_on_start", "false", "--disable_tqdm", "true",
+           "--reward_functions", f"[{REWARDS}:{function}]", "--output_dir", str(tmp_path / "run"),
+           "--cache_dir", str(tmp_path / "cache")]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("tunebook: error")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert __import__("re").search(message, errors[0]), errors[0]
+
+
+@pytest.mark.slow
+def test_a_stop_between_the_updates_of_one_generation_batch_resumes_on_its_rollouts(tmp_path, monkeypatch):
+    """num_iterations 2: the checkpoint after step 3 holds the rollouts step 4 trains on; the resumed run logs the
+    uninterrupted run's figures and ends with its weights, byte for byte."""
+    common = {"num_iterations": 2, "max_steps": 6, "eval_steps": 2}
+    _run(tmp_path / "full", tmp_path / "cache", **common)
+    module = load_recipe("grpo").module
+    real = module.apply_update
+
+    def apply_then_signal(run, step_loss, window):
+        updated = real(run, step_loss, window)
+        if run.state.global_step == 3:
+            signal.raise_signal(signal.SIGTERM)
+        return updated
+
+    with monkeypatch.context() as patch:
+        patch.setattr(module, "apply_update", apply_then_signal)
+        with pytest.raises(SystemExit):
+            _run(tmp_path / "cut", tmp_path / "cache", **common)
+    state = json.loads((tmp_path / "cut" / "checkpoints" / "step-3" / "process_state_0.json").read_text())
+    assert state["figures"]["pending"]["iteration"] == 1  # mid-batch: its rollouts are in the checkpoint
+    _run(tmp_path / "cut", tmp_path / "cache", resume_from_checkpoint="latest", **common)
+    assert _untimed(_records(tmp_path / "cut")) == _untimed(_records(tmp_path / "full"))
+    assert (tmp_path / "cut" / "model.safetensors").read_bytes() == (tmp_path / "full" / "model.safetensors").read_bytes()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"loss_type": "grpo", "scale_rewards": "batch"},
+        {"loss_type": "dr_grpo", "scale_rewards": "none", "epsilon_high": 0.28},
+        {"use_peft": True, "lora_r": 4, "lora_target_modules": "all-linear", "beta": 0.1},  # KL to adapters off
+        {"beta": 0.1, "temperature": 0.7, "top_p": 0.9},  # KL to a frozen copy
+    ],
+)
+def test_the_loss_options_train(tmp_path, overrides):
+    summary = _run(tmp_path / "run", tmp_path / "cache", max_steps=3, **overrides)
+    records = [r for r in _records(tmp_path / "run") if "loss" in r]
+    assert summary["train_steps"] == 3 and all(r["grad_norm"] > 0 for r in records)
+    if overrides.get("beta"):
+        assert records[-1]["kl"] > 0  # the policy moved away from its reference
+
+
+@pytest.mark.slow
+def test_memory_stays_flat_over_50_steps(tmp_path, monkeypatch):
+    """Peak RSS grows by less than 50 MB from step 10 to step 50: nothing accumulates per step (rollouts, graphs,
+    logged tensors)."""
+    module = load_recipe("grpo").module
+    real, peaks = module.apply_update, {}
+
+    def apply_and_measure(run, step_loss, window):
+        updated = real(run, step_loss, window)
+        if run.state.global_step in (10, 50):
+            peaks[run.state.global_step] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return updated
+
+    monkeypatch.setattr(module, "apply_update", apply_and_measure)
+    _run(tmp_path / "run", tmp_path / "cache", max_steps=50, eval_steps=25, logging_steps=5)
+    assert peaks[50] - peaks[10] < 50, peaks
+
+
+@pytest.mark.multiprocess
+def test_two_processes_take_the_step_one_process_takes(tmp_path):
+    """Same prompts (2 per process vs 4 in one), same seeds: the same completions, rewards and update."""
+    from safetensors.torch import load_file
+
+    args = ["--model_config", json.dumps(TINY_TEST_MODEL), "--synthetic_train_size", "64", "--synthetic_eval_size",
+            "8", "--sft_warmup_steps", "0", "--num_generations", "2", "--max_new_tokens", "4", "--max_steps", "1",
+            "--reward_functions", f"[{REWARDS}:text_length]", "--eval_on_start", "false", "--eval_steps", "0",
+            "--disable_tqdm", "true", "--report_to", "none", "--logging_steps", "1", "--dataloader_num_workers", "0",
+            "--learning_rate", "1e-2", "--cache_dir", str(tmp_path / "cache")]  # fmt: skip
+    one = launch("recipes/grpo.py", [*args, "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / "one")])
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = launch("recipes/grpo.py", [*args, "--per_device_train_batch_size", "2", "--output_dir", str(tmp_path / "two")],
+                 accelerate_config="multi_cpu.yaml")  # fmt: skip
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = (next(r for r in _records(tmp_path / d) if "loss" in r) for d in ("one", "two"))
+    for key in ("reward", "reward_std", "completions/mean_length", "completions/max_length", "frac_reward_zero_std"):
+        assert a[key] == pytest.approx(b[key], abs=1e-6), key
+    assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    wa, wb = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
+    assert all((wa[k] - wb[k]).abs().max() < 1e-5 for k in wa)
+    assert os.path.getsize(tmp_path / "one" / "model.safetensors") == os.path.getsize(tmp_path / "two" / "model.safetensors")
