@@ -69,11 +69,18 @@ def generate_rollouts(config: GRPOConfig, run, model, reference, window, rewards
     for batch in window:
         start = time.perf_counter()
         prompt_ids = [p for p in batch["prompt_ids"] for _ in range(G)]  # a group's completions stay together
-        seeds = [completion_seed(config.seed, run.state.global_step, int(row), g)
-                 for row in batch["row"] for g in range(G)]
+        seeds = [
+            completion_seed(config.seed, run.state.global_step, int(row), g) for row in batch["row"] for g in range(G)
+        ]
         prompt_ids, completions = sample_completions(
-            policy, prompt_ids, seeds, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
-            max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_p=config.top_p,
+            policy,
+            prompt_ids,
+            seeds,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=eos,
+            max_new_tokens=config.max_new_tokens,
+            temperature=config.temperature,
+            top_p=config.top_p,
             device=accelerator.device,
         )
         texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
@@ -99,17 +106,30 @@ def generate_rollouts(config: GRPOConfig, run, model, reference, window, rewards
                     r.ref_log_probs = completion_log_probs(model, r)
             elif config.beta > 0:
                 r.ref_log_probs = completion_log_probs(reference, r)
-        figures.add(completions=len(completions), reward=total.sum(), reward_sq=(total**2).sum(),
-                    zero_std_groups=zero_std.sum(), groups=len(completions) // G, tokens=r.completion_lengths.sum(),
-                    max_length=r.completion_lengths.max(), generation_seconds=seconds)
+        figures.add(
+            completions=len(completions),
+            reward=total.sum(),
+            reward_sq=(total**2).sum(),
+            zero_std_groups=zero_std.sum(),
+            groups=len(completions) // G,
+            tokens=r.completion_lengths.sum(),
+            max_length=r.completion_lengths.max(),
+            generation_seconds=seconds,
+        )
         rollouts.append(r)
     return rollouts
 
 
 def evaluate(config: GRPOConfig, model, data: PromptData, rewards, accelerator, log) -> dict:
     metrics, samples = evaluate_completions(
-        model, data.tokenizer, data.eval, rewards, accelerator, batch_size=config.per_device_eval_batch_size,
-        max_new_tokens=config.max_new_tokens, reference_column=config.reference_column,
+        model,
+        data.tokenizer,
+        data.eval,
+        rewards,
+        accelerator,
+        batch_size=config.per_device_eval_batch_size,
+        max_new_tokens=config.max_new_tokens,
+        reference_column=config.reference_column,
         disable_tqdm=config.disable_tqdm,
     )
     for s in samples:
@@ -124,14 +144,26 @@ def main(config: GRPOConfig) -> dict:
     # --- data: prompts (and their other columns, for the rewards), prepared under a file lock, then all meet
     data = prepare_then_join(accelerator, config, prepare_prompt_data, run.cache_dir, log)
     tokenizer = data.tokenizer
-    log.info("Data ready in %.1f s (%s)", data.seconds, "built: " + ", ".join(data.built) if data.built else "all cached")
+    log.info(
+        "Data ready in %.1f s (%s)", data.seconds, "built: " + ", ".join(data.built) if data.built else "all cached"
+    )
 
     # --- model: the policy; optionally a brief SFT warm-up on the reference answers; the reference for the KL
     model = build_causal_lm(tokenizer, **model_options(config))
     if config.sft_warmup_steps:
         examples = reference_examples(data.train, tokenizer, config.reference_column, config.max_seq_length)
-        sft_warmup(model, examples, tokenizer.pad_token_id, steps=config.sft_warmup_steps, seed=config.seed,
-                   batch_size=32, device=accelerator.device, log=log, lr_scheduler_type="cosine", max_grad_norm=1.0)
+        sft_warmup(
+            model,
+            examples,
+            tokenizer.pad_token_id,
+            steps=config.sft_warmup_steps,
+            seed=config.seed,
+            batch_size=32,
+            device=accelerator.device,
+            log=log,
+            lr_scheduler_type="cosine",
+            max_grad_norm=1.0,
+        )
     reference = None  # beta 0: none; with LoRA: the policy with its adapters off
     if config.beta > 0 and not config.use_peft:
         reference = copy.deepcopy(model).requires_grad_(False).eval().to(accelerator.device)
@@ -139,8 +171,13 @@ def main(config: GRPOConfig) -> dict:
         model = apply_lora(model, config)
     log.info("Model: %s, %s", type(model).__name__, describe_parameters(model))
     rewards = load_reward_functions(config, accelerator.device)
-    log.info("Rewards: %s; %d completions per prompt, loss %s, advantages scaled by %s", describe(rewards),
-             config.num_generations, config.loss_type, config.scale_rewards)
+    log.info(
+        "Rewards: %s; %d completions per prompt, loss %s, advantages scaled by %s",
+        describe(rewards),
+        config.num_generations,
+        config.loss_type,
+        config.scale_rewards,
+    )
 
     # --- optimizer, loaders
     optimizer = build_optimizer(
@@ -161,7 +198,8 @@ def main(config: GRPOConfig) -> dict:
         for window in accumulation_windows(loader, k, run.timer):
             # Sample, score and compare within groups once; then num_iterations updates on these rollouts.
             first, rollouts = figures.take_pending(device) or (
-                0, generate_rollouts(config, run, model, reference, window, rewards, figures, tokenizer)
+                0,
+                generate_rollouts(config, run, model, reference, window, rewards, figures, tokenizer),
             )
             # The loss is normalised over the whole step (all micro-batches and processes), per loss_type.
             normaliser, tokens = step_normaliser(rollouts, config.loss_type, config.max_new_tokens, accelerator)
@@ -177,7 +215,12 @@ def main(config: GRPOConfig) -> dict:
                         rows = r.batch()["loss_positions"] // r.labels.shape[1]
                         old = log_probs.detach() if r.old_log_probs is None else r.old_log_probs
                         token_losses, token_clipped, token_kl = grpo_token_losses(
-                            log_probs, old, r.advantages[rows], config.epsilon, config.epsilon_high, config.beta,
+                            log_probs,
+                            old,
+                            r.advantages[rows],
+                            config.epsilon,
+                            config.epsilon_high,
+                            config.beta,
                             r.ref_log_probs,
                         )
                         numerator = loss_numerator(token_losses, rows, r.completion_lengths, config.loss_type)
@@ -188,8 +231,14 @@ def main(config: GRPOConfig) -> dict:
                 figures.keep_pending(iteration, rollouts, config.num_iterations)  # what a checkpoint here needs
                 last = iteration == config.num_iterations - 1
                 if apply_update(run, step_loss, window if last else []):  # the data moves on after the last
-                    figures.add(steps=1, loss=step_loss, trained_tokens=tokens / accelerator.num_processes,
-                                clipped=clipped, kl=kl, training_seconds=time.perf_counter() - start)
+                    figures.add(
+                        steps=1,
+                        loss=step_loss,
+                        trained_tokens=tokens / accelerator.num_processes,
+                        clipped=clipped,
+                        kl=kl,
+                        training_seconds=time.perf_counter() - start,
+                    )
                 ended = after_step(run)  # log, evaluate, best model, stop signals, save, early stopping
                 if ended:
                     break

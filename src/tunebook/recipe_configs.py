@@ -414,6 +414,10 @@ class RewardConfig(ChatModelConfig):
     synthetic_eval_size: int = new_default(200, "Held-out pairs of the synthetic task (when train_data is None).")
 
 
+# GRPO's built-in reward functions (tunebook.training.rewards), named here so a config is checked without torch.
+BUILTIN_REWARDS = ("exact_match", "format_regex", "length_penalty")
+
+
 @dataclass
 class GRPOConfig(ChatModelConfig):
     """Group Relative Policy Optimization of a causal LM on prompts, with rewards from Python functions.
@@ -527,6 +531,23 @@ class GRPOConfig(ChatModelConfig):
             raise ConfigError(f"beta must be >= 0, got {self.beta}")
         if not self.reward_functions and not self.reward_model:
             raise ConfigError("GRPO needs at least one reward: reward_functions or reward_model")
+        for spec in self.reward_functions:
+            if spec not in BUILTIN_REWARDS and ":" not in spec:
+                raise ConfigError(
+                    f"unknown reward function {spec!r}: use one of {', '.join(BUILTIN_REWARDS)}, or "
+                    "path/to/file.py:function_name for your own"
+                )
+        rewards = len(self.reward_functions) + bool(self.reward_model)
+        if self.reward_weights is not None and len(self.reward_weights) != rewards:
+            raise ConfigError(
+                f"reward_weights has {len(self.reward_weights)} values for {rewards} rewards "
+                "(reward_functions, then reward_model); give one weight each"
+            )
+        if self.reward_model and not (Path(self.reward_model).expanduser() / "config.json").is_file():
+            raise ConfigError(
+                f"reward_model {self.reward_model}: not a model directory (no config.json there); "
+                "train one with recipes/reward.py"
+            )
         if self.sft_warmup_steps is not None and self.sft_warmup_steps < 0:
             raise ConfigError(f"sft_warmup_steps must be >= 0 or null, got {self.sft_warmup_steps}")
 

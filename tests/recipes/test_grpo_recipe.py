@@ -75,6 +75,29 @@ def test_prompt_data_it_cannot_use_is_one_line(tmp_path, rows, message):
 
 
 @pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--num_generations", "1"], "num_generations must be >= 2"),
+        (["--reward_weights", "[1, 2]"], "reward_weights has 2 values for 1 rewards"),
+        (["--reward_model", "no/such/dir"], "reward_model no/such/dir: not a model directory"),
+        (["--reward_functions", "[]"], "GRPO needs at least one reward"),
+        (["--loss_type", "ppo"], "loss_type"),
+        (["--reward_functions", "[exact_mach]"], "unknown reward function 'exact_mach'"),
+    ],
+)
+def test_config_mistakes_are_one_line(tmp_path, args, message):
+    from tunebook.config import load_config
+    from tunebook.errors import ConfigError
+    from tunebook.recipe_configs import GRPOConfig
+
+    with pytest.raises(ConfigError, match=message):
+        config = load_config(GRPOConfig, [*args, "--output_dir", str(tmp_path / "run")])
+        from tunebook.training.rewards import load_reward_functions
+
+        load_reward_functions(config)  # names are checked when the run loads them
+
+
+@pytest.mark.parametrize(
     "function, message",
     [
         ("raises", r"reward function 'raises' raised KeyError: 'solution'"),
@@ -119,7 +142,9 @@ def test_a_stop_between_the_updates_of_one_generation_batch_resumes_on_its_rollo
     assert state["figures"]["pending"]["iteration"] == 1  # mid-batch: its rollouts are in the checkpoint
     _run(tmp_path / "cut", tmp_path / "cache", resume_from_checkpoint="latest", **common)
     assert _untimed(_records(tmp_path / "cut")) == _untimed(_records(tmp_path / "full"))
-    assert (tmp_path / "cut" / "model.safetensors").read_bytes() == (tmp_path / "full" / "model.safetensors").read_bytes()
+    assert (tmp_path / "cut" / "model.safetensors").read_bytes() == (
+        tmp_path / "full" / "model.safetensors"
+    ).read_bytes()
 
 
 @pytest.mark.slow
@@ -168,7 +193,9 @@ def test_two_processes_take_the_step_one_process_takes(tmp_path):
             "--reward_functions", f"[{REWARDS}:text_length]", "--eval_on_start", "false", "--eval_steps", "0",
             "--disable_tqdm", "true", "--report_to", "none", "--logging_steps", "1", "--dataloader_num_workers", "0",
             "--learning_rate", "1e-2", "--cache_dir", str(tmp_path / "cache")]  # fmt: skip
-    one = launch("recipes/grpo.py", [*args, "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / "one")])
+    one = launch(
+        "recipes/grpo.py", [*args, "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / "one")]
+    )
     assert one.returncode == 0, one.stderr[-3000:]
     two = launch("recipes/grpo.py", [*args, "--per_device_train_batch_size", "2", "--output_dir", str(tmp_path / "two")],
                  accelerate_config="multi_cpu.yaml")  # fmt: skip
@@ -176,7 +203,11 @@ def test_two_processes_take_the_step_one_process_takes(tmp_path):
     a, b = (next(r for r in _records(tmp_path / d) if "loss" in r) for d in ("one", "two"))
     for key in ("reward", "reward_std", "completions/mean_length", "completions/max_length", "frac_reward_zero_std"):
         assert a[key] == pytest.approx(b[key], abs=1e-6), key
-    assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["grad_norm"] == pytest.approx(
+        b["grad_norm"], rel=1e-4
+    )
     wa, wb = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
     assert all((wa[k] - wb[k]).abs().max() < 1e-5 for k in wa)
-    assert os.path.getsize(tmp_path / "one" / "model.safetensors") == os.path.getsize(tmp_path / "two" / "model.safetensors")
+    assert os.path.getsize(tmp_path / "one" / "model.safetensors") == os.path.getsize(
+        tmp_path / "two" / "model.safetensors"
+    )

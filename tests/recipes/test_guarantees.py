@@ -90,8 +90,15 @@ def test_a_stop_signal_then_resume_equals_the_uninterrupted_run(name, tmp_path, 
     assert resumed["resumed_from"].endswith("step-3") and resumed["final_train_loss"] == full["final_train_loss"]
 
 
-RATES = ("tokens_per_second", "samples_per_second", "data_wait_fraction", "peak_rss_mb", "mfu", "generation_seconds",
-         "training_seconds")
+RATES = (
+    "tokens_per_second",
+    "samples_per_second",
+    "data_wait_fraction",
+    "peak_rss_mb",
+    "mfu",
+    "generation_seconds",
+    "training_seconds",
+)
 
 
 def _rates(record: dict) -> dict:

@@ -58,7 +58,9 @@ class SeededSampling(LogitsProcessor):
             cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
             drop = cumulative - ordered.softmax(dim=-1) >= self.top_p  # keep the smallest set reaching top_p
             scores = scores.masked_fill(drop.scatter(-1, order, drop), -math.inf)
-        uniform = torch.stack([torch.rand(scores.shape[-1], generator=g, dtype=torch.float64) for g in self.generators])
+        uniform = torch.stack(
+            [torch.rand(scores.shape[-1], generator=g, dtype=torch.float64) for g in self.generators]
+        )
         gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-300)))
         return scores + gumbel.to(scores.device, torch.float32)
 
@@ -200,8 +202,9 @@ def step_normaliser(rollouts: list[Rollouts], loss_type: str, max_new_tokens: in
     device = rollouts[0].completion_lengths.device
     local = torch.zeros(2, device=device)
     for r in rollouts:
-        local += torch.stack([torch.tensor(float(len(r.completion_lengths)), device=device),
-                              r.completion_lengths.sum().float()])
+        local += torch.stack(
+            [torch.tensor(float(len(r.completion_lengths)), device=device), r.completion_lengths.sum().float()]
+        )
     completions, tokens = accelerator.reduce(local, "sum")
     return loss_normaliser(loss_type, completions, tokens, max_new_tokens), tokens
 

@@ -14,17 +14,27 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import numbers
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from ..errors import ConfigError
+from ..recipe_configs import BUILTIN_REWARDS
 
-__all__ = ["BUILTIN_REWARDS", "RewardFunction", "exact_match", "format_regex", "load_reward_functions", "score"]
+__all__ = [
+    "RewardFunction",
+    "combined",
+    "describe",
+    "exact_match",
+    "format_regex",
+    "length_penalty",
+    "load_reward_functions",
+    "score",
+]
 
 
 @dataclass(frozen=True)
@@ -47,9 +57,6 @@ def length_penalty(prompts, completions, *, completion_lengths: Sequence[int], m
                    **_) -> list[float]:  # fmt: skip
     start = max_new_tokens - buffer
     return [-min(max(n - start, 0) / max(buffer, 1), 1.0) for n in completion_lengths]
-
-
-BUILTIN_REWARDS = ("exact_match", "format_regex", "length_penalty")
 
 
 def load_reward_functions(config, device=None) -> list[RewardFunction]:
@@ -85,7 +92,9 @@ def _reward_function(spec: str, config, device) -> Callable:
         if not config.format_pattern:
             raise ConfigError("reward format_regex needs format_pattern (a regular expression the whole completion "
                               "must match)")  # fmt: skip
-        return lambda prompts, completions, **columns: format_regex(prompts, completions, pattern=config.format_pattern)
+        return lambda prompts, completions, **columns: format_regex(
+            prompts, completions, pattern=config.format_pattern
+        )
     if spec == "length_penalty":
         return lambda prompts, completions, completion_lengths, **columns: length_penalty(
             prompts, completions, completion_lengths=completion_lengths, max_new_tokens=config.max_new_tokens,
@@ -111,7 +120,9 @@ def _from_file(spec: str) -> Callable:
     try:
         module_spec.loader.exec_module(module)
     except Exception as error:  # the user's file: name it and the error, not our traceback
-        raise ConfigError(f"reward function {spec!r}: importing {path} failed: {type(error).__name__}: {error}") from None
+        raise ConfigError(
+            f"reward function {spec!r}: importing {path} failed: {type(error).__name__}: {error}"
+        ) from None
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ConfigError(f"reward function {spec!r}: {path} defines no function {name!r}")
@@ -139,7 +150,9 @@ def score(functions: list[RewardFunction], prompts: list, completions: list[str]
         for i, v in enumerate(values):
             if v is None:
                 continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if isinstance(v, torch.Tensor) and v.numel() == 1:
+                v = v.item()
+            if not isinstance(v, numbers.Real) or not math.isfinite(float(v)):  # numpy scalars and bools are Real
                 raise ConfigError(f"reward function {f.name!r} returned {v!r} for completion {i}; rewards must be "
                                   "finite numbers (or None)")  # fmt: skip
             out[i, j] = float(v)
@@ -154,9 +167,3 @@ def combined(rewards: torch.Tensor, functions: list[RewardFunction]) -> torch.Te
 
 def describe(functions: list[RewardFunction]) -> str:
     return ", ".join(f"{f.name} x {f.weight:g}" for f in functions)
-
-
-def _columns_for(rows: list[dict[str, Any]], skip: set[str]) -> dict[str, list]:
-    """Per-column lists of the rows' values (what reward functions receive as keyword arguments)."""
-    keys = [k for k in rows[0] if k not in skip] if rows else []
-    return {k: [r[k] for r in rows] for k in keys}

@@ -33,7 +33,10 @@ def test_token_losses_equal_the_formula_with_both_clips_and_the_kl():
     adv = torch.tensor([1.0, 2.0, -1.0, -0.5, 0.7], dtype=torch.float64)
     ref = torch.tensor([-1.2, -0.4, -2.5, -0.2, -3.1], dtype=torch.float64)
     losses, clipped, kl = grpo_token_losses(logp, old, adv, 0.2, 0.28, beta=0.04, ref_log_probs=ref)
-    expected = [_direct_token_loss(*map(float, v), 0.2, 0.28, 0.04, float(r)) for v, r in zip(zip(logp.detach(), old, adv), ref)]
+    expected = [
+        _direct_token_loss(*map(float, v), 0.2, 0.28, 0.04, float(r))
+        for v, r in zip(zip(logp.detach(), old, adv), ref)
+    ]
     assert losses.tolist() == pytest.approx(expected, abs=1e-12)
     ratio = torch.exp(logp - old).detach()
     # Clipped where the ratio left its range in the direction the advantage rewards.
@@ -106,7 +109,10 @@ def test_built_in_rewards():
 
 
 def test_rewards_are_weighted_and_a_none_adds_nothing():
-    functions = [RewardFunction("a", lambda p, c, **k: [1.0, None], 2.0), RewardFunction("b", lambda p, c, **k: [0.5, 1], 1.0)]
+    functions = [
+        RewardFunction("a", lambda p, c, **k: [1.0, None], 2.0),
+        RewardFunction("b", lambda p, c, **k: [0.5, 1], 1.0),
+    ]
     rewards = score(functions, ["p", "q"], ["x", "y"], {}, "cpu")
     assert torch.isnan(rewards[1, 0]) and combined(rewards, functions).tolist() == [2.5, 1.0]
 
