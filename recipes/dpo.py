@@ -26,10 +26,8 @@ import torch
 
 from tunebook.config import load_config
 from tunebook.data import (
-    PadCollator,
     PairCollator,
     PreferenceData,
-    build_loader,
     fingerprint,
     format_loss_mask,
     prepare_preference_data,
@@ -46,7 +44,6 @@ from tunebook.training import (
     after_step,
     apply_update,
     build_optimizer,
-    causal_lm_token_losses,
     epochs,
     finish,
     plan_training,
@@ -55,6 +52,7 @@ from tunebook.training import (
     preference_loss,
     response_lengths,
     resume,
+    sft_warmup,
     start_run,
     step_loss_scale,
     weights_fingerprint,
@@ -65,38 +63,6 @@ def build_dataloaders(config: DPOConfig, data: PreferenceData):
     """Batches of pairs, each one padded batch of chosen then rejected sequences; workers collate in the background."""
     collate = PairCollator(data.tokenizer.pad_token_id, config.pad_to_multiple_of)
     return train_and_eval_loaders(config, data.train, data.eval, collate)
-
-
-def sft_warmup(config: DPOConfig, model, data: PreferenceData, device, log) -> None:
-    """Plain SFT on the chosen responses, before DPO and before `prepare`: every process runs the same steps on the
-    same data from the same seed, and DDP then starts all replicas from rank 0's weights."""
-    chosen = data.train.select_columns(["chosen_input_ids", "chosen_labels"])
-    chosen = chosen.rename_columns({"chosen_input_ids": "input_ids", "chosen_labels": "labels"})
-    loader = build_loader(
-        chosen,
-        config.per_device_train_batch_size,
-        shuffle=True,
-        seed=config.seed,
-        num_workers=0,
-        collate_fn=PadCollator(data.tokenizer.pad_token_id, config.pad_to_multiple_of),
-    )
-    optimizer = build_optimizer(model, 3e-3, 0.0, (0.9, 0.999), 1e-8)
-    model.to(device).train()
-    step = 0
-    while step < config.sft_warmup_steps:
-        for batch in loader:  # a new order each epoch, from the loader's own seeded generator
-            batch = {k: v.to(device) for k, v in batch.items()}
-            losses = causal_lm_token_losses(
-                model, {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}, batch
-            )[0]
-            losses.mean().backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            if step % 50 == 0 or step == config.sft_warmup_steps:
-                log.info("SFT warm-up step %d/%d: loss %.4f", step, config.sft_warmup_steps, losses.mean().item())
-            if step == config.sft_warmup_steps:
-                break
 
 
 def evaluate(config: DPOConfig, model, reference, eval_loader, attn: str, dtype, accelerator) -> dict:
@@ -135,8 +101,20 @@ def main(config: DPOConfig) -> dict:
 
     # --- model: the policy; optionally a brief SFT warm-up; then the reference it is measured against
     model = build_causal_lm(tokenizer, **model_options(config))
-    if config.sft_warmup_steps:
-        sft_warmup(config, model, data, accelerator.device, log)
+    if config.sft_warmup_steps:  # on the chosen responses
+        chosen = data.train.select_columns(["chosen_input_ids", "chosen_labels"])
+        chosen = chosen.rename_columns({"chosen_input_ids": "input_ids", "chosen_labels": "labels"})
+        sft_warmup(
+            model,
+            chosen,
+            tokenizer.pad_token_id,
+            steps=config.sft_warmup_steps,
+            seed=config.seed,
+            batch_size=config.per_device_train_batch_size,
+            device=accelerator.device,
+            log=log,
+            pad_to_multiple_of=config.pad_to_multiple_of,
+        )
     attn, dtype = model.config._attn_implementation, model.dtype
     reference = None  # with LoRA: the policy with its adapters off
     use_reference = config.loss_type not in REFERENCE_FREE_LOSSES

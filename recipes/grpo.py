@@ -41,6 +41,7 @@ from tunebook.training import (
     finish,
     plan_training,
     resume,
+    sft_warmup,
     start_run,
     step_loss_scale,
 )
@@ -57,7 +58,6 @@ from tunebook.training.grpo import (
     step_normaliser,
 )
 from tunebook.training.rewards import combined, describe, load_reward_functions, score
-from tunebook.training.warmup import sft_warmup
 
 
 def generate_rollouts(config: GRPOConfig, run, model, reference, window, rewards, figures, tokenizer) -> list:

@@ -30,6 +30,7 @@ from .preference import (
 from .reward_model import REWARD_FIGURES, RewardModel, bradley_terry_loss, load_reward_model, pair_rewards
 from .steps import accumulation_windows, eval_due, save_due, total_optimizer_steps
 from .throughput import Throughput, peak_memory
+from .warmup import sft_warmup
 
 __all__ = [
     "LossWindow",
@@ -60,6 +61,7 @@ __all__ = [
     "sequence_log_probs",
     "weights_fingerprint",
     "peak_memory",
+    "sft_warmup",
     "model_flops_per_token",
     "BestModel",
     "infer_greater_is_better",
