@@ -9,7 +9,7 @@ from conftest import ROOT
 
 from tunebook import ConfigError, load_recipe
 from tunebook.recipe import RECIPES, recipe_config_class
-from tunebook.recipe_configs import ClassifyConfig, DPOConfig, PretrainConfig, RewardConfig, SFTConfig
+from tunebook.recipe_configs import ClassifyConfig, DPOConfig, GRPOConfig, PretrainConfig, RewardConfig, SFTConfig
 
 
 def test_each_recipe_loads_with_its_config_class(tmp_path, monkeypatch):
@@ -21,6 +21,7 @@ def test_each_recipe_loads_with_its_config_class(tmp_path, monkeypatch):
         "pretrain": PretrainConfig,
         "dpo": DPOConfig,
         "reward": RewardConfig,
+        "grpo": GRPOConfig,
     }
     assert set(RECIPES) == set(classes)
     for name, cls in classes.items():
