@@ -12,11 +12,12 @@ pytestmark = pytest.mark.slow
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
-def test_the_three_notebooks_exist():
+def test_the_four_notebooks_exist():
     assert [p.name for p in NOTEBOOKS] == [
         "01_quickstart.ipynb",
         "02_multi_process.ipynb",
         "03_classification.ipynb",
+        "04_sft_reward_grpo.ipynb",
     ]
 
 
