@@ -16,8 +16,9 @@ QUICK = {"disable_tqdm": True, "report_to": "none", "dataloader_num_workers": 0,
          "model_config": TINY_TEST_MODEL, "max_steps": 2}  # fmt: skip
 
 
-def _run(out, args, accelerate_config="cpu.yaml"):
-    result = launch("recipes/reward.py", [*args, "--output_dir", str(out)], accelerate_config=accelerate_config)
+def _run(out, args, accelerate_config="cpu.yaml", timeout=300):
+    result = launch("recipes/reward.py", [*args, "--output_dir", str(out)], accelerate_config=accelerate_config,
+                    timeout=timeout)  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return json.loads((out / "summary.json").read_text()), result
 
@@ -26,16 +27,18 @@ def _run(out, args, accelerate_config="cpu.yaml"):
 def default_run(tmp_path_factory):
     """The embedded default, run once for the module: (output_dir, cache_dir, summary, stdout)."""
     root = tmp_path_factory.mktemp("reward")
-    summary, result = _run(root / "out", ["--disable_tqdm", "true", "--cache_dir", str(root / "cache")])
+    # Estimated 1-2 minutes on 2 idle CPU cores; it took ~10 on a loaded one, hence the long timeouts.
+    summary, result = _run(root / "out", ["--disable_tqdm", "true", "--cache_dir", str(root / "cache")], timeout=900)
     return root / "out", root / "cache", summary, result.stdout
 
 
+@pytest.mark.timeout(1200)  # the module's default run happens in the first of these two tests
 def test_default_ranks_held_out_pairs(default_run):
     from transformers import AutoModelForSequenceClassification
 
     out, _, summary, stdout = default_run
     before, after = summary["eval_before_training"], summary["eval"]
-    assert after["eval_accuracy"] >= 0.8, after  # measured 0.9x
+    assert after["eval_accuracy"] >= 0.8, after  # measured 0.84 on an AMD EPYC
     assert after["eval_margin"] > 0 and after["eval_loss"] < before["eval_loss"] and after["eval_pairs"] == 200
     assert "Eval pairwise accuracy: " in stdout and "One training pair:\nchosen:   <|im_start|>user\n" in stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -48,6 +51,7 @@ def test_default_ranks_held_out_pairs(default_run):
     assert type(model).__name__ == "LlamaForSequenceClassification"
 
 
+@pytest.mark.timeout(1200)
 def test_the_trained_model_is_a_reward_function(default_run):
     """`load_reward_model(output_dir)` (what a GRPO run's `reward_model: path` uses) ranks the held-out pairs."""
     from tunebook.training import load_reward_model

@@ -8,6 +8,7 @@ better the chosen response is (Llama 2's reward models; 0 otherwise).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,8 @@ class RewardModel:
         for i, (prompt, completion) in enumerate(zip(prompts, completions)):
             where = f"reward model input {i + 1}"
             prompt, response = prompt_and_response(prompt, completion, where)
-            prompt_ids, (response_ids,) = prompt_and_response_ids(self.tokenizer, prompt, [response], tools[i], where)
+            row_tools = json.loads(tools[i]) if isinstance(tools[i], str) else tools[i]  # as a pair's tools column
+            prompt_ids, (response_ids,) = prompt_and_response_ids(self.tokenizer, prompt, [response], row_tools, where)
             if self.max_length is not None:  # as training cut pairs: the prompt whole, the response's end dropped
                 response_ids = response_ids[: max(self.max_length - len(prompt_ids), 0)]
             rows.append({"input_ids": prompt_ids + response_ids, "labels": prompt_ids + response_ids})
