@@ -178,9 +178,15 @@ def main(config: DPOConfig) -> dict:
                         model, reference, batch, attn, dtype, accelerator, use_reference
                     )
                     losses, chosen_rewards, rejected_rewards = preference_loss(
-                        policy, ref, response_lengths(batch["labels"]), config.loss_type, config.beta,
-                        config.label_smoothing, config.simpo_gamma, config.rpo_alpha,
-                    )  # fmt: skip
+                        policy,
+                        ref,
+                        response_lengths(batch["labels"]),
+                        config.loss_type,
+                        config.beta,
+                        config.label_smoothing,
+                        config.simpo_gamma,
+                        config.rpo_alpha,
+                    )
                     accelerator.backward(losses.sum() * scale)
                 step_loss += losses.detach().sum().double()
                 step_rewards.append((losses.detach(), chosen_rewards, rejected_rewards))
