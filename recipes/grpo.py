@@ -27,7 +27,14 @@ import time
 import torch
 
 from tunebook.config import load_config
-from tunebook.data import PromptData, PromptRows, prepare_prompt_data, reference_examples, train_and_eval_loaders
+from tunebook.data import (
+    PromptData,
+    PromptRows,
+    prepare_prompt_data,
+    reference_examples,
+    reward_inputs,
+    train_and_eval_loaders,
+)
 from tunebook.distributed import prepare_then_join
 from tunebook.evaluation.completions import evaluate_completions
 from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options
@@ -56,6 +63,7 @@ from tunebook.training.grpo import (
     rollout_rows,
     sample_completions,
     step_normaliser,
+    stop_tokens,
 )
 from tunebook.training.rewards import combined, describe, load_reward_functions, score
 
@@ -64,7 +72,6 @@ def generate_rollouts(config: GRPOConfig, run, model, reference, window, rewards
     """Completions of the window's prompts, their rewards and advantages, and the log-probs the loss compares to."""
     accelerator, G = run.accelerator, config.num_generations
     policy = accelerator.unwrap_model(model)
-    eos = policy.generation_config.eos_token_id or tokenizer.eos_token_id
     parts = []
     for batch in window:
         start = time.perf_counter()
@@ -72,22 +79,19 @@ def generate_rollouts(config: GRPOConfig, run, model, reference, window, rewards
         seeds = [
             completion_seed(config.seed, run.state.global_step, int(row), g) for row in batch["row"] for g in range(G)
         ]
-        prompt_ids, completions = sample_completions(
+        completions = sample_completions(
             policy,
             prompt_ids,
             seeds,
             pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=eos,
+            eos_token_id=stop_tokens(policy, tokenizer),
             max_new_tokens=config.max_new_tokens,
             temperature=config.temperature,
             top_p=config.top_p,
             device=accelerator.device,
         )
         texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-        skip = ("prompt", "prompt_ids", "row")
-        columns = {k: [v for v in values for _ in range(G)] for k, values in batch.items() if k not in skip}
-        columns["completion_lengths"] = [len(c) for c in completions]
-        prompts = [p for p in batch["prompt"] for _ in range(G)]
+        prompts, columns = reward_inputs(batch, completions, G)
         per_function = score(rewards, prompts, texts, columns, accelerator.device)
         figures.add_rewards(per_function)
         parts.append((prompt_ids, completions, combined(per_function, rewards), time.perf_counter() - start))
@@ -100,12 +104,12 @@ def generate_rollouts(config: GRPOConfig, run, model, reference, window, rewards
         r = Rollouts(*rows, advantages, None, None)
         with torch.no_grad():
             if config.num_iterations > 1:  # later updates compare with the policy that sampled
-                r.old_log_probs = completion_log_probs(model, r)
+                r.old_log_probs = completion_log_probs(model, r)[0]
             if config.beta > 0 and reference is None:  # LoRA: the reference is the policy with adapters off
                 with policy.disable_adapter():
-                    r.ref_log_probs = completion_log_probs(model, r)
+                    r.ref_log_probs = completion_log_probs(model, r)[0]
             elif config.beta > 0:
-                r.ref_log_probs = completion_log_probs(reference, r)
+                r.ref_log_probs = completion_log_probs(reference, r)[0]
         figures.add(
             completions=len(completions),
             reward=total.sum(),
@@ -211,8 +215,7 @@ def main(config: GRPOConfig) -> dict:
                 clipped = kl = torch.zeros((), device=device)
                 for r in rollouts:
                     with accelerator.accumulate(model):
-                        log_probs = completion_log_probs(model, r)
-                        rows = r.batch()["loss_positions"] // r.labels.shape[1]
+                        log_probs, rows = completion_log_probs(model, r)
                         old = log_probs.detach() if r.old_log_probs is None else r.old_log_probs
                         token_losses, token_clipped, token_kl = grpo_token_losses(
                             log_probs,

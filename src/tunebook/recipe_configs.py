@@ -515,8 +515,6 @@ class GRPOConfig(ChatModelConfig):
         if self.num_generations < 2:
             raise ConfigError(f"num_generations must be >= 2 (advantages compare completions of one prompt), "
                               f"got {self.num_generations}")  # fmt: skip
-        if self.scale_rewards == "group" and self.num_generations < 2:
-            raise ConfigError("scale_rewards group needs num_generations >= 2")
         if self.temperature <= 0:
             raise ConfigError(f"temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

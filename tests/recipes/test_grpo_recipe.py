@@ -17,12 +17,10 @@ from conftest import ROOT, TINY_TEST_MODEL, launch
 from tunebook import load_recipe
 from tunebook.errors import DataError
 
+from test_guarantees import COMMON, TASKS, _records, _without_rates  # isort: skip
+
 REWARDS = ROOT / "tests" / "recipes" / "grpo_rewards.py"
-TINY = {"model_config": TINY_TEST_MODEL, "synthetic_train_size": 64, "synthetic_eval_size": 8, "sft_warmup_steps": 0,
-        "num_generations": 2, "max_new_tokens": 4, "reward_functions": [f"{REWARDS}:text_length"],
-        "disable_tqdm": True, "report_to": "none", "dataloader_num_workers": 0, "logging_steps": 1,
-        "eval_on_start": False, "per_device_train_batch_size": 4, "per_device_eval_batch_size": 8,
-        "log_level": "WARNING", "max_steps": 4, "learning_rate": 1e-3}  # fmt: skip
+TINY = {**COMMON, **TASKS["grpo"], "max_steps": 4}  # the guarantees' tiny run (a reward random answers earn)
 
 
 def _run(out, cache, **overrides):
@@ -30,16 +28,8 @@ def _run(out, cache, **overrides):
     return recipe.main(recipe.config(**{**TINY, "output_dir": str(out), "cache_dir": str(cache), **overrides}))
 
 
-def _records(out) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-TIMINGS = ("tokens_per_second", "samples_per_second", "data_wait_fraction", "peak_rss_mb", "mfu",
-           "generation_seconds", "training_seconds")  # fmt: skip
-
-
 def _untimed(records):
-    return [{k: v for k, v in r.items() if k not in TIMINGS} for r in records]
+    return [_without_rates(r) for r in records]
 
 
 def test_prompts_as_messages_and_text_with_their_columns_reach_a_users_reward(tmp_path):

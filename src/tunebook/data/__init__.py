@@ -14,7 +14,6 @@ from .packing import (
     segment_sdpa_attention,
     use_packed_attention,
 )
-from .prompts import PromptData, PromptRows, prepare_prompt_data, reference_examples
 from .preference import (
     PreferenceData,
     prepare_preference_data,
@@ -22,6 +21,7 @@ from .preference import (
     prompt_and_response_ids,
     write_synthetic_preferences,
 )
+from .prompts import PromptData, PromptRows, prepare_prompt_data, reference_examples, reward_inputs
 from .sft import SFTData, conversation_texts, load_conversations, prepare_sft_data, prepare_sft_dataset, sft_cache_key
 from .sources import DataSource, fingerprint_sources, load_source, parse_sources
 from .synthetic import write_synthetic_task
@@ -33,6 +33,7 @@ __all__ = [
     "PromptRows",
     "prepare_prompt_data",
     "reference_examples",
+    "reward_inputs",
     "PairCollator",
     "PreferenceData",
     "prepare_preference_data",

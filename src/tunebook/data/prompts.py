@@ -28,7 +28,14 @@ from .synthetic import _write_disjoint, make_example
 from .tokenize import render_chat, tokenize_conversations
 from .tokenizer import config_tokenizer, setup_chat_template
 
-__all__ = ["PromptData", "PromptRows", "prepare_prompt_data", "reference_examples", "write_synthetic_prompts"]
+__all__ = [
+    "PromptData",
+    "PromptRows",
+    "prepare_prompt_data",
+    "reference_examples",
+    "reward_inputs",
+    "write_synthetic_prompts",
+]
 
 # Columns this module adds; everything else in a row is the user's and goes to the reward functions.
 PROMPT_COLUMNS = ("prompt_ids", "row")
@@ -154,6 +161,15 @@ def reference_examples(prompts: datasets.Dataset, tokenizer, reference_column: s
     return examples.filter(lambda keep: keep, input_columns="keep", keep_in_memory=True).select_columns(
         ["input_ids", "labels"]
     )
+
+
+def reward_inputs(batch: dict[str, Any], completions: list[list[int]], repeat: int = 1) -> tuple[list, dict]:
+    """(prompts, columns) for the reward functions from a `PromptRows` batch whose prompts each have `repeat`
+    consecutive completions: every column but ours, each value repeated, and `completion_lengths` (tokens)."""
+    columns = {k: [v for v in values for _ in range(repeat)] for k, values in batch.items()
+               if k not in ("prompt", *PROMPT_COLUMNS)}  # fmt: skip
+    columns["completion_lengths"] = [len(c) for c in completions]
+    return [p for p in batch["prompt"] for _ in range(repeat)], columns
 
 
 class PromptRows:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader
 
-from ..data.prompts import PromptRows
+from ..data.prompts import PromptRows, reward_inputs
 from ..logging import progress_bar
-from ..training.grpo import sample_completions
+from ..training.grpo import sample_completions, stop_tokens
 from ..training.rewards import RewardFunction, combined, exact_match, score
 
 __all__ = ["evaluate_completions"]
@@ -22,19 +22,18 @@ def evaluate_completions(model, tokenizer, dataset, functions: list[RewardFuncti
     once (the duplicates that even out the last batch are dropped)."""
     loader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=batch_size, collate_fn=PromptRows()))
     unwrapped = accelerator.unwrap_model(model)
-    eos = unwrapped.generation_config.eos_token_id or tokenizer.eos_token_id
+    eos = stop_tokens(unwrapped, tokenizer)
     results, samples = [], []
     for batch in progress_bar(accelerator.is_main_process, disable_tqdm, iterable=loader, desc="Generating",
                               leave=False):  # fmt: skip
-        _, completions = sample_completions(
+        completions = sample_completions(
             unwrapped, batch["prompt_ids"], [0] * len(batch["prompt_ids"]), pad_token_id=tokenizer.pad_token_id,
             eos_token_id=eos, max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0, device=accelerator.device,
             greedy=True,
         )  # fmt: skip
         texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-        columns = {k: v for k, v in batch.items() if k not in ("prompt", "prompt_ids", "row")}
-        columns["completion_lengths"] = [len(c) for c in completions]
-        per_function = score(functions, batch["prompt"], texts, columns, "cpu")
+        prompts, columns = reward_inputs(batch, completions)
+        per_function = score(functions, prompts, texts, columns, "cpu")
         total = combined(per_function, functions)
         references = [str(r) for r in columns[reference_column]] if reference_column in columns else None
         matches = exact_match(None, texts, reference=references) if references else [float("nan")] * len(texts)

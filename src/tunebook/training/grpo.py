@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from ..data.collate import loss_positions
+from ..data.collate import PadCollator, loss_positions
 from ..data.tokenize import IGNORE_INDEX
 from .compilation import eager
 from .loss import causal_lm_token_losses
@@ -41,6 +41,7 @@ __all__ = [
     "loss_normaliser",
     "sample_completions",
     "step_normaliser",
+    "stop_tokens",
 ]
 
 
@@ -55,8 +56,8 @@ class SeededSampling(LogitsProcessor):
         scores = scores.float() / self.temperature
         if self.top_p < 1.0:
             ordered, order = scores.sort(dim=-1, descending=True)
-            cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
-            drop = cumulative - ordered.softmax(dim=-1) >= self.top_p  # keep the smallest set reaching top_p
+            probs = ordered.softmax(dim=-1)
+            drop = probs.cumsum(dim=-1) - probs >= self.top_p  # keep the smallest set reaching top_p
             scores = scores.masked_fill(drop.scatter(-1, order, drop), -math.inf)
         uniform = torch.stack(
             [torch.rand(scores.shape[-1], generator=g, dtype=torch.float64) for g in self.generators]
@@ -100,9 +101,9 @@ class Rollouts:
 @torch.no_grad()
 def sample_completions(model, prompt_ids: list[list[int]], seeds: list[int], *, pad_token_id: int,
                        eos_token_id: int | list[int], max_new_tokens: int, temperature: float, top_p: float,
-                       device, greedy: bool = False) -> tuple[list[list[int]], list[list[int]]]:  # fmt: skip
-    """Completions of the prompts (one per seed; repeat a prompt for several): (prompt ids, completion ids), the
-    completion up to and including its first EOS token. `greedy` decodes without noise (evaluation)."""
+                       device, greedy: bool = False) -> list[list[int]]:  # fmt: skip
+    """The completion ids of the prompts (one per seed; repeat a prompt for several), each up to and including its
+    first EOS token. `greedy` decodes without noise (evaluation)."""
     longest = max(len(p) for p in prompt_ids)
     input_ids = torch.full((len(prompt_ids), longest), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
@@ -124,29 +125,31 @@ def sample_completions(model, prompt_ids: list[list[int]], seeds: list[int], *, 
     for row in out[:, longest:].tolist():
         end = next((j + 1 for j, t in enumerate(row) if t in stops), len(row))
         completions.append(row[:end])
-    return prompt_ids, completions
+    return completions
+
+
+def stop_tokens(model, tokenizer) -> int | list[int]:
+    """What ends a completion: the model's generation config's EOS ids (a chat model may have several), else the
+    tokenizer's (the chat template's end of turn, see `setup_chat_template`)."""
+    return model.generation_config.eos_token_id or tokenizer.eos_token_id
 
 
 def rollout_rows(prompt_ids: list[list[int]], completions: list[list[int]], pad_token_id: int, device):
-    """Right-padded prompt + completion rows: input_ids, attention_mask, labels on the completion tokens."""
-    longest = max(len(p) + max(len(c), 1) for p, c in zip(prompt_ids, completions))
-    n = len(prompt_ids)
-    input_ids = torch.full((n, longest), pad_token_id, dtype=torch.long)
-    labels = torch.full((n, longest), IGNORE_INDEX, dtype=torch.long)
-    attention_mask = torch.zeros((n, longest), dtype=torch.long)
-    for i, (p, c) in enumerate(zip(prompt_ids, completions)):
-        input_ids[i, : len(p) + len(c)] = torch.as_tensor(p + c)
-        labels[i, len(p) : len(p) + len(c)] = torch.as_tensor(c, dtype=torch.long)
-        attention_mask[i, : len(p) + len(c)] = 1
+    """Right-padded prompt + completion rows (`PadCollator`): input_ids, attention_mask, labels on the completion
+    tokens, and the completions' lengths."""
+    features = [{"input_ids": p + c, "labels": [IGNORE_INDEX] * len(p) + c} for p, c in zip(prompt_ids, completions)]
+    batch = PadCollator(pad_token_id)(features)
     lengths = torch.tensor([len(c) for c in completions], dtype=torch.long)
-    return input_ids.to(device), attention_mask.to(device), labels.to(device), lengths.to(device)
+    return tuple(t.to(device) for t in (batch["input_ids"], batch["attention_mask"], batch["labels"], lengths))
 
 
-def completion_log_probs(model, rollouts: Rollouts) -> torch.Tensor:
-    """Log-probability of every completion token (flat, in loss-position order), float32, with gradients if on."""
+def completion_log_probs(model, rollouts: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probability of every completion token, flat in loss-position order, float32, with gradients if on;
+    the row, i.e. completion, of each)."""
     batch = rollouts.batch()
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
-    return -causal_lm_token_losses(model, inputs, batch)[0]
+    losses, positions = causal_lm_token_losses(model, inputs, batch)
+    return -losses, positions // batch["labels"].shape[1]
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, batch_std: torch.Tensor | None = None):

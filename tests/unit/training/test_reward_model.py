@@ -28,7 +28,9 @@ def test_bradley_terry_loss_is_the_formula():
     rewards = torch.tensor([1.0, -0.5, 2.0, 0.25, 0.5, 3.0], dtype=torch.float64, requires_grad=True)
     margin = torch.tensor([0.0, 1.0, -2.0])
     losses, chosen, rejected = bradley_terry_loss(rewards, margin)
-    expected = [math.log(1 + math.exp(-(c - r - m))) for c, r, m in ((1.0, 0.25, 0.0), (-0.5, 0.5, 1.0), (2.0, 3.0, -2.0))]
+    expected = [
+        math.log(1 + math.exp(-(c - r - m))) for c, r, m in ((1.0, 0.25, 0.0), (-0.5, 0.5, 1.0), (2.0, 3.0, -2.0))
+    ]
     assert losses.tolist() == pytest.approx(expected, rel=1e-12)
     assert chosen.tolist() == [1.0, -0.5, 2.0] and rejected.tolist() == [0.25, 0.5, 3.0] and not chosen.requires_grad
     losses.sum().backward()  # d loss / d r_chosen = -(1 - sigmoid(d)), d loss / d r_rejected the opposite
