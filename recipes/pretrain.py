@@ -51,9 +51,11 @@ from tunebook.training import (
 
 
 def build_dataloaders(config: PretrainConfig, data: TextData):
-    """Rows of max_seq_length tokens with their document boundaries; workers collate in the background."""
+    """Rows of max_seq_length tokens with their document boundaries; workers collate in the background (and with
+    streaming: true tokenise and cut the documents as training reads them)."""
     collate = PackedCollator(data.tokenizer.pad_token_id, config.pad_to_multiple_of)
-    return train_and_eval_loaders(config, data.train, data.eval, collate)
+    train = data.stream if data.stream is not None else data.train
+    return train_and_eval_loaders(config, train, data.eval, collate)
 
 
 def evaluate(config: PretrainConfig, model, eval_loader, attn: str, accelerator) -> dict:

@@ -23,6 +23,12 @@ __all__ = [
 ]
 
 
+def _streamed(spec) -> bool:
+    """Whether a train_data/eval_data value streams any source (checked here without loading the data code)."""
+    items = spec if isinstance(spec, list) else [spec]
+    return any(isinstance(item, dict) and item.get("streaming") is True for item in items)
+
+
 @dataclass
 class ModelDataConfig(TrainConfig):
     """The model, tokenizer and data fields every recipe shares (fields only; each recipe adds its own)."""
@@ -99,6 +105,12 @@ class ModelDataConfig(TrainConfig):
     eval_split_ratio: float = config_field(
         "Hold out this fraction of train_data for evaluation when eval_data is unset (0: no split).", 0.0
     )
+    mixture_stopping_strategy: Literal["all_exhausted", "first_exhausted"] = config_field(
+        "A mixture of streamed sources (streaming: true) ends its pass over the data when every source has run out "
+        "(all_exhausted: the smaller ones start again meanwhile, keeping their weights) or the first one has "
+        "(first_exhausted: nothing is read twice within a pass). The stream then starts its next pass.",
+        "all_exhausted",
+    )
     max_seq_length: int = config_field("Longest tokenised example in tokens.", 1024)
     dataset_num_proc: int | None = config_field("Processes for tokenisation (None: one).", None)
     pad_to_multiple_of: int | None = config_field(
@@ -111,6 +123,8 @@ class ModelDataConfig(TrainConfig):
 
     # The model a recipe builds when the config names none: the embedded default's (tunebook.models.tiny).
     tiny_model: ClassVar[dict] = TINY_LLAMA
+    # Whether the recipe reads streamed training data (streaming: true on a source; tunebook.data.streaming).
+    streams: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -145,6 +159,27 @@ class ModelDataConfig(TrainConfig):
         for key in ("synthetic_train_size", "synthetic_eval_size", "tokenizer_vocab_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if _streamed(self.eval_data):
+            raise ConfigError(
+                "eval_data: streaming: true is for train_data; evaluation data is read whole, and cached"
+            )
+        if _streamed(self.train_data):
+            self.validate_streaming()
+
+    def validate_streaming(self) -> None:
+        """What a streamed train_data cannot honour: it has no length, so no epochs to count or split."""
+        if not self.streams:
+            raise ConfigError("train_data: streaming: true is read by the pretrain and sft recipes; remove it here")
+        if self.max_steps < 0:
+            raise ConfigError(f"max_steps={self.max_steps} with streaming: true: a stream's length is not known, so "
+                              "num_train_epochs cannot be counted; set max_steps")  # fmt: skip
+        if self.eval_split_ratio > 0:
+            raise ConfigError("eval_split_ratio with streaming: true: a stream cannot hold out a fraction of rows "
+                              "it has not read; give eval_data")  # fmt: skip
+        for key in ("save_strategy", "eval_strategy"):
+            if getattr(self, key) == "epoch":
+                raise ConfigError(f"{key}: epoch with streaming: true: a stream's epochs are not known in steps; use "
+                                  "steps")  # fmt: skip
 
 
 @dataclass
@@ -185,6 +220,11 @@ class SFTConfig(ChatModelConfig):
         "removes nearly all padding.",
         False,
     )
+    packing_buffer_size: int = config_field(
+        "With streaming: true: examples read, tokenised and (with packing) packed best-fit together at a time. "
+        "Larger packs fuller rows; a resumed run reads the current buffer again.",
+        1000,
+    )
     group_by_length: bool = config_field(
         "Without packing: batch examples of similar length together, so a batch pads only to similar lengths. "
         "Off by default (as in TrainingArguments): it makes batches less random, and where length correlates "
@@ -210,11 +250,19 @@ class SFTConfig(ChatModelConfig):
     num_train_epochs: float = new_default(2.0)
     logging_steps: int = new_default(25)
 
+    streams: ClassVar[bool] = True
+
     def validate(self) -> None:
         super().validate()
-        for key in ("generation_max_new_tokens",):
+        for key in ("generation_max_new_tokens", "packing_buffer_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+
+    def validate_streaming(self) -> None:
+        super().validate_streaming()
+        if self.group_by_length:
+            raise ConfigError("group_by_length with streaming: true: a stream's lengths are not known ahead to group "
+                              "by; pack instead (packing: true)")  # fmt: skip
 
 
 @dataclass
@@ -270,6 +318,8 @@ class PretrainConfig(ModelDataConfig):
     The defaults are the embedded offline run: generated topical documents, a locally trained tokenizer and a
     tiny Llama built from config (tunebook.models.TINY_LLAMA); evaluation reports loss and perplexity.
     """
+
+    streams: ClassVar[bool] = True
 
     # --- data
     text_column: str = config_field("Column holding the documents (a .txt file gives a 'text' column).", "text")

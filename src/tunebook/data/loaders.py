@@ -130,7 +130,8 @@ def build_loader(
 
 def train_and_eval_loaders(config, train: Dataset, evaluation: Dataset | None, collate_fn: Callable, **grouping):
     """A run's loaders with its `dataloader_*` keys: `train` shuffled by `seed` (`grouping`: `lengths` and
-    `group_size` batch similar lengths together), `evaluation` in order (None when there is no eval data)."""
+    `group_size` batch similar lengths together), or a `TokenStream` read in order through a `StreamLoader`;
+    `evaluation` in order (None when there is no eval data)."""
     common = {
         "collate_fn": collate_fn,
         "seed": config.seed,
@@ -138,7 +139,15 @@ def train_and_eval_loaders(config, train: Dataset, evaluation: Dataset | None, c
         "pin_memory": config.dataloader_pin_memory,
         "prefetch_factor": config.dataloader_prefetch_factor,
     }
-    train_loader = build_loader(train, config.per_device_train_batch_size, shuffle=True, **grouping, **common)
+    if hasattr(train, "preview"):  # a TokenStream (streaming: true): rows made and collated in the workers
+        from .streaming import StreamLoader
+
+        train.collate = collate_fn
+        batches = config.max_steps * config.gradient_accumulation_steps
+        train_loader = StreamLoader(train, batches, config.dataloader_num_workers, config.dataloader_prefetch_factor,
+                                    config.dataloader_pin_memory, config.dataloader_non_blocking)  # fmt: skip
+    else:
+        train_loader = build_loader(train, config.per_device_train_batch_size, shuffle=True, **grouping, **common)
     eval_loader = None
     if evaluation is not None:
         eval_loader = build_loader(evaluation, config.per_device_eval_batch_size, shuffle=False, **common)

@@ -30,6 +30,7 @@ from .tokenize import IGNORE_INDEX
 __all__ = [
     "attention_inputs",
     "best_fit_decreasing",
+    "concatenate_examples",
     "document_block_mask",
     "example_lengths",
     "pack_dataset",
@@ -86,29 +87,31 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int, seed: int) -> tuple[
     return placed, offsets
 
 
+def concatenate_examples(ids: list[list[int]], labels: list[list[int]]) -> dict[str, list]:
+    """One packed row: the examples' tokens and labels end to end, with each example's length (`seq_lengths`)."""
+    row: dict[str, list] = {"input_ids": [], "labels": [], "seq_lengths": []}
+    for ex_ids, ex_labels in zip(ids, labels):
+        ex_labels = list(ex_labels)
+        # The first token of an example is never predicted (on its own nothing precedes it), so the previous
+        # example's last token must not learn to predict it either.
+        ex_labels[0] = IGNORE_INDEX
+        row["input_ids"].extend(ex_ids)
+        row["labels"].extend(ex_labels)
+        row["seq_lengths"].append(len(ex_ids))
+    return row
+
+
 def _gather_rows(batch: dict[str, list], source: datasets.Dataset) -> dict[str, list]:
     """Batched `map` over bins: concatenate each bin's examples into one row."""
     bins = batch["indices"]
-    flat = [i for b in bins for i in b]
-    examples = source[flat]
+    examples = source[[i for b in bins for i in b]]
     out: dict[str, list] = {"input_ids": [], "labels": [], "seq_lengths": []}
     k = 0
     for b in bins:
-        ids: list[int] = []
-        labels: list[int] = []
-        lengths = []
-        for _ in b:
-            ex_ids, ex_labels = examples["input_ids"][k], list(examples["labels"][k])
-            # The first token of an example is never predicted (on its own nothing precedes it), so the previous
-            # example's last token must not learn to predict it either.
-            ex_labels[0] = IGNORE_INDEX
-            ids.extend(ex_ids)
-            labels.extend(ex_labels)
-            lengths.append(len(ex_ids))
-            k += 1
-        out["input_ids"].append(ids)
-        out["labels"].append(labels)
-        out["seq_lengths"].append(lengths)
+        row = concatenate_examples(examples["input_ids"][k : k + len(b)], examples["labels"][k : k + len(b)])
+        k += len(b)
+        for key, value in row.items():
+            out[key].append(value)
     return out
 
 

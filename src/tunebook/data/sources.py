@@ -6,12 +6,15 @@ A source spec is a path or Hub name, or a mapping (`DataSource`'s fields):
     train_data: {path: HuggingFaceH4/ultrachat_200k, split: train_sft, revision: main}
     train_data: {path: data/, split: test}                       # a folder read as datasets.load_dataset reads it
     train_data: [{path: a.jsonl, weight: 0.5}, {path: b.csv, samples: 2000, columns: {question: prompt}}]
+    train_data: [{path: corpus/, streaming: true, weight: 0.8}, {path: code/, streaming: true, weight: 0.2}]
 
 A file is one split, `train`. A folder is read the way `datasets.load_dataset` reads it: split names from file and
 folder names (`train.jsonl`/`test.jsonl`, `data/train_sft-00000-of-00001.parquet`, `train/`), a README's `configs`,
 a Hub cache snapshot; a `save_to_disk` folder with `load_from_disk`. A folder or Hub data set with several splits
 needs `split`: they are never merged. `columns` renames columns before the format is detected. `weight` is a multiple
 of the rows (0.5 a seeded half, 2.0 twice), `samples` a row count (a seeded subset, or whole copies then a subset).
+`streaming: true` reads the source as it trains instead of caching it first (`tunebook.data.streaming`); a streamed
+source's `weight` is its share of a mixture's rows.
 
 CSV and TSV cells are read as text, exactly as written: `0043` stays `0043` and `NA`, `null` or an empty cell stay
 what they are (pandas would guess numbers and missing values).
@@ -25,7 +28,7 @@ import hashlib
 import json
 import logging
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +50,7 @@ EXTENSIONS: dict[str, tuple[str, dict[str, Any]]] = {
     ".arrow": ("arrow", {}),
     ".txt": ("text", {}),
 }
-KEYS = ("path", "name", "split", "revision", "data_files", "data_dir", "columns", "weight", "samples")
+KEYS = ("path", "name", "split", "revision", "data_files", "data_dir", "columns", "weight", "samples", "streaming")
 SAVED_DATASET_FILES = ("dataset_dict.json", "state.json")  # what save_to_disk writes
 
 
@@ -64,6 +67,8 @@ class DataSource:
     columns: str | None = None  # JSON of a rename map, e.g. {"conversations": "messages"}
     weight: float = 1.0
     samples: int | None = None  # a row count; replaces weight when set
+    # Out of the repr, which cache fingerprints hash: adding the key must not invalidate every existing cache.
+    streaming: bool = field(default=False, repr=False)
 
     @property
     def is_local(self) -> bool:
@@ -115,10 +120,16 @@ def _parse_one(item: Any, key: str) -> DataSource:
         isinstance(columns, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in columns.items())
     ):
         raise DataError(f"{key}: columns of '{path}' must map old column names to new ones, got {columns!r}")
+    streaming = item.get("streaming", False)
+    if not isinstance(streaming, bool):
+        raise DataError(f"{key}: streaming of '{path}' must be true or false, got {streaming!r}")
+    if streaming and samples is not None:
+        raise DataError(f"{key}: '{path}' is streamed, so its size is not known to take {samples} samples from; "
+                        "give it a weight (its share of the mixture) instead")  # fmt: skip
     text = {k: None if item.get(k) is None else str(item[k]) for k in ("name", "split", "revision", "data_dir")}
     data_files = None if item.get("data_files") is None else json.dumps(item["data_files"], sort_keys=True)
     return DataSource(path, **text, data_files=data_files, columns=json.dumps(columns) if columns else None,
-                      weight=weight, samples=samples)  # fmt: skip
+                      weight=weight, samples=samples, streaming=streaming)  # fmt: skip
 
 
 def config_sources(config, cache_dir: Path, write_synthetic) -> tuple[list[DataSource], list[DataSource]]:
@@ -316,6 +327,9 @@ def load_source(
     A `.txt` file becomes a `text` column with one row per `text_sample_by`: document (the whole file), paragraph
     (text between blank lines) or line.
     """
+    if source.streaming:
+        raise DataError(f"{source.where}: streaming: true is read by the pretrain and sft recipes' training data only; "
+                        "remove it here")  # fmt: skip
     resolved = _resolve(source, text_sample_by)
     raw_cache = str(Path(cache_dir) / "raw")
     for path in resolved.files:

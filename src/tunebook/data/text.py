@@ -23,11 +23,15 @@ from ..errors import ConfigError, DataError
 from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
 from .packing import example_lengths
 from .sources import DataSource, config_sources, fingerprint_sources, load_source
+from .streaming import Mixture, TextRows, TokenStream, is_streamed, process_position, source_names, stream_fingerprint
 from .synthetic import write_synthetic_text
 from .tokenize import IGNORE_INDEX
 from .tokenizer import config_tokenizer
 
 __all__ = ["TextData", "chunk_documents", "prepare_text_data"]
+
+TOKENIZER_DOCUMENTS = 20_000  # a tokenizer trained on a streamed corpus learns from its first documents
+STREAM_DOCUMENTS = 256  # documents a streamed reader tokenises at a time (a resumed reader reads them again)
 
 
 @dataclass
@@ -40,6 +44,8 @@ class TextData:
     stats: dict[str, Any] = field(default_factory=dict)
     built: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    # With streaming: true, the rows are made as training reads them (`train` then holds the first few, for the log).
+    stream: Any = None
 
 
 def chunk_documents(documents: Iterator[list[int]], max_seq_length: int) -> Iterator[dict[str, list[int]]]:
@@ -86,8 +92,16 @@ def prepare_text_data(config, cache_dir: Path, log: logging.Logger) -> TextData:
             parts.append(raw.select_columns([config.text_column]))
         return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
 
-    texts = lambda: iter(documents(train_sources)[config.text_column])  # noqa: E731
-    tokenizer = config_tokenizer(config, cache_dir, fingerprint_sources(train_sources), texts, built, log)
+    streamed = is_streamed(train_sources)
+    if streamed:
+        mixture = Mixture(train_sources, config.text_column, config.seed, config.mixture_stopping_strategy,
+                          config.text_sample_by)  # fmt: skip
+        texts = lambda: (row[config.text_column] for row in mixture().take(TOKENIZER_DOCUMENTS))  # noqa: E731
+        data_key = stream_fingerprint(train_sources, config.text_sample_by)
+    else:
+        texts = lambda: iter(documents(train_sources)[config.text_column])  # noqa: E731
+        data_key = fingerprint_sources(train_sources)
+    tokenizer = config_tokenizer(config, cache_dir, data_key, texts, built, log)
     if tokenizer.eos_token_id is None:
         raise ConfigError("the tokenizer has no EOS token to end documents with; set tokenizer_name_or_path")
 
@@ -133,6 +147,15 @@ def prepare_text_data(config, cache_dir: Path, log: logging.Logger) -> TextData:
                  config.max_seq_length, "from cache" if cached else "tokenised and cached")  # fmt: skip
         return dataset, stats
 
+    if streamed:  # rows are made in the loader's workers as training reads them: nothing is cached
+        rows_of = TextRows(tokenizer, config.max_seq_length, config.text_column, len(train_sources))
+        stream = TokenStream(mixture, rows_of, STREAM_DOCUMENTS, config.per_device_train_batch_size,
+                             *process_position(), source_names(train_sources))  # fmt: skip
+        eval_rows = rows(eval_sources, "eval", None)[0] if eval_sources else None
+        stats = {"streamed": True, "sources": source_names(train_sources)}
+        log.info("train data: streamed from %s, tokenised and cut into rows of %d tokens as training reads it",
+                 ", ".join(stats["sources"]), config.max_seq_length)  # fmt: skip
+        return TextData(tokenizer, stream.preview(), eval_rows, stats, built, time.perf_counter() - start, stream)
     split = config.eval_split_ratio > 0 and not eval_sources
     train, stats = rows(train_sources, "train", "train" if split else None)
     eval_rows = None

@@ -165,6 +165,11 @@ def resume(run: Run, data, figures, evaluate: Callable[[], dict] | None) -> None
         accelerator, config, run.counters, run.best, figures, run.log, run.optimizer, run.lr_scheduler
     )
     run.state = RunState.from_state_dict(state)
+    if run.checkpoint is not None and getattr(run.train_loader, "resumes_itself", False):
+        from ..checkpoint import load_process_state
+
+        # A stream continues from its saved position (tunebook.data.streaming), not by skipping batches.
+        run.train_loader.load_state_dict(load_process_state(run.checkpoint, accelerator.process_index)["data"])
     if run.checkpoint is not None:
         run.log.info("Resumed from %s: step %d, epoch %d, %d batches into it", run.checkpoint, run.state.global_step,
                      run.state.epoch, run.state.batches_in_epoch)  # fmt: skip
@@ -191,7 +196,7 @@ def epochs(run: Run, train_loader) -> Iterator[Any]:
     with run.signals:
         while state.global_step < run.total_steps and run.stop is None and not (run.best and run.best.should_stop()):
             train_loader.set_epoch(state.epoch)
-            skip = state.batches_in_epoch
+            skip = 0 if getattr(train_loader, "resumes_itself", False) else state.batches_in_epoch
             loader = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
             loader.set_epoch(state.epoch)
             yield loader
@@ -246,6 +251,7 @@ def after_step(run: Run) -> bool:
             "learning_rate": run.lr_scheduler.get_last_lr()[0],
             "grad_norm": float(run.grad_norm),
             **run.throughput.window(),  # tokens/s, samples/s, data wait, MFU, peak memory: all processes
+            **_mixture_shares(run),
         }
         run.metrics.write(record)
         show_progress(run.progress, record, run.total_steps, run.log)
@@ -270,6 +276,13 @@ def after_step(run: Run) -> bool:
     return step >= run.total_steps
 
 
+def _mixture_shares(run: Run) -> dict[str, float]:
+    """A streamed mixture's share of the tokens trained on so far, per source (what was delivered, not asked)."""
+    if not hasattr(run.train_loader, "delivered") or len(run.train_loader.stream.source_names) < 2:
+        return {}
+    return {f"mixture/{name}": d["share"] for name, d in run.train_loader.delivered(run.accelerator).items()}
+
+
 def _evaluate(run: Run, step: int, label: str) -> bool:
     """Evaluate now (not counted as training time), log and record it; True if it is the best so far."""
     from .compilation import eager
@@ -285,10 +298,11 @@ def _evaluate(run: Run, step: int, label: str) -> bool:
 def _save(run: Run, reason: str) -> None:
     from .resumption import save_training_state
 
+    data = run.train_loader.state_dict() if getattr(run.train_loader, "resumes_itself", False) else None
     with run.timer.paused():
         path = save_training_state(run.accelerator, run.output_dir, run.state.global_step, run.config,
                                    run.state.state_dict(), run.tokenizer, run.counters, run.best, run.figures,
-                                   run.recipe)  # fmt: skip
+                                   run.recipe, data)  # fmt: skip
     run.log.info("Saved checkpoint %s (%s)", path, reason)
 
 
@@ -320,6 +334,8 @@ def finish(run: Run, data, headline: tuple[str, str, str] | None = None, **extra
                      best.best_value, best.best_step)  # fmt: skip
     if run.total_steps > 0:
         save_final_model(accelerator, run.model, run.tokenizer, run.output_dir, config.merge_adapter)
+    if hasattr(run.train_loader, "delivered"):  # streamed: the tokens each source actually gave
+        extra = {**extra, "mixture_delivered": run.train_loader.delivered(accelerator)}
     summary = run_summary(
         run.recipe, config, accelerator, run.throughput, data, run.timer, run.counters, run.best,
         global_step=state.global_step,

@@ -73,15 +73,25 @@ def prepare_output_dir(accelerator, config, log: logging.Logger) -> None:
 
 
 def save_training_state(
-    accelerator, output_dir, step: int, config, state: dict[str, Any], tokenizer, counters, best, figures, recipe
+    accelerator,
+    output_dir,
+    step: int,
+    config,
+    state: dict[str, Any],
+    tokenizer,
+    counters,
+    best,
+    figures,
+    recipe,
+    data: dict[str, Any] | None = None,
 ) -> Path:
-    """A recipe's checkpoint at optimizer step `step`: the loop's `state` (`RunState`), this process's `counters`
-    and logged `figures`, and the `best` model tracker, whose checkpoint, if this is it, is recorded and protected
-    from rotation."""
+    """A recipe's checkpoint at optimizer step `step`: the loop's `state` (`RunState`), this process's `counters`,
+    logged `figures` and streamed `data` position, and the `best` model tracker, whose checkpoint, if this is it, is
+    recorded and protected from rotation."""
     if best is not None and best.best_step == step:
         best.best_checkpoint = str(checkpoint_path(output_dir, step))
     shared = {**state, "best": best.state_dict() if best is not None else None}
-    process = {**counters.state_dict(), "figures": figures.state_dict()}
+    process = {**counters.state_dict(), "figures": figures.state_dict(), **({"data": data} if data else {})}
     return save_checkpoint(
         accelerator, output_dir, step, config, shared, config.save_total_limit, tokenizer, process,
         best.best_checkpoint if best is not None else None, recipe,
