@@ -66,7 +66,9 @@ def build_dataloaders(config: SFTConfig, data: SFTData, num_processes: int):
         global_batch = config.per_device_train_batch_size * num_processes * config.gradient_accumulation_steps
         grouping = {"lengths": example_lengths(data.train), "group_size": global_batch}
     evaluation = data.eval.select_columns(columns) if data.eval is not None else None
-    return train_and_eval_loaders(config, data.train.select_columns(columns), evaluation, collate, **grouping)
+    # streaming: true: the loader's workers tokenise (and pack) the stream as training reads it
+    train = data.stream if data.stream is not None else data.train.select_columns(columns)
+    return train_and_eval_loaders(config, train, evaluation, collate, **grouping)
 
 
 def evaluate(config: SFTConfig, model, data: SFTData, eval_loader, attn: str, accelerator, log) -> dict:

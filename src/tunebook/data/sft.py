@@ -25,6 +25,7 @@ from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer
 from .formats import detect_format, to_conversations
 from .packing import example_lengths, pack_dataset
 from .sources import DataSource, config_sources, fingerprint_sources, load_source
+from .streaming import ChatRows, Mixture, TokenStream, is_streamed, process_position, source_names, stream_fingerprint
 from .synthetic import write_synthetic_task
 from .tokenize import tokenize_conversations
 from .tokenizer import config_tokenizer, setup_chat_template
@@ -40,6 +41,7 @@ __all__ = [
 
 
 PACKING_VERSION = "1"  # bump when packing changes what it produces
+TOKENIZER_EXAMPLES = 20_000  # a tokenizer trained on streamed data learns from its first conversations
 
 
 @dataclass
@@ -53,6 +55,8 @@ class SFTData:
     stats: dict[str, Any] = field(default_factory=dict)  # of the training data
     built: list[str] = field(default_factory=list)  # what had to be built (empty: everything came from the cache)
     seconds: float = 0.0
+    # With streaming: true, the rows are made as training reads them (`train` then holds the first few, for the log).
+    stream: Any = None
 
 
 def prepare_sft_data(config, cache_dir: Path, log: logging.Logger) -> SFTData:
@@ -66,6 +70,8 @@ def prepare_sft_data(config, cache_dir: Path, log: logging.Logger) -> SFTData:
     # No train_data: the embedded default's generated task.
     train_sources, eval_sources = config_sources(config, cache_dir, write_synthetic_task)
 
+    if is_streamed(train_sources):
+        return _streamed(config, train_sources, eval_sources, cache_dir, built, start, log)
     texts = lambda: conversation_texts(  # noqa: E731
         load_conversations(
             train_sources, config.data_format, cache_dir, config.seed, text_field=config.dataset_text_field
@@ -93,6 +99,33 @@ def prepare_sft_data(config, cache_dir: Path, log: logging.Logger) -> SFTData:
     stats["train_rows"] = len(train_rows)
     stats["train_tokens_per_epoch"] = int(example_lengths(train_rows).sum())
     return SFTData(tokenizer, train_rows, eval_rows, eval_examples, stats, built, time.perf_counter() - start)
+
+
+def _streamed(config, train_sources, eval_sources, cache_dir: Path, built: list, start: float, log) -> SFTData:
+    """Streamed train_data: conversations tokenised (and packed) in the loader's workers; eval_data cached as usual."""
+    mixture = Mixture(train_sources, "conversation", config.seed, config.mixture_stopping_strategy,
+                      data_format=config.data_format, text_field=config.dataset_text_field)  # fmt: skip
+
+    def texts():
+        return conversation_texts({"conversation": [r["conversation"] for r in mixture().take(TOKENIZER_EXAMPLES)]})
+
+    tokenizer = config_tokenizer(config, cache_dir, stream_fingerprint(train_sources), texts, built, log)
+    tokenizer = setup_chat_template(tokenizer, config.chat_template, config.trust_remote_code, log)
+    rows = ChatRows(tokenizer, config.max_seq_length, config.overlong_examples, config.assistant_only_loss,
+                    config.packing, config.seed, len(train_sources))  # fmt: skip
+    stream = TokenStream(mixture, rows, config.packing_buffer_size, config.per_device_train_batch_size,
+                         *process_position(), source_names(train_sources))  # fmt: skip
+    eval_rows = eval_examples = None
+    if eval_sources:
+        eval_examples, eval_key, _ = _tokenised(config, eval_sources, tokenizer, cache_dir, "eval", built, log)
+        eval_rows = eval_examples
+        if config.packing:
+            eval_rows, _ = _packed(config, eval_examples, eval_key, None, cache_dir, "eval", built, log)
+    stats = {"streamed": True, "sources": source_names(train_sources)}
+    log.info("train data: streamed from %s, tokenised%s as training reads it", ", ".join(stats["sources"]),
+             f" and packed {config.packing_buffer_size} examples at a time" if config.packing else "")  # fmt: skip
+    preview = stream.preview()
+    return SFTData(tokenizer, preview, eval_rows, eval_examples, stats, built, time.perf_counter() - start, stream)
 
 
 def _tokenised(config, sources: list[DataSource], tokenizer, cache_dir: Path, name: str, built: list, log):
