@@ -130,12 +130,25 @@ class RunTimer:
 
 
 def data_wait_advice(
-    fraction: float, num_workers: int, prefetch_factor: int, threshold: float = 0.05, data_built: bool = False
+    fraction: float,
+    num_workers: int,
+    prefetch_factor: int,
+    threshold: float = 0.05,
+    data_built: bool = False,
+    streamed: bool = False,
 ) -> str | None:
     """What to change when the training loop waited for data more than `threshold` of its time, else None.
-    `data_built`: this run tokenised its data (rather than finding every cache built)."""
+    `data_built`: this run tokenised its data (rather than finding every cache built); `streamed`: its training data
+    is tokenised as it trains (streaming: true)."""
     if fraction <= threshold:
         return None
+    if streamed:  # the workers tokenise (and pack) the stream: more of them, or no tokenising at all
+        fix = (
+            f"raise dataloader_num_workers (now {num_workers}): each worker tokenises its own share of the stream; "
+            "give the corpus a multiple of processes x workers files so that no worker reads rows it skips, or "
+            "tokenise it ahead with `tunebook prepare` and stream the prepared shards"
+        )
+        return f"The training loop waited for data {100 * fraction:.0f}% of the time (more than {100 * threshold:.0f}%): {fix}"
     if num_workers == 0:
         fix = "set dataloader_num_workers (now 0) to 2 or more so batches are collated in the background"
     else:
@@ -221,7 +234,8 @@ def run_summary(
     local_wait = torch.tensor(timer.data_wait_fraction(), device=accelerator.device)
     data_wait = accelerator.reduce(local_wait, "mean").item()
     workers, prefetch = config.dataloader_num_workers, config.dataloader_prefetch_factor
-    if advice := data_wait_advice(data_wait, workers, prefetch, data_built=bool(data.built)):
+    streamed = getattr(data, "stream", None) is not None
+    if advice := data_wait_advice(data_wait, workers, prefetch, data_built=bool(data.built), streamed=streamed):
         logger.warning(advice)
     summary = {
         "recipe": recipe,

@@ -46,3 +46,6 @@ def test_data_wait_advice_names_the_setting_to_change():
     assert data_wait_advice(0.04, 2, 2) is None
     assert "set dataloader_num_workers (now 0) to 2" in data_wait_advice(0.3, 0, 2)
     assert "raise dataloader_num_workers (now 2) or dataloader_prefetch_factor (now 2)" in data_wait_advice(0.06, 2, 2)
+    streamed = data_wait_advice(0.2, 2, 2, streamed=True)  # the workers tokenise: more of them, or files to share
+    assert "raise dataloader_num_workers (now 2): each worker tokenises" in streamed
+    assert "a multiple of processes x workers files" in streamed and "tunebook prepare" in streamed

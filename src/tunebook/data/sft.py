@@ -115,6 +115,7 @@ def _streamed(config, train_sources, eval_sources, cache_dir: Path, built: list,
                     config.packing, config.seed, len(train_sources))  # fmt: skip
     stream = TokenStream(mixture, rows, config.packing_buffer_size, config.per_device_train_batch_size,
                          *process_position(), source_names(train_sources))  # fmt: skip
+    stream.check_readers(config.dataloader_num_workers, log)
     eval_rows = eval_examples = None
     if eval_sources:
         eval_examples, eval_key, _ = _tokenised(config, eval_sources, tokenizer, cache_dir, "eval", built, log)

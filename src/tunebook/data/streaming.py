@@ -275,6 +275,15 @@ class TokenStream(IterableDataset):
         self.positions: dict[int, dict] = {}
         self.offset = 0
 
+    def check_readers(self, num_workers: int, log: logging.Logger) -> None:
+        """Warn when the readers cannot take whole shards: each then reads every file and skips most rows."""
+        shards, readers = self.open_stream().num_shards, self.num_processes * max(num_workers, 1)
+        if shards % readers:
+            log.warning("streamed train_data has %d shard(s) (files) for %d readers (%d process(es) x %d loader "
+                        "worker(s)): each reader reads every shard and keeps 1 row in %d; give it a multiple of %d "
+                        "files (tunebook prepare --num_shards) to read nothing twice", shards, readers,
+                        self.num_processes, max(num_workers, 1), readers, readers)  # fmt: skip
+
     def preview(self, count: int = 64) -> datasets.Dataset:
         """The first rows reader 0 makes, as a Dataset: for the logged example and the FLOPs estimate."""
         rows = itertools.islice(reader_rows(self.open_stream, self.make_rows, self.group, 0, 1), count)
