@@ -95,7 +95,8 @@ class ModelDataConfig(TrainConfig):
     # --- data
     train_data: str | dict | list | None = config_field(
         "A local file (json, jsonl, jsonl.gz, csv, tsv, parquet, arrow, txt) or folder, a Hub data set name, or a "
-        "mapping {path, name, split, revision, data_files, data_dir, columns, weight | samples}, or a list of them. "
+        "mapping {path, name, split, revision, data_files, data_dir, columns, weight | samples, streaming}, or a list of "
+        "them (streaming: true reads it as training goes, uncached). "
         "A folder or Hub data set with several splits needs split. None: generate the recipe's synthetic task.",
         None,
     )
