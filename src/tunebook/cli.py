@@ -2,6 +2,7 @@
 
     tunebook train [ACCELERATE LAUNCH OPTIONS] RECIPE [--config FILE.yaml] [--key value ...]
     tunebook prepare [--recipe sft|classify|pretrain|dpo|reward] --config FILE.yaml [--key value ...]
+    tunebook prepare --recipe pretrain|sft --config FILE.yaml --num_shards N --output DIR
     tunebook export CHECKPOINT OUT_DIR [--merge]
     tunebook convert-gguf MODEL.gguf OUT_DIR
     tunebook report RUN_DIR [RUN_DIR ...] [--output FILE.png]
@@ -9,7 +10,9 @@
 `prepare` builds the tokenised (and packed) data caches exactly as the recipe (`recipes/sft.py` by default) with the
 same config would, without loading model weights or starting training, prints what it built and the data's content
 fingerprint, and exits. Point `cache_dir` at a shared file system and a CPU machine can prepare data for a GPU job
-(or for every node of a multi-node one). `export` turns a checkpoint of any recipe (sft, classify, pretrain, dpo,
+(or for every node of a multi-node one); `--num_shards N --output DIR` also writes the tokenised (for pretrain and
+packed sft, packed) training rows as N Arrow shards with their tokenizer, which any number of nodes then stream
+(`train_data: {path: DIR, streaming: true}`) without tokenising again. `export` turns a checkpoint of any recipe (sft, classify, pretrain, dpo,
 reward), of any number of processes, into a `from_pretrained`-ready model directory, rebuilt from the checkpoint
 alone; a LoRA checkpoint gives its adapter directory, or with `--merge` the merged model. `convert-gguf`
 dequantises a GGUF checkpoint into a safetensors model directory (once; the recipes then load it with
@@ -28,6 +31,7 @@ __all__ = ["main", "prepare", "report"]
 
 USAGE = """usage: tunebook train [ACCELERATE LAUNCH OPTIONS] RECIPE [--config FILE.yaml] [--key value ...]
        tunebook prepare [--recipe sft|classify|pretrain|dpo|reward] --config FILE.yaml [--key value ...]
+                        [--num_shards N --output DIR]
        tunebook export CHECKPOINT OUT_DIR [--merge]
        tunebook convert-gguf MODEL.gguf OUT_DIR
        tunebook report RUN_DIR [RUN_DIR ...] [--output FILE.png]
@@ -35,7 +39,8 @@ USAGE = """usage: tunebook train [ACCELERATE LAUNCH OPTIONS] RECIPE [--config FI
 commands:
   train     accelerate launch a recipe (sft, classify, pretrain, dpo, reward or a .py file): the config is checked
             first, and a failure or a stop signal ends with the recipe's own lines, not a launcher traceback
-  prepare   build the tokenised (and packed) data caches of a recipe config, then exit
+  prepare   build the tokenised (and packed) data caches of a recipe config, then exit; with --num_shards N
+            --output DIR (pretrain, sft) also write the training rows as N Arrow shards to stream from every node
   export    write a Hugging Face model directory (safetensors + tokenizer) from a checkpoint of any recipe
             (sft, pretrain, dpo: a causal LM; classify: a sequence classifier with its labels; reward: one output);
             of a LoRA run: its adapter directory, or with --merge the merged model
@@ -50,6 +55,8 @@ def prepare(argv: list[str]) -> dict:
     from .recipe import recipe_config_class
 
     recipe, argv = _pop_option(argv, "--recipe", "sft")
+    output, argv = _pop_option(argv, "--output", "")
+    num_shards, argv = _pop_option(argv, "--num_shards", "")
     config_class = recipe_config_class(recipe)
     start = time.perf_counter()
     config = load_config(config_class, argv)
@@ -73,11 +80,31 @@ def prepare(argv: list[str]) -> dict:
         "built": ", ".join(data.built) or "nothing (all cached)",
         "seconds": time.perf_counter() - start,
     }
+    if output or num_shards:  # tokenised (and packed) rows as Arrow shards for nodes to stream
+        figures["shards"] = _write_shards(recipe, config, data, output, num_shards)
     width = max(map(len, figures))
     for key, value in figures.items():
         shown = f"{value:.4f}" if isinstance(value, float) else value
         print(f"{key:<{width}}  {shown}")
     return figures
+
+
+def _write_shards(recipe: str, config, data, output: str, num_shards: str) -> str:
+    from .data.streaming import write_prepared_shards
+
+    if not output or not num_shards.isdigit() or recipe not in ("pretrain", "sft"):
+        print(
+            "tunebook: error: prepare --recipe pretrain|sft --num_shards N --output DIR writes shards to stream; got "
+            f"--recipe {recipe} --num_shards {num_shards or '(none)'} --output {output or '(none)'}",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    if getattr(data, "stream", None) is not None:
+        print("tunebook: error: prepare --output tokenises train_data whole: remove streaming: true", file=sys.stderr)
+        raise SystemExit(2)
+    meta = {"recipe": recipe, "max_seq_length": config.max_seq_length, "packing": getattr(config, "packing", True)}
+    paths = write_prepared_shards(data.train, data.tokenizer, Path(output).expanduser(), int(num_shards), meta)
+    return f"{len(paths)} in {output} (stream them with train_data: {{path: {output}, streaming: true}})"
 
 
 def report(argv: list[str]) -> str:

@@ -25,7 +25,16 @@ from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer
 from .formats import detect_format, to_conversations
 from .packing import example_lengths, pack_dataset
 from .sources import DataSource, config_sources, fingerprint_sources, load_source
-from .streaming import ChatRows, Mixture, TokenStream, is_streamed, process_position, source_names, stream_fingerprint
+from .streaming import (
+    ChatRows,
+    Mixture,
+    TokenStream,
+    is_streamed,
+    prepared_tokenizer,
+    process_position,
+    source_names,
+    stream_fingerprint,
+)
 from .synthetic import write_synthetic_task
 from .tokenize import tokenize_conversations
 from .tokenizer import config_tokenizer, setup_chat_template
@@ -109,7 +118,9 @@ def _streamed(config, train_sources, eval_sources, cache_dir: Path, built: list,
     def texts():
         return conversation_texts({"conversation": [r["conversation"] for r in mixture().take(TOKENIZER_EXAMPLES)]})
 
-    tokenizer = config_tokenizer(config, cache_dir, stream_fingerprint(train_sources), texts, built, log)
+    # Prepared shards (tunebook prepare --output) come with their tokenizer; anything else names or trains one.
+    tokenizer = prepared_tokenizer(train_sources, config, "sft")
+    tokenizer = tokenizer or config_tokenizer(config, cache_dir, stream_fingerprint(train_sources), texts, built, log)
     tokenizer = setup_chat_template(tokenizer, config.chat_template, config.trust_remote_code, log)
     rows = ChatRows(tokenizer, config.max_seq_length, config.overlong_examples, config.assistant_only_loss,
                     config.packing, config.seed, len(train_sources))  # fmt: skip

@@ -57,6 +57,11 @@ __all__ = [
 ]
 
 STATE = "_stream_state"  # the key under which a worker sends its position along with each batch
+# A folder of prepared shards (`tunebook prepare --output`): what made them, and its tokenizer. Names starting with
+# "_" are not read as data files (tunebook.data.sources).
+PREPARED = "_tunebook_prepared.json"
+PREPARED_TOKENIZER = "_tokenizer"
+ROW_COLUMNS = ("input_ids", "labels", "seq_lengths")
 
 
 def is_streamed(sources: list[DataSource], key: str = "train_data") -> bool:
@@ -131,8 +136,17 @@ class Mixture:
         self.sources, self.column, self.seed, self.stopping_strategy = sources, column, seed, stopping_strategy
         self.text_sample_by, self.text_field = text_sample_by, text_field
         self.formats, self.columns = [], []
+        self.prepared = {prepared_meta(s) is not None for s in sources} == {True}
+        if not self.prepared and any(prepared_meta(s) for s in sources):
+            raise DataError(
+                "train_data: mix prepared shards (tunebook prepare --output) only with other prepared shards"
+            )
         for source in sources:
             row = _first_row(_open_source(source, text_sample_by), source)
+            if self.prepared:
+                self.formats.append(None)
+                self.columns.append([c for c in ROW_COLUMNS if c in row])
+                continue
             if data_format is None and column not in row:
                 raise DataError(f"{source.where}: no column {column!r} (columns: {', '.join(row)}); set text_column")
             self.formats.append(data_format and detect_format(list(row), data_format, source.where, text_field))
@@ -142,7 +156,9 @@ class Mixture:
         streams = []
         for index, (source, fmt) in enumerate(zip(self.sources, self.formats)):
             stream = _open_source(source, self.text_sample_by)
-            if fmt:
+            if self.prepared:  # tokenised (and packed) by tunebook prepare: the rows as they are
+                stream = stream.select_columns(self.columns[index])
+            elif fmt:
                 kwargs = {"data_format": fmt, "where": source.where, "text_field": self.text_field}
                 stream = stream.map(to_conversations, batched=True, with_indices=True,
                                     remove_columns=self.columns[index], fn_kwargs=kwargs)  # fmt: skip
@@ -175,6 +191,8 @@ class TextRows:
         )
 
     def __call__(self, batch: dict[str, list], carry) -> tuple[list[dict], Any]:
+        if "input_ids" in batch:
+            return _prepared_rows(batch, self.num_sources), carry
         docs = self.tokenizer(batch[self.column], add_special_tokens=False)["input_ids"]
         pieces = [tuple(p) for p in carry or []]
         filled = sum(len(ids) for ids, _ in pieces)
@@ -214,6 +232,8 @@ class ChatRows:
         )
 
     def __call__(self, batch: dict[str, list], carry) -> tuple[list[dict], Any]:
+        if "input_ids" in batch:
+            return _prepared_rows(batch, self.num_sources), carry
         out = tokenize_conversations({"conversation": batch["conversation"]}, tokenizer=self.tokenizer,
                                      max_seq_length=self.length, overlong=self.overlong,
                                      assistant_only_loss=self.assistant_only_loss, where="streamed train_data")  # fmt: skip
@@ -231,6 +251,14 @@ class ChatRows:
             row["source_tokens"] = _per_source(row["seq_lengths"], [sources[m] for m in members], self.num_sources)
             rows.append(row)
         return rows, None
+
+
+def _prepared_rows(batch: dict[str, list], num_sources: int) -> list[dict]:
+    columns = [c for c in ROW_COLUMNS if c in batch]
+    rows = [dict(zip(columns, values)) for values in zip(*(batch[c] for c in columns))]
+    for row, source in zip(rows, batch["source"]):
+        row["source_tokens"] = _per_source([len(row["input_ids"])], [source], num_sources)
+    return rows
 
 
 def _per_source(lengths: list[int], sources: list[int], num_sources: int) -> list[int]:
@@ -380,6 +408,69 @@ class StreamLoader:
         counts = total.tolist()
         whole = sum(counts) or 1.0
         return {name: {"tokens": int(n), "share": n / whole} for name, n in zip(self.stream.source_names, counts)}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Prepared shards: tokenised once, streamed by any number of nodes
+
+
+def prepared_meta(source: DataSource) -> dict[str, Any] | None:
+    """What `tunebook prepare --output` recorded in a folder of prepared shards; None for other sources."""
+    path = Path(source.path).expanduser() / PREPARED
+    return json.loads(path.read_text()) if source.is_local and path.is_file() else None
+
+
+def prepared_tokenizer(sources: list[DataSource], config, recipe: str):
+    """The tokenizer of streamed prepared shards, checked against the run: the shards' own unless the config names
+    one (which must then be the same); None when the sources are not prepared shards."""
+    from .cache import tokenizer_fingerprint
+    from .tokenizer import load_tokenizer
+
+    metas = [prepared_meta(s) for s in sources]
+    if not all(metas):
+        return None
+    for source, meta in zip(sources, metas):
+        made = {"recipe": recipe, "max_seq_length": config.max_seq_length, "packing": getattr(config, "packing", True)}
+        for key, value in made.items():
+            if meta[key] != value:
+                raise ConfigError(f"{source.path} was prepared with {key} {meta[key]!r} and this run has {value!r}; "
+                                  f"set {key}: {meta[key]!r}, or prepare it again")  # fmt: skip
+    named = config.tokenizer_name_or_path or config.model_name_or_path
+    tokenizer = load_tokenizer(named or str(Path(sources[0].path).expanduser() / PREPARED_TOKENIZER),
+                               config.trust_remote_code)  # fmt: skip
+    for source, meta in zip(sources, metas):
+        if meta["tokenizer"] != tokenizer_fingerprint(tokenizer):
+            raise ConfigError(f"{source.path} was tokenised with another tokenizer than {named}; use the one saved "
+                              f"with the shards ({source.path}/{PREPARED_TOKENIZER}), or prepare it again")  # fmt: skip
+    return tokenizer
+
+
+def write_prepared_shards(dataset: datasets.Dataset, tokenizer, output: Path, num_shards: int, meta: dict) -> list:
+    """`dataset`'s rows as `num_shards` Arrow files in `output` (each written whole, then renamed into place), the
+    tokenizer and what made them: a folder any number of nodes stream with `{path: output, streaming: true}`."""
+    import pyarrow as pa
+
+    from .cache import tokenizer_fingerprint
+
+    if not 1 <= num_shards <= len(dataset):
+        raise ConfigError(f"--num_shards {num_shards}: must be between 1 and the {len(dataset)} rows prepared")
+    output.mkdir(parents=True, exist_ok=True)
+    for old in output.glob("train-*-of-*.arrow"):
+        old.unlink()
+    dataset = dataset.select_columns([c for c in ROW_COLUMNS if c in dataset.column_names])
+    paths = []
+    for index in range(num_shards):
+        table = dataset.shard(num_shards, index, contiguous=True).with_format("arrow")[:]
+        path = output / f"train-{index:05d}-of-{num_shards:05d}.arrow"
+        tmp = path.with_name(f".{path.name}.tmp")
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table, max_chunksize=1000)  # record batches a reader can resume between
+        tmp.rename(path)
+        paths.append(path)
+    tokenizer.save_pretrained(output / PREPARED_TOKENIZER)
+    (output / PREPARED).write_text(json.dumps({**meta, "tokenizer": tokenizer_fingerprint(tokenizer),
+                                               "num_shards": num_shards, "rows": len(dataset)}, indent=2))  # fmt: skip
+    return paths
 
 
 def source_names(sources: list[DataSource]) -> list[str]:

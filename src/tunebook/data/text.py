@@ -23,7 +23,16 @@ from ..errors import ConfigError, DataError
 from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
 from .packing import example_lengths
 from .sources import DataSource, config_sources, fingerprint_sources, load_source
-from .streaming import Mixture, TextRows, TokenStream, is_streamed, process_position, source_names, stream_fingerprint
+from .streaming import (
+    Mixture,
+    TextRows,
+    TokenStream,
+    is_streamed,
+    prepared_tokenizer,
+    process_position,
+    source_names,
+    stream_fingerprint,
+)
 from .synthetic import write_synthetic_text
 from .tokenize import IGNORE_INDEX
 from .tokenizer import config_tokenizer
@@ -101,7 +110,9 @@ def prepare_text_data(config, cache_dir: Path, log: logging.Logger) -> TextData:
     else:
         texts = lambda: iter(documents(train_sources)[config.text_column])  # noqa: E731
         data_key = fingerprint_sources(train_sources)
-    tokenizer = config_tokenizer(config, cache_dir, data_key, texts, built, log)
+    # Prepared shards (tunebook prepare --output) come with their tokenizer; anything else names or trains one.
+    tokenizer = streamed and prepared_tokenizer(train_sources, config, "pretrain")
+    tokenizer = tokenizer or config_tokenizer(config, cache_dir, data_key, texts, built, log)
     if tokenizer.eos_token_id is None:
         raise ConfigError("the tokenizer has no EOS token to end documents with; set tokenizer_name_or_path")
 
@@ -154,8 +165,9 @@ def prepare_text_data(config, cache_dir: Path, log: logging.Logger) -> TextData:
         stream.check_readers(config.dataloader_num_workers, log)
         eval_rows = rows(eval_sources, "eval", None)[0] if eval_sources else None
         stats = {"streamed": True, "sources": source_names(train_sources)}
-        log.info("train data: streamed from %s, tokenised and cut into rows of %d tokens as training reads it",
-                 ", ".join(stats["sources"]), config.max_seq_length)  # fmt: skip
+        how = "prepared rows" if mixture.prepared else "tokenised and cut into rows as training reads it"
+        log.info("train data: streamed from %s, %s of %d tokens", ", ".join(stats["sources"]), how,
+                 config.max_seq_length)  # fmt: skip
         return TextData(tokenizer, stream.preview(), eval_rows, stats, built, time.perf_counter() - start, stream)
     split = config.eval_split_ratio > 0 and not eval_sources
     train, stats = rows(train_sources, "train", "train" if split else None)

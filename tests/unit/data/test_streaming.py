@@ -190,3 +190,25 @@ def test_bad_rows_stop_with_one_line_naming_file_and_row(tmp_path, tokenizer_dir
     with pytest.raises(DataError, match=r"chat.jsonl, row 1201.*robot") as error:
         _rows(loader, 1000)
     assert "\n" not in str(error.value)
+
+
+def test_prepared_shards_stream_the_cached_rows_without_tokenising(tmp_path, tokenizer_dir, capsys):
+    from tunebook.cli import prepare
+
+    folder = _corpus(tmp_path / "corpus", files=1, rows=120)
+    args = ["--recipe", "pretrain", "--train_data", str(folder), "--tokenizer_name_or_path", tokenizer_dir,
+            "--max_seq_length", "32", "--cache_dir", str(tmp_path / "cache"), "--log_level", "WARNING"]  # fmt: skip
+    figures = prepare([*args, "--num_shards", "3", "--output", str(tmp_path / "shards")])
+    assert sorted(p.name for p in (tmp_path / "shards").glob("*.arrow")) == [
+        f"train-0000{i}-of-00003.arrow" for i in range(3)
+    ]
+    cached = prepare_text_data(_pretrain(tmp_path, tokenizer_dir, str(folder)), tmp_path / "cache", LOG)
+    # Another node: its own empty cache, no tokenizer named (the shards carry theirs), nothing tokenised.
+    config = _pretrain(tmp_path, None, {"path": str(tmp_path / "shards"), "streaming": True},
+                       cache_dir=str(tmp_path / "node-cache"))  # fmt: skip
+    streamed = prepare_text_data(config, tmp_path / "node-cache", LOG)
+    assert streamed.built == [] and not (tmp_path / "node-cache" / "prepared").exists()
+    rows = [r.tolist() for b in _rows(_loader(streamed, config), 10) for r in b["input_ids"]]
+    assert rows == cached.train["input_ids"][:40] and figures["train_rows"] == len(cached.train)
+    with pytest.raises(ConfigError, match="prepared with max_seq_length 32 and this run has 64; set max_seq_length"):
+        prepare_text_data(_pretrain(tmp_path, None, config.train_data, max_seq_length=64), tmp_path / "c", LOG)
