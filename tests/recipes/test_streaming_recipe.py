@@ -11,7 +11,7 @@ from conftest import ROOT, TINY_TEST_MODEL, free_port
 
 from tunebook.checkpoint import list_checkpoints
 
-pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+pytestmark = pytest.mark.slow
 WORDS = "the of and to in is was for on that with as by at from his her it an were are which this be".split()
 
 
@@ -35,6 +35,7 @@ def _records(out) -> list[dict]:
     return [{k: v for k, v in json.loads(line).items() if k not in rates} for line in open(out / "metrics.jsonl")]
 
 
+@pytest.mark.multiprocess
 def test_sigterm_then_resume_on_two_processes_with_workers_equals_the_uninterrupted_run(tmp_path):
     import os
     import subprocess
@@ -69,3 +70,32 @@ def test_sigterm_then_resume_on_two_processes_with_workers_equals_the_uninterrup
     assert delivered == json.loads((tmp_path / "cut" / "summary.json").read_text())["mixture_delivered"]
     assert delivered["web"]["tokens"] + delivered["books"]["tokens"] == summary["train_tokens"]
     assert not (tmp_path / "cache" / "prepared").exists()  # nothing of the stream was written as Arrow
+
+
+def test_streamed_packed_sft_stopped_by_sigterm_resumes_exactly(tmp_path, monkeypatch):
+    """In-process sft, 2 loader workers, packing over buffers of 40 examples, evaluation on cached eval_data."""
+    from test_guarantees import _records as records
+    from test_guarantees import _run, _signal_at, _weights, _without_rates
+
+    rng = random.Random(0)
+    for name, rows in (("train", 300), ("eval", 16)):
+        with open(tmp_path / f"{name}.jsonl", "w") as f:
+            for _ in range(rows):
+                digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(2, 14)))
+                f.write(
+                    json.dumps({"instruction": "Reverse the digits.", "input": digits, "output": digits[::-1]}) + "\n"
+                )
+    options = {"train_data": {"path": str(tmp_path / "train.jsonl"), "streaming": True}, "packing": True,
+               "packing_buffer_size": 40, "max_seq_length": 64, "eval_data": str(tmp_path / "eval.jsonl"),
+               "dataloader_num_workers": 2, "eval_steps": 2, "max_steps": 8}  # fmt: skip
+    full = _run("sft", tmp_path / "full", tmp_path / "cache", **options)
+    with monkeypatch.context() as patch:
+        _signal_at(patch, "sft", 3)
+        with pytest.raises(SystemExit):
+            _run("sft", tmp_path / "cut", tmp_path / "cache", **options)
+    resumed = _run("sft", tmp_path / "cut", tmp_path / "cache", **options, resume_from_checkpoint="latest")
+    assert [_without_rates(r) for r in records(tmp_path / "cut")] == [
+        _without_rates(r) for r in records(tmp_path / "full")
+    ]
+    assert _weights(tmp_path / "cut") == _weights(tmp_path / "full") and resumed["eval"] == full["eval"]
+    assert resumed["mixture_delivered"] == full["mixture_delivered"]
