@@ -338,19 +338,7 @@ def load_source(
             _raise_if_malformed(path)
     try:
         with _quiet_datasets():
-            if resolved.kind == "saved":
-                dataset = datasets.load_from_disk(source.path)
-                dataset = dataset[resolved.split] if resolved.split else dataset
-            elif resolved.kind == "file":
-                builder = EXTENSIONS[_ending(source.path)][0]
-                dataset = datasets.load_dataset(builder, data_files=[str(resolved.files[0])], split=resolved.split,
-                                                cache_dir=raw_cache, **resolved.options)  # fmt: skip
-            else:
-                kwargs = {"name": source.name, "revision": source.revision, "data_dir": source.data_dir}
-                kwargs = {k: v for k, v in kwargs.items() if v is not None} | (resolved.options or {})
-                if source.data_files:
-                    kwargs["data_files"] = json.loads(source.data_files)
-                dataset = datasets.load_dataset(source.path, split=resolved.split, cache_dir=raw_cache, **kwargs)
+            dataset = _load(source, resolved, cache_dir=raw_cache)
     except DataError:
         raise
     except Exception as error:  # datasets wraps parser errors (or says StopIteration): find the file and line
@@ -365,6 +353,22 @@ def load_source(
     if source.samples is not None:
         return _take_rows(dataset, source.samples, seed)
     return _take_rows(dataset, int(round(source.weight * len(dataset))), seed)
+
+
+def _load(source: DataSource, resolved: _Resolved, **options):
+    """datasets' loading of a resolved source; `options` go to `load_dataset` (`cache_dir`, or `streaming=True`)."""
+    if resolved.kind == "saved":
+        dataset = datasets.load_from_disk(source.path)
+        return dataset[resolved.split] if resolved.split else dataset
+    if resolved.kind == "file":
+        builder = EXTENSIONS[_ending(source.path)][0]
+        return datasets.load_dataset(builder, data_files=[str(resolved.files[0])], split=resolved.split, **options,
+                                     **resolved.options)  # fmt: skip
+    kwargs = {"name": source.name, "revision": source.revision, "data_dir": source.data_dir}
+    kwargs = {k: v for k, v in kwargs.items() if v is not None} | (resolved.options or {})
+    if source.data_files:
+        kwargs["data_files"] = json.loads(source.data_files)
+    return datasets.load_dataset(source.path, split=resolved.split, **options, **kwargs)
 
 
 @contextmanager

@@ -41,7 +41,7 @@ from ..errors import ConfigError, DataError, TunebookError, first_line
 from .formats import detect_format, to_conversations
 from .loaders import ignore_stop_signals
 from .packing import best_fit_decreasing, concatenate_examples
-from .sources import EXTENSIONS, DataSource, _ending, _quiet_datasets, _resolve
+from .sources import DataSource, _load, _quiet_datasets, _resolve
 from .tokenize import tokenize_conversations
 
 __all__ = [
@@ -91,20 +91,9 @@ def _open_source(source: DataSource, text_sample_by: str) -> datasets.IterableDa
     if resolved.split and "[" in resolved.split:
         raise DataError(f"{source.where}: a streamed split cannot be sliced ({resolved.split}); remove the slice")
     with _quiet_datasets():
-        if resolved.kind == "saved":
-            saved = datasets.load_from_disk(source.path)
-            saved = saved[resolved.split] if resolved.split else saved
-            stream = saved.to_iterable_dataset(num_shards=max(len(resolved.files), 1))
-        elif resolved.kind == "file":
-            builder = EXTENSIONS[_ending(source.path)][0]
-            stream = datasets.load_dataset(builder, data_files=[str(resolved.files[0])], split=resolved.split,
-                                           streaming=True, **resolved.options)  # fmt: skip
-        else:
-            kwargs = {"name": source.name, "revision": source.revision, "data_dir": source.data_dir}
-            kwargs = {k: v for k, v in kwargs.items() if v is not None} | (resolved.options or {})
-            if source.data_files:
-                kwargs["data_files"] = json.loads(source.data_files)
-            stream = datasets.load_dataset(source.path, split=resolved.split, streaming=True, **kwargs)
+        stream = _load(source, resolved, streaming=True)
+    if isinstance(stream, datasets.Dataset):  # a save_to_disk folder: its Arrow files are the shards
+        stream = stream.to_iterable_dataset(num_shards=max(sum(f.suffix == ".arrow" for f in resolved.files), 1))
     return stream.rename_columns(source.renames) if source.renames else stream
 
 
