@@ -165,7 +165,7 @@ def main(config: GRPOConfig) -> dict:
             batch_size=32,
             device=accelerator.device,
             log=log,
-            lr_scheduler_type="cosine",
+            learning_rate=config.sft_warmup_learning_rate,  # constant: GRPO goes on from an unannealed model
             max_grad_norm=1.0,
         )
     reference = None  # beta 0: none; with LoRA: the policy with its adapters off

@@ -543,16 +543,21 @@ class GRPOConfig(ChatModelConfig):
     )
     sft_warmup_steps: int | None = config_field(
         "Optimizer steps of plain SFT on the prompts' reference answers before GRPO, for a model that has not "
-        "learnt the answer format; unset: 220 for a fresh model built from a config (the embedded default), 0 "
+        "learnt the answer format; unset: 250 for a fresh model built from a config (the embedded default), 0 "
         "for a loaded one.",
         None,
+    )
+    sft_warmup_learning_rate: float = config_field(
+        "Constant learning rate of the SFT warm-up. Not decayed: a warm-up annealed to 0 ends in a sharp minimum "
+        "that GRPO's first updates knock it out of.",
+        1e-3,
     )
 
     # The embedded default run (see the class docstring).
     output_dir: str = new_default("outputs/grpo-default")
     max_seq_length: int = new_default(64, "Longest prompt + answer of the SFT warm-up in tokens.")
-    learning_rate: float = new_default(1e-4)
-    warmup_ratio: float = new_default(0.0)
+    learning_rate: float = new_default(3e-4)
+    warmup_ratio: float = new_default(0.15)
     per_device_train_batch_size: int = new_default(16, "Prompts per micro-batch per process.")
     per_device_eval_batch_size: int = new_default(64, "Prompts per evaluation batch per process.")
     max_steps: int = new_default(60)
@@ -599,11 +604,13 @@ class GRPOConfig(ChatModelConfig):
             )
         if self.sft_warmup_steps is not None and self.sft_warmup_steps < 0:
             raise ConfigError(f"sft_warmup_steps must be >= 0 or null, got {self.sft_warmup_steps}")
+        if self.sft_warmup_learning_rate <= 0:
+            raise ConfigError(f"sft_warmup_learning_rate must be > 0, got {self.sft_warmup_learning_rate}")
 
     def __post_init__(self) -> None:
         fresh = self.model_name_or_path is None  # before the tiny model fills model_config in
         super().__post_init__()
         if self.sft_warmup_steps is None:
-            self.sft_warmup_steps = 220 if fresh else 0
+            self.sft_warmup_steps = 250 if fresh else 0
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
