@@ -543,7 +543,7 @@ class GRPOConfig(ChatModelConfig):
     )
     sft_warmup_steps: int | None = config_field(
         "Optimizer steps of plain SFT on the prompts' reference answers before GRPO, for a model that has not "
-        "learnt the answer format; unset: 250 for a fresh model built from a config (the embedded default), 0 "
+        "learnt the answer format; unset: 200 for a fresh model built from a config (the embedded default), 0 "
         "for a loaded one.",
         None,
     )
@@ -611,6 +611,6 @@ class GRPOConfig(ChatModelConfig):
         fresh = self.model_name_or_path is None  # before the tiny model fills model_config in
         super().__post_init__()
         if self.sft_warmup_steps is None:
-            self.sft_warmup_steps = 250 if fresh else 0
+            self.sft_warmup_steps = 200 if fresh else 0
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
