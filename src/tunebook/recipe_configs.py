@@ -112,6 +112,12 @@ class ModelDataConfig(TrainConfig):
         "(first_exhausted: nothing is read twice within a pass). The stream then starts its next pass.",
         "all_exhausted",
     )
+    stream_shuffle: bool = config_field(
+        "With streaming: true: shuffle the training rows within each group a reader makes at a time "
+        "(packing_buffer_size examples for sft, 256 documents for pretrain), seeded by the group's position, so a "
+        "resumed run sees the same order. Off: the order of the files.",
+        True,
+    )
     max_seq_length: int = config_field("Longest tokenised example in tokens.", 1024)
     dataset_num_proc: int | None = config_field("Processes for tokenisation (None: one).", None)
     pad_to_multiple_of: int | None = config_field(

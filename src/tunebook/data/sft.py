@@ -125,7 +125,8 @@ def _streamed(config, train_sources, eval_sources, cache_dir: Path, built: list,
     rows = ChatRows(tokenizer, config.max_seq_length, config.overlong_examples, config.assistant_only_loss,
                     config.packing, config.seed, len(train_sources))  # fmt: skip
     stream = TokenStream(mixture, rows, config.packing_buffer_size, config.per_device_train_batch_size,
-                         *process_position(), source_names(train_sources))  # fmt: skip
+                         *process_position(), source_names(train_sources),
+                         config.seed if config.stream_shuffle else None)  # fmt: skip
     stream.check_readers(config.dataloader_num_workers, log)
     eval_rows = eval_examples = None
     if eval_sources:

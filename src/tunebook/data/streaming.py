@@ -257,8 +257,10 @@ def _per_source(lengths: list[int], sources: list[int], num_sources: int) -> lis
     return counts
 
 
-def reader_rows(open_stream, make_rows, group: int, reader: int, readers: int, state: dict | None = None):
-    """Reader `reader` of `readers`: (training row, position after it) forever, epoch after epoch."""
+def reader_rows(open_stream, make_rows, group: int, reader: int, readers: int, state: dict | None = None,
+                shuffle_seed: int | None = None):  # fmt: skip
+    """Reader `reader` of `readers`: (training row, position after it) forever, epoch after epoch. With
+    `shuffle_seed`, each group's rows come in an order drawn from the seed and the group's position."""
     stream = split_dataset_by_node(open_stream(), rank=reader, world_size=readers)
     state = state or {"epoch": 0, "stream": None, "carry": None, "delivered": 0}
     epoch, position, carry, skip = state["epoch"], state["stream"], state["carry"], state["delivered"]
@@ -269,6 +271,8 @@ def reader_rows(open_stream, make_rows, group: int, reader: int, readers: int, s
             stream.load_state_dict(position)
         for batch in stream.iter(batch_size=group):
             rows, after = make_rows(batch, carry)
+            if shuffle_seed is not None:
+                rows = _shuffled(rows, shuffle_seed, epoch, reader, position)
             for r in range(skip, len(rows)):
                 yield rows[r], {"epoch": epoch, "stream": position, "carry": carry, "delivered": r + 1}
             made, skip = made + len(rows), 0
@@ -280,13 +284,23 @@ def reader_rows(open_stream, make_rows, group: int, reader: int, readers: int, s
         epoch, position = epoch + 1, None
 
 
+def _shuffled(rows: list, seed: int, epoch: int, reader: int, position: dict | None) -> list:
+    # A shuffle buffer (datasets' own) is not restored on resume, so a resumed run would train on other rows. A
+    # permutation of the group, drawn from where the group starts, is the same when a resumed reader reads the
+    # group again: its `delivered` count then skips the same rows.
+    where = json.dumps([seed, epoch, reader, position], sort_keys=True, default=str).encode()
+    rng = np.random.default_rng(int.from_bytes(hashlib.sha256(where).digest()[:8], "little"))
+    return [rows[i] for i in rng.permutation(len(rows))]
+
+
 class TokenStream(IterableDataset):
     """The torch side of a streamed source: in each loader worker, its reader's rows collated into batches, each
     carrying the worker's position (`STATE`). `StreamLoader` sets `positions` and `offset` before it starts workers."""
 
     def __init__(self, open_stream, make_rows, group: int, batch_size: int, process_index: int, num_processes: int,
-                 source_names: list[str]):  # fmt: skip
+                 source_names: list[str], shuffle_seed: int | None = None):  # fmt: skip
         self.open_stream, self.make_rows, self.group, self.batch_size = open_stream, make_rows, group, batch_size
+        self.shuffle_seed = shuffle_seed
         self.process_index, self.num_processes, self.source_names = process_index, num_processes, source_names
         self.collate: Callable | None = None
         self.positions: dict[int, dict] = {}
@@ -303,7 +317,8 @@ class TokenStream(IterableDataset):
 
     def preview(self, count: int = 64) -> datasets.Dataset:
         """The first rows reader 0 makes, as a Dataset: for the logged example and the FLOPs estimate."""
-        rows = itertools.islice(reader_rows(self.open_stream, self.make_rows, self.group, 0, 1), count)
+        rows = itertools.islice(reader_rows(self.open_stream, self.make_rows, self.group, 0, 1,
+                                            shuffle_seed=self.shuffle_seed), count)  # fmt: skip
         return datasets.Dataset.from_list([{k: v for k, v in row.items() if k != "source_tokens"} for row, _ in rows])
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -312,7 +327,7 @@ class TokenStream(IterableDataset):
         role = (worker + self.offset) % workers
         try:
             rows = reader_rows(self.open_stream, self.make_rows, self.group, self.process_index * workers + role,
-                               self.num_processes * workers, self.positions.get(role))  # fmt: skip
+                               self.num_processes * workers, self.positions.get(role), self.shuffle_seed)  # fmt: skip
             while True:
                 taken = list(itertools.islice(rows, self.batch_size))
                 features = [{k: v for k, v in row.items() if k != "source_tokens"} for row, _ in taken]

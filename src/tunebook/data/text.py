@@ -161,7 +161,8 @@ def prepare_text_data(config, cache_dir: Path, log: logging.Logger) -> TextData:
     if streamed:  # rows are made in the loader's workers as training reads them: nothing is cached
         rows_of = TextRows(tokenizer, config.max_seq_length, config.text_column, len(train_sources))
         stream = TokenStream(mixture, rows_of, STREAM_DOCUMENTS, config.per_device_train_batch_size,
-                             *process_position(), source_names(train_sources))  # fmt: skip
+                             *process_position(), source_names(train_sources),
+                             config.seed if config.stream_shuffle else None)  # fmt: skip
         stream.check_readers(config.dataloader_num_workers, log)
         eval_rows = rows(eval_sources, "eval", None)[0] if eval_sources else None
         stats = {"streamed": True, "sources": source_names(train_sources)}

@@ -13,6 +13,7 @@ import torch
 from conftest import TINY_TEST_MODEL
 
 from tunebook.data import PackedCollator, attention_inputs, prepare_sft_data, prepare_text_data
+from tunebook.data.streaming import reader_rows
 from tunebook.errors import ConfigError, DataError
 from tunebook.recipe_configs import ClassifyConfig, PretrainConfig, SFTConfig
 
@@ -79,7 +80,7 @@ def _loader(data, config, workers=0):
 def test_streamed_pretrain_rows_and_token_losses_equal_the_cached_path(tmp_path, tokenizer_dir):
     folder = _corpus(tmp_path / "corpus")
     cached = prepare_text_data(_pretrain(tmp_path, tokenizer_dir, str(folder)), tmp_path / "cache", LOG)
-    config = _pretrain(tmp_path, tokenizer_dir, {"path": str(folder), "streaming": True})
+    config = _pretrain(tmp_path, tokenizer_dir, {"path": str(folder), "streaming": True}, stream_shuffle=False)
     streamed = prepare_text_data(config, tmp_path / "cache", LOG)
     assert len(list((tmp_path / "cache" / "prepared").iterdir())) == 1  # the cached run's: no copy of the stream
     full = len(cached.train) - 1  # the cached corpus ends with a short row; the stream finishes it from its next pass
@@ -98,7 +99,8 @@ def test_streamed_sft_packing_equals_the_cached_packing(tmp_path, tokenizer_dir)
     common = {"tokenizer_name_or_path": tokenizer_dir, "max_seq_length": 48, "cache_dir": str(tmp_path / "cache"),
               "packing": True, "max_steps": 5, "per_device_train_batch_size": 4, "model_config": TINY_TEST_MODEL}  # fmt: skip
     cached = prepare_sft_data(SFTConfig(train_data=str(path), **common), tmp_path / "cache", LOG)
-    config = SFTConfig(train_data={"path": str(path), "streaming": True}, packing_buffer_size=80, **common)
+    config = SFTConfig(train_data={"path": str(path), "streaming": True}, packing_buffer_size=80,
+                       stream_shuffle=False, **common)  # fmt: skip
     streamed = prepare_sft_data(config, tmp_path / "cache", LOG)
     # One buffer holds the whole file: best-fit decreasing packs it into the cached path's rows, in its order.
     assert streamed.train["input_ids"] == cached.train["input_ids"][: len(streamed.train)]
@@ -108,6 +110,22 @@ def test_streamed_sft_packing_equals_the_cached_packing(tmp_path, tokenizer_dir)
         same = collate([cached.train[i] for i in range(4 * b, 4 * b + 4)])
         assert torch.equal(batch["input_ids"], same["input_ids"]) and torch.equal(batch["labels"], same["labels"])
         assert torch.equal(_token_losses(batch), _token_losses(same))
+
+
+def test_stream_shuffle_permutes_each_group_the_same_way_every_time(tmp_path, tokenizer_dir):
+    """Shuffled (the default), a pass yields the unshuffled pass's rows in another order, and the same order on
+    every read: what lets a resumed reader skip the rows it delivered."""
+    folder = str(_corpus(tmp_path / "corpus", files=1, rows=80))
+
+    def first_pass(shuffle):
+        config = _pretrain(tmp_path, tokenizer_dir, {"path": folder, "streaming": True}, stream_shuffle=shuffle)
+        stream = prepare_text_data(config, tmp_path / "cache", LOG).stream
+        rows = reader_rows(stream.open_stream, stream.make_rows, stream.group, 0, 1, shuffle_seed=stream.shuffle_seed)
+        return [tuple(row["input_ids"]) for row, position in itertools.takewhile(lambda r: r[1]["epoch"] == 0, rows)]
+
+    plain, shuffled = first_pass(False), first_pass(True)
+    assert len(plain) > 20 and sorted(shuffled) == sorted(plain) and shuffled != plain
+    assert first_pass(True) == shuffled
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -205,7 +223,7 @@ def test_prepared_shards_stream_the_cached_rows_without_tokenising(tmp_path, tok
     cached = prepare_text_data(_pretrain(tmp_path, tokenizer_dir, str(folder)), tmp_path / "cache", LOG)
     # Another node: its own empty cache, no tokenizer named (the shards carry theirs), nothing tokenised.
     config = _pretrain(tmp_path, None, {"path": str(tmp_path / "shards"), "streaming": True},
-                       cache_dir=str(tmp_path / "node-cache"))  # fmt: skip
+                       cache_dir=str(tmp_path / "node-cache"), stream_shuffle=False)  # fmt: skip
     streamed = prepare_text_data(config, tmp_path / "node-cache", LOG)
     assert streamed.built == [] and not (tmp_path / "node-cache" / "prepared").exists()
     rows = [r.tolist() for b in _rows(_loader(streamed, config), 10) for r in b["input_ids"]]
