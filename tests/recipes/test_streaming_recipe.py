@@ -99,3 +99,6 @@ def test_streamed_packed_sft_stopped_by_sigterm_resumes_exactly(tmp_path, monkey
     ]
     assert _weights(tmp_path / "cut") == _weights(tmp_path / "full") and resumed["eval"] == full["eval"]
     assert resumed["mixture_delivered"] == full["mixture_delivered"]
+    assert (
+        resumed["streamed_examples"] == full["streamed_examples"] and full["streamed_examples"]["examples_read"] >= 40
+    )

@@ -62,6 +62,8 @@ STATE = "_stream_state"  # the key under which a worker sends its position along
 PREPARED = "_tunebook_prepared.json"
 PREPARED_TOKENIZER = "_tokenizer"
 ROW_COLUMNS = ("input_ids", "labels", "seq_lengths")
+BOOKS = ("source_tokens", "examples")  # what a row carries for the loader's counts, not for the model
+EXAMPLE_COUNTS = ("examples_read", "truncated", "dropped_overlong", "dropped_no_loss_tokens")
 
 
 def is_streamed(sources: list[DataSource], key: str = "train_data") -> bool:
@@ -230,16 +232,27 @@ class ChatRows:
         ids, labels = [out["input_ids"][i] for i in kept], [out["labels"][i] for i in kept]
         sources = [batch["source"][i] for i in kept]
         if not self.packing:
-            return [{"input_ids": x, "labels": y, "source_tokens": _per_source([len(x)], [s], self.num_sources)}
-                    for x, y, s in zip(ids, labels, sources)], None  # fmt: skip
-        order, offsets = best_fit_decreasing(np.array([len(i) for i in ids], dtype=np.int64), self.length, self.seed)
-        rows = []
-        for b in range(len(offsets) - 1):
-            members = order[offsets[b] : offsets[b + 1]]
-            row = concatenate_examples([ids[m] for m in members], [labels[m] for m in members])
-            row["source_tokens"] = _per_source(row["seq_lengths"], [sources[m] for m in members], self.num_sources)
-            rows.append(row)
+            rows = [{"input_ids": x, "labels": y, "source_tokens": _per_source([len(x)], [s], self.num_sources)}
+                    for x, y, s in zip(ids, labels, sources)]  # fmt: skip
+        else:
+            lengths = np.array([len(i) for i in ids], dtype=np.int64)
+            order, offsets = best_fit_decreasing(lengths, self.length, self.seed)
+            rows = []
+            for b in range(len(offsets) - 1):
+                members = order[offsets[b] : offsets[b + 1]]
+                row = concatenate_examples([ids[m] for m in members], [labels[m] for m in members])
+                row["source_tokens"] = _per_source(row["seq_lengths"], [sources[m] for m in members], self.num_sources)
+                rows.append(row)
+        if rows:  # the group's examples are counted once, with one of its rows: when that row is trained on
+            rows[0]["examples"] = _example_counts(out, self.overlong)
         return rows, None
+
+
+def _example_counts(out: dict[str, list], overlong: str) -> list[int]:
+    """[read, truncated, dropped as too long, dropped with no loss-bearing token] (the cached path's stats)."""
+    truncated = sum(out["truncated"]) if overlong == "truncate" else 0
+    too_long = sum(t and not k for t, k in zip(out["truncated"], out["keep"])) if overlong == "drop" else 0
+    return [len(out["keep"]), truncated, too_long, sum(not k for k in out["keep"]) - too_long]
 
 
 def _prepared_rows(batch: dict[str, list], num_sources: int) -> list[dict]:
@@ -319,7 +332,7 @@ class TokenStream(IterableDataset):
         """The first rows reader 0 makes, as a Dataset: for the logged example and the FLOPs estimate."""
         rows = itertools.islice(reader_rows(self.open_stream, self.make_rows, self.group, 0, 1,
                                             shuffle_seed=self.shuffle_seed), count)  # fmt: skip
-        return datasets.Dataset.from_list([{k: v for k, v in row.items() if k != "source_tokens"} for row, _ in rows])
+        return datasets.Dataset.from_list([{k: v for k, v in row.items() if k not in BOOKS} for row, _ in rows])
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = torch.utils.data.get_worker_info()
@@ -330,9 +343,11 @@ class TokenStream(IterableDataset):
                                self.num_processes * workers, self.positions.get(role), self.shuffle_seed)  # fmt: skip
             while True:
                 taken = list(itertools.islice(rows, self.batch_size))
-                features = [{k: v for k, v in row.items() if k != "source_tokens"} for row, _ in taken]
+                features = [{k: v for k, v in row.items() if k not in BOOKS} for row, _ in taken]
                 tokens = np.sum([row["source_tokens"] for row, _ in taken], axis=0).tolist()
-                yield {**self.collate(features), STATE: {"role": role, "position": taken[-1][1], "tokens": tokens}}
+                examples = np.sum([row.get("examples", [0] * 4) for row, _ in taken], axis=0).tolist()
+                yield {**self.collate(features), STATE: {"role": role, "position": taken[-1][1], "tokens": tokens,
+                                                         "examples": examples}}  # fmt: skip
         except TunebookError as error:  # sent as a batch: raised by a worker it would reach the loop as a traceback
             yield {STATE: {"error": str(error)}}
         except Exception as error:
@@ -366,6 +381,7 @@ class StreamLoader:
         self.positions: dict[int, dict] = {}
         self.taken = 0
         self.tokens = [0] * len(stream.source_names)
+        self.examples = [0] * len(EXAMPLE_COUNTS)
 
     def __len__(self) -> int:
         return self.batches
@@ -390,11 +406,12 @@ class StreamLoader:
             self.positions[info["role"]] = info["position"]
             self.taken += 1
             self.tokens = [a + b for a, b in zip(self.tokens, info["tokens"])]
+            self.examples = [a + b for a, b in zip(self.examples, info["examples"])]
             yield {k: v.to(device, non_blocking=self.non_blocking) for k, v in batch.items()}
 
     def state_dict(self) -> dict[str, Any]:
         return {"workers": max(self.num_workers, 1), "taken": self.taken, "tokens": self.tokens,
-                "positions": {str(k): v for k, v in self.positions.items()}}  # fmt: skip
+                "examples": self.examples, "positions": {str(k): v for k, v in self.positions.items()}}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["workers"] != max(self.num_workers, 1):
@@ -404,7 +421,14 @@ class StreamLoader:
                 f"{state['workers'] if state['workers'] > 1 else 0} (the readers decide which rows each one reads)"
             )
         self.taken, self.tokens = state["taken"], list(state["tokens"])
+        self.examples = list(state.get("examples", self.examples))
         self.positions = {int(k): v for k, v in state["positions"].items()}
+
+    def examples_read(self, accelerator) -> dict[str, int]:
+        """sft: the examples read into the groups trained on so far, and how many were truncated or dropped (as the
+        cached path counts them before training), over all processes."""
+        total = accelerator.reduce(torch.tensor(self.examples, dtype=torch.float64, device=accelerator.device), "sum")
+        return dict(zip(EXAMPLE_COUNTS, (int(n) for n in total.tolist())))
 
     def delivered(self, accelerator) -> dict[str, dict[str, float]]:
         """Tokens trained on from each source, over all processes, and their shares."""

@@ -336,6 +336,14 @@ def finish(run: Run, data, headline: tuple[str, str, str] | None = None, **extra
         save_final_model(accelerator, run.model, run.tokenizer, run.output_dir, config.merge_adapter)
     if hasattr(run.train_loader, "delivered"):  # streamed: the tokens each source actually gave
         extra = {**extra, "mixture_delivered": run.train_loader.delivered(accelerator)}
+        read = run.train_loader.examples_read(accelerator)
+        if read["examples_read"]:  # sft: what the cached path reports before training, known only now
+            extra["streamed_examples"] = read
+            if read["truncated"] or read["dropped_overlong"] or read["dropped_no_loss_tokens"]:
+                log.warning("streamed train data: of %d examples read, %d truncated and %d dropped at "
+                            "max_seq_length=%d, %d dropped with no loss-bearing token left", read["examples_read"],
+                            read["truncated"], read["dropped_overlong"], config.max_seq_length,
+                            read["dropped_no_loss_tokens"])  # fmt: skip
     summary = run_summary(
         run.recipe, config, accelerator, run.throughput, data, run.timer, run.counters, run.best,
         global_step=state.global_step,

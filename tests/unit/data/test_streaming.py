@@ -112,6 +112,23 @@ def test_streamed_sft_packing_equals_the_cached_packing(tmp_path, tokenizer_dir)
         assert torch.equal(_token_losses(batch), _token_losses(same))
 
 
+@pytest.mark.parametrize("overlong", ["truncate", "drop"])
+def test_streamed_sft_counts_truncated_and_dropped_examples_as_the_cached_path(tmp_path, tokenizer_dir, overlong):
+    """What the cached path reports before training, a stream counts as its groups are trained on."""
+    path = _chat(tmp_path / "chat.jsonl")
+    common = {"tokenizer_name_or_path": tokenizer_dir, "max_seq_length": 36, "cache_dir": str(tmp_path / "cache"),
+              "max_steps": 5, "per_device_train_batch_size": 4, "model_config": TINY_TEST_MODEL,
+              "overlong_examples": overlong, "packing": True}  # fmt: skip
+    cached = prepare_sft_data(SFTConfig(train_data=str(path), **common), tmp_path / "cache", LOG).stats
+    config = SFTConfig(train_data={"path": str(path), "streaming": True}, packing_buffer_size=80, **common)
+    loader = _loader(prepare_sft_data(config, tmp_path / "cache", LOG), config)
+    rows = -(-cached["train_rows"] // 4)  # the first pass: one group of the file's 80 examples
+    _rows(loader, rows)
+    counts = dict(zip(("examples_read", "truncated", "dropped_overlong", "dropped_no_loss_tokens"), loader.examples))
+    assert counts == {"examples_read": 80, **{k: cached[k] for k in list(counts)[1:]}}
+    assert counts["truncated"] + counts["dropped_overlong"] > 0  # the file has examples longer than 36 tokens
+
+
 def test_stream_shuffle_permutes_each_group_the_same_way_every_time(tmp_path, tokenizer_dir):
     """Shuffled (the default), a pass yields the unshuffled pass's rows in another order, and the same order on
     every read: what lets a resumed reader skip the rows it delivered."""
