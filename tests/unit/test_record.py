@@ -19,7 +19,8 @@ def test_data_wait_is_measured_and_paused_time_is_not_training_time():
     timer.start_training()
     windows = list(accumulation_windows(_slow_batches(6, 0.02), 2, timer))
     assert windows == [[0, 1], [2, 3], [4, 5]]
-    assert 0.12 <= timer.data_wait_seconds < 2.0  # six 20 ms waits (more on a loaded machine)
+    # Six 20 ms waits (more on a loaded machine): the first is the loader's start-up, reported on its own.
+    assert 0.1 <= timer.data_wait_seconds < 2.0 and timer.first_batch_seconds >= 0.02
     with timer.paused():
         time.sleep(0.2)  # an evaluation: neither training time nor data wait
     assert timer.paused_seconds >= 0.2
