@@ -69,14 +69,15 @@ def prepare(argv: list[str]) -> dict:
     cache_dir = Path(config.cache_dir).expanduser()
     with preparation_lock(cache_dir):
         data = prepare_data(config, cache_dir, log)
+    streamed = getattr(data, "stream", None) is not None  # its rows are made as training reads them: uncounted
     figures = {
         "recipe": recipe,
         "cache_dir": str(cache_dir),
-        "train_rows": len(data.train),
-        "train_tokens": data.stats.get("train_tokens_per_epoch") or _token_count(data.train),
+        "train_rows": "streamed (made as training reads them)" if streamed else len(data.train),
+        "train_tokens": None if streamed else data.stats.get("train_tokens_per_epoch") or _token_count(data.train),
         "eval_rows": 0 if data.eval is None else len(data.eval),
         "packing_efficiency": data.stats.get("packing_efficiency"),
-        "train_fingerprint": data_fingerprint(data.train),  # what the preflight check compares across nodes
+        "train_fingerprint": None if streamed else data_fingerprint(data.train),  # compared across nodes
         "built": ", ".join(data.built) or "nothing (all cached)",
         "seconds": time.perf_counter() - start,
     }

@@ -227,6 +227,17 @@ def test_bad_rows_stop_with_one_line_naming_file_and_row(tmp_path, tokenizer_dir
     assert "\n" not in str(error.value)
 
 
+def test_prepare_on_a_streamed_config_counts_no_rows_it_did_not_make(tmp_path, tokenizer_dir, capsys):
+    from tunebook.cli import prepare
+
+    folder = _corpus(tmp_path / "corpus", files=1, rows=20)
+    figures = prepare(["--recipe", "pretrain", "--train_data", json.dumps({"path": str(folder), "streaming": True}),
+                       "--tokenizer_name_or_path", tokenizer_dir, "--max_seq_length", "32", "--max_steps", "5",
+                       "--cache_dir", str(tmp_path / "cache"), "--log_level", "WARNING"])  # fmt: skip
+    assert figures["train_rows"].startswith("streamed") and figures["train_tokens"] is None
+    assert "streamed (made as training reads them)" in capsys.readouterr().out
+
+
 def test_prepared_shards_stream_the_cached_rows_without_tokenising(tmp_path, tokenizer_dir, capsys):
     from tunebook.cli import prepare
 
