@@ -155,13 +155,14 @@ def data_wait_advice(
             "give the corpus a multiple of processes x workers files so that no worker reads rows it skips, or "
             "tokenise it ahead with `tunebook prepare` and stream the prepared shards"
         )
-        return f"The training loop waited for data {100 * fraction:.0f}% of the time (more than {100 * threshold:.0f}%): {fix}"
-    if num_workers == 0:
+    elif num_workers == 0:
         fix = "set dataloader_num_workers (now 0) to 2 or more so batches are collated in the background"
     else:
         fix = f"raise dataloader_num_workers (now {num_workers}) or dataloader_prefetch_factor (now {prefetch_factor})"
     prepare = (
-        "; prepare the data ahead with `tunebook prepare` if preprocessing is the slow part" if data_built else ""
+        "; prepare the data ahead with `tunebook prepare` if preprocessing is the slow part"
+        if data_built and not streamed
+        else ""
     )
     return f"The training loop waited for data {100 * fraction:.0f}% of the time (more than {100 * threshold:.0f}%): {fix}{prepare}"
 

@@ -161,15 +161,11 @@ def resume(run: Run, data, figures, evaluate: Callable[[], dict] | None) -> None
     run.evaluate, run.tokenizer, run.figures = evaluate, data.tokenizer, figures
     run.counters = TrainCounters.zeros(accelerator.device)
     run.best = BestModel.from_config(config) if evaluate is not None else None  # best checkpoint, early stopping
+    stream = run.train_loader if getattr(run.train_loader, "resumes_itself", False) else None
     run.checkpoint, state = resume_training(
-        accelerator, config, run.counters, run.best, figures, run.log, run.optimizer, run.lr_scheduler
+        accelerator, config, run.counters, run.best, figures, run.log, run.optimizer, run.lr_scheduler, stream
     )
     run.state = RunState.from_state_dict(state)
-    if run.checkpoint is not None and getattr(run.train_loader, "resumes_itself", False):
-        from ..checkpoint import load_process_state
-
-        # A stream continues from its saved position (tunebook.data.streaming), not by skipping batches.
-        run.train_loader.load_state_dict(load_process_state(run.checkpoint, accelerator.process_index)["data"])
     if run.checkpoint is not None:
         run.log.info("Resumed from %s: step %d, epoch %d, %d batches into it", run.checkpoint, run.state.global_step,
                      run.state.epoch, run.state.batches_in_epoch)  # fmt: skip

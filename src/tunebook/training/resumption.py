@@ -98,11 +98,12 @@ def save_training_state(
     )  # fmt: skip
 
 
-def resume_training(accelerator, config, counters, best, figures, log: logging.Logger, optimizer, lr_scheduler):
+def resume_training(accelerator, config, counters, best, figures, log: logging.Logger, optimizer, lr_scheduler,
+                    stream=None):  # fmt: skip
     """Continue from `config.resume_from_checkpoint` ('latest', 'auto', a path; None: a fresh start).
 
     Restores what `accelerator.save_state` saved (model, optimizer, scheduler, RNG states), this process's
-    `counters` and `figures`, and the `best` tracker, after checking the config against the checkpoint's; changed
+    `counters`, `figures` and `stream` position (a `StreamLoader`, or None), and the `best` tracker, after checking the config against the checkpoint's; changed
     optimizer keys are applied to the prepared `optimizer` and `lr_scheduler`. Returns
     (checkpoint or None, the trainer state: global_step, epoch, batches_in_epoch, ...).
     """
@@ -119,6 +120,8 @@ def resume_training(accelerator, config, counters, best, figures, log: logging.L
     counters.load_state_dict(process)
     if process.get("figures"):
         figures.load_state_dict(process["figures"])
+    if stream is not None:  # a stream continues from its saved position (tunebook.data.streaming), not by skipping
+        stream.load_state_dict(process["data"])
     if best is not None and state.get("best"):
         best.load_state_dict(state["best"])
     if optimizer_changes:
