@@ -139,9 +139,16 @@ def _exit_without_teardown() -> None:
     import atexit
     import threading
 
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    # The interpreter's own thread shutdown: it first runs the hooks that stop thread pools (concurrent.futures'
+    # workers, which torch.compile's inductor leaves idle, wait for those hooks and would never end), then joins
+    # every non-daemon thread. Joining the threads without the hooks hung every compiled run at its end.
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    else:  # pragma: no cover - a Python without the private hook: its public equivalent, less the pools' hooks
+        for thread in threading.enumerate():
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -174,6 +174,9 @@ def test_a_run_in_the_launchers_interpreter_ends_as_python_would(tmp_path):
         "out = pathlib.Path(sys.argv[1])\n"
         "atexit.register(lambda: (out / 'atexit').write_text('ran'))\n"
         "threading.Thread(target=lambda: (time.sleep(0.5), (out / 'thread').write_text('joined'))).start()\n"
+        # An idle pool's worker (as torch.compile leaves behind) ends only when exit stops the pool first.
+        "from concurrent.futures import ThreadPoolExecutor\n"
+        "pool = ThreadPoolExecutor(2); pool.submit(lambda: (out / 'pool').write_text('ran')).result()\n"
         "print('buffered, not flushed', end='')\n"
     )
     result = subprocess.run([sys.executable, "-m", "tunebook.cli", "train", "--config_file", "accelerate_configs/cpu.yaml",
@@ -182,3 +185,4 @@ def test_a_run_in_the_launchers_interpreter_ends_as_python_would(tmp_path):
     assert result.stdout == "buffered, not flushed"
     assert (tmp_path / "atexit").read_text() == "ran"
     assert (tmp_path / "thread").read_text() == "joined"
+    assert (tmp_path / "pool").read_text() == "ran"
