@@ -115,7 +115,8 @@ def run_one(system: str, precision: str, data: Path, model_dir: Path, work: Path
         summary = json.loads((out / "summary.json").read_text())
         stats = {"tokens": summary["train_tokens"], "train_seconds": summary["train_runtime_seconds"],
                  "time_to_first_step": summary["time_to_first_step_seconds"],
-                 "final_train_loss": summary["final_train_loss"]}  # fmt: skip
+                 "final_train_loss": summary["final_train_loss"],
+                 "computed_positions": summary["train_tokens"] / (1 - summary["padding_fraction"])}  # fmt: skip
     else:
         stats = json.loads(result.read_text())
     return {
@@ -125,6 +126,10 @@ def run_one(system: str, precision: str, data: Path, model_dir: Path, work: Path
         "wall_seconds": wall,
         "tokens_per_second": stats["tokens"] / stats["train_seconds"],
         "tokens": stats["tokens"],
+        # Every position the model computed (padding included): with equal cost per position, the tokens/s ratio
+        # can be no more than the ratio of these per token.
+        "positions_per_token": stats["computed_positions"] / stats["tokens"],
+        "us_per_position": stats["train_seconds"] / stats["computed_positions"] * 1e6,
         "time_to_first_step": stats["time_to_first_step"],
         "peak_rss_mb": usage.ru_maxrss / 1024,  # the largest process of the run (Linux reports KiB)
         "final_train_loss": stats["final_train_loss"],
@@ -141,8 +146,9 @@ def table(runs: list[dict], precision: str, systems: list[str]) -> str:
     has_cold = any(r["cache"] == "cold" and r["precision"] == precision for r in runs)
     lines = [
         "| system | whole process, warm cache (s) | whole process, cold cache (s) | non-padding tokens/s | "
-        "first step, cold (s) | first step, warm (s) | peak RSS (MB) | tokens trained | final loss |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "positions computed per token | µs per computed position | first step, cold (s) | first step, warm (s) | "
+        "peak RSS (MB) | tokens trained | final loss |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     names = {"tunebook": "Tunebook SFT, packing", "trainer": "transformers Trainer, pad to longest",
              "trl": "TRL SFTTrainer, packing"}  # fmt: skip
@@ -150,8 +156,9 @@ def table(runs: list[dict], precision: str, systems: list[str]) -> str:
         cold = lambda key, s=s: f"{med(s, key, 'cold'):.1f}" if has_cold else "–"  # noqa: E731
         lines.append(
             f"| {names[s]} | {med(s, 'wall_seconds'):.1f} | {cold('wall_seconds')} | {med(s, 'tokens_per_second'):.0f} "
-            f"| {cold('time_to_first_step')} | {med(s, 'time_to_first_step'):.1f} | {med(s, 'peak_rss_mb'):.0f} "
-            f"| {med(s, 'tokens'):.0f} | {med(s, 'final_train_loss'):.3f} |"
+            f"| {med(s, 'positions_per_token'):.2f} | {med(s, 'us_per_position'):.1f} | {cold('time_to_first_step')} "
+            f"| {med(s, 'time_to_first_step'):.1f} | {med(s, 'peak_rss_mb'):.0f} | {med(s, 'tokens'):.0f} "
+            f"| {med(s, 'final_train_loss'):.3f} |"
         )
     ratios = []
     for peer in systems[1:]:

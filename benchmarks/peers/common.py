@@ -60,6 +60,21 @@ class FirstStepClock(TrainerCallback):
             self.seconds = time.time() - psutil.Process(os.getpid()).create_time()
 
 
+class PositionCount(TrainerCallback):
+    """Positions the model computes, padding included (`input_ids.numel()` of every forward): with the non-padding
+    tokens, how much of the work went to padding."""
+
+    def __init__(self):
+        self.positions = 0
+
+    def _count(self, module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        self.positions += ids.numel() if ids is not None else 0
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+
 class SteadyClock(TrainerCallback):
     """Non-padding tokens per second from the end of step `warmup` to the end of the last step.
 
@@ -173,7 +188,7 @@ def shared_training_arguments(args: argparse.Namespace) -> dict:
 
 
 def callbacks(args: argparse.Namespace) -> list[TrainerCallback]:
-    return [FirstStepClock()] + ([SteadyClock(args.timing_warmup)] if args.max_steps > 0 else [])
+    return [FirstStepClock(), PositionCount()] + ([SteadyClock(args.timing_warmup)] if args.max_steps > 0 else [])
 
 
 def peak_memory(device: str) -> dict:
@@ -192,7 +207,7 @@ def train_and_report(trainer, clocks: list[TrainerCallback], args: argparse.Name
     if not args.no_save:
         trainer.save_model()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    steady = clocks[1].result if len(clocks) > 1 and clocks[1].result else {}
+    steady = clocks[2].result if len(clocks) > 2 and clocks[2].result else {}
     write_result(
         args.result,
         tokens=int(sum(len(ids) for ids in trainer.train_dataset["input_ids"])),
@@ -201,6 +216,7 @@ def train_and_report(trainer, clocks: list[TrainerCallback], args: argparse.Name
         final_train_loss=metrics["train_loss"],  # the mean over all steps
         last_logged_loss=losses[-1] if losses else None,  # the mean over the last logging window
         steps=trainer.state.global_step,
+        computed_positions=clocks[1].positions,
         **peak_memory(args.device),
         **steady,
     )
