@@ -4,7 +4,7 @@
   ends with its weights, byte for byte; `metrics.jsonl` continues without a gap or a repeat;
 - a run that dies inside a checkpoint save keeps the previous checkpoint as `latest`, and resumes from it;
 - `nan_policy: stop` ends the run naming the last good checkpoint; `skip` drops the step from the update and from the
-  logged figures;
+  logged figures; under fp16 loss scaling, overflowing steps are the scaler's to skip, counted, and the run goes on;
 - early stopping and `load_best_model_at_end` export the best checkpoint's weights;
 - `save_strategy` epoch and no.
 The recipes differ only where their task differs: a test reads their `main` functions and checks the loop's calls.
@@ -137,6 +137,35 @@ def test_dying_inside_a_save_keeps_the_previous_checkpoint(name, tmp_path, monke
     assert resolve_checkpoint(tmp_path / "run", "latest").name == "step-2"
     summary = _run(name, tmp_path / "run", tmp_path / "cache", save_steps=2, resume_from_checkpoint="latest")
     assert summary["resumed_from"].endswith("step-2") and summary["train_steps"] == 6
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_fp16_loss_scaling_skips_overflowing_steps_and_trains(name, tmp_path, monkeypatch):
+    """fp16 with a loss scaler, as on a GPU (here Accelerate's own fp16 path with torch's CPU GradScaler and float16
+    autocast): the steps whose gradients overflow at the scale are skipped and counted while the scale comes down,
+    and the run goes on under the default `nan_policy: stop`, updates the weights and has no NaN in them."""
+    import torch
+    from accelerate import Accelerator
+    from safetensors.torch import load_file
+
+    import tunebook.training.accelerator as built
+
+    class FP16WithScaler(Accelerator):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            # The process-wide state is shared by every Accelerator of this process: undone after the test.
+            monkeypatch.setattr(self.state, "_mixed_precision", "fp16")
+            self.native_amp = True
+            self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, backoff_factor=2.0**-12)
+
+    monkeypatch.setattr(built, "Accelerator", FP16WithScaler)
+    summary = _run(name, tmp_path / "fp16", tmp_path / "cache", save_strategy="no")
+    assert summary["mixed_precision"] == "fp16" and summary["train_steps"] == 6
+    assert 1 <= summary["skipped_updates"] < 6
+    losses = [r["loss"] for r in _records(tmp_path / "fp16") if "loss" in r]
+    assert losses[0] is None and losses[-1] is not None  # the first step overflows at 2**24; later ones update
+    weights = load_file(tmp_path / "fp16" / "model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values())
 
 
 @pytest.mark.parametrize("name", RECIPES)

@@ -207,16 +207,21 @@ def apply_update(run: Run, step_loss: torch.Tensor, window: list) -> bool:
     config, state, accelerator = run.config, run.state, run.accelerator
     state.batches_in_epoch += len(window)
     run.grad_norm = accelerator.clip_grad_norm_(run.model.parameters(), config.max_grad_norm or float("inf"))
-    updated = not is_nonfinite(step_loss, run.grad_norm, accelerator)
-    if not updated:
-        if config.nan_policy == "stop":
-            run.stop = nonfinite_stop(state.global_step, run.output_dir)
+    if accelerator.scaler is not None:
+        updated = _scaled_update(run, step_loss)
+        if run.stop is not None:
             return False
-        state.skipped_updates += 1
-        run.log.warning("Step %d: non-finite loss or gradient norm, update skipped (%d so far)",
-                        state.global_step + 1, state.skipped_updates)  # fmt: skip
     else:
-        run.optimizer.step()
+        updated = not is_nonfinite(step_loss, run.grad_norm, accelerator)
+        if not updated:
+            if config.nan_policy == "stop":
+                run.stop = nonfinite_stop(state.global_step, run.output_dir)
+                return False
+            state.skipped_updates += 1
+            run.log.warning("Step %d: non-finite loss or gradient norm, update skipped (%d so far)",
+                            state.global_step + 1, state.skipped_updates)  # fmt: skip
+        else:
+            run.optimizer.step()
     run.lr_scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     state.global_step += 1
@@ -225,6 +230,29 @@ def apply_update(run: Run, step_loss: torch.Tensor, window: list) -> bool:
         run.compiled.step_done()
     run.progress.update(1)
     return updated
+
+
+def _scaled_update(run: Run, step_loss: torch.Tensor) -> bool:
+    """The update under fp16 loss scaling. Gradients that overflow at the current scale are routine (the first
+    steps at 2**16, and again each time the scale has grown): the scaler skips that update and lowers the scale,
+    which it does only inside the optimizer's step, so the step is always taken; skipping it as a non-finite step
+    would leave the scale too high for good (and the next unscale would fail). Only a non-finite loss, which no
+    scale fixes, is a bad step for `nan_policy`. Returns True when the weights were updated."""
+    config, state = run.config, run.state
+    if config.nan_policy == "stop" and is_nonfinite(step_loss, 0.0, run.accelerator):
+        run.stop = nonfinite_stop(state.global_step, run.output_dir)
+        return False
+    scaler = run.accelerator.scaler
+    scale = scaler.get_scale()
+    run.optimizer.step()  # the scaler's: no update if any gradient is inf/NaN, and then a lower scale
+    # Not `optimizer.step_was_skipped`: a fused optimizer (AdamW's default here) skips inside its own step, which
+    # Accelerate then counts as taken. The scale goes down exactly when the scaler found inf/NaN gradients.
+    if scaler.get_scale() >= scale:
+        return True
+    state.skipped_updates += 1
+    run.log.warning("Step %d: gradients overflowed in fp16, update skipped, loss scale lowered to %g (%d so far)",
+                    state.global_step + 1, scaler.get_scale(), state.skipped_updates)  # fmt: skip
+    return False
 
 
 def after_step(run: Run) -> bool:
