@@ -139,14 +139,12 @@ def test_dying_inside_a_save_keeps_the_previous_checkpoint(name, tmp_path, monke
     assert summary["resumed_from"].endswith("step-2") and summary["train_steps"] == 6
 
 
-@pytest.mark.parametrize("name", RECIPES)
-def test_fp16_loss_scaling_skips_overflowing_steps_and_trains(name, tmp_path, monkeypatch):
-    """fp16 with a loss scaler, as on a GPU (here Accelerate's own fp16 path with torch's CPU GradScaler and float16
-    autocast): the steps whose gradients overflow at the scale are skipped and counted while the scale comes down,
-    and the run goes on under the default `nan_policy: stop`, updates the weights and has no NaN in them."""
+def _fp16_with_scaler(monkeypatch) -> None:
+    """Recipes in this process train as under fp16 on a GPU: Accelerate's own fp16 path (loss scaling, unscaling
+    before clipping, float16 autocast), with torch's CPU GradScaler. Its first scale, 2**40, overflows for sure, and
+    a backoff of 2**-12 brings it down in two skipped steps."""
     import torch
     from accelerate import Accelerator
-    from safetensors.torch import load_file
 
     import tunebook.training.accelerator as built
 
@@ -159,13 +157,32 @@ def test_fp16_loss_scaling_skips_overflowing_steps_and_trains(name, tmp_path, mo
             self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, backoff_factor=2.0**-12)
 
     monkeypatch.setattr(built, "Accelerator", FP16WithScaler)
-    summary = _run(name, tmp_path / "fp16", tmp_path / "cache", save_strategy="no")
-    assert summary["mixed_precision"] == "fp16" and summary["train_steps"] == 6
-    assert 1 <= summary["skipped_updates"] < 6
-    losses = [r["loss"] for r in _records(tmp_path / "fp16") if "loss" in r]
-    assert losses[0] is None and losses[-1] is not None  # the first step overflows at 2**24; later ones update
-    weights = load_file(tmp_path / "fp16" / "model.safetensors")
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_fp16_loss_scaling_skips_overflowing_steps_and_trains(name, tmp_path, monkeypatch):
+    """Under fp16 the steps whose gradients overflow at the loss scale are skipped and counted while the scale comes
+    down, and the run goes on under the default `nan_policy: stop`, updates the weights and has no NaN in them; a
+    run stopped by a signal and resumed (the scale restored from the checkpoint) ends as the uninterrupted one."""
+    import torch
+    from safetensors.torch import load_file
+
+    _fp16_with_scaler(monkeypatch)
+    full = _run(name, tmp_path / "full", tmp_path / "cache")
+    assert full["mixed_precision"] == "fp16" and full["train_steps"] == 6
+    assert full["skipped_updates"] == 2
+    losses = [r["loss"] for r in _records(tmp_path / "full") if "loss" in r]
+    assert losses[:2] == [None, None] and None not in losses[2:]
+    weights = load_file(tmp_path / "full" / "model.safetensors")
     assert all(torch.isfinite(w).all() for w in weights.values())
+
+    with monkeypatch.context() as patch:
+        _signal_at(patch, name, 3)
+        with pytest.raises(SystemExit):
+            _run(name, tmp_path / "cut", tmp_path / "cache")
+    resumed = _run(name, tmp_path / "cut", tmp_path / "cache", resume_from_checkpoint="latest")
+    assert resumed["skipped_updates"] == 2  # a scale not restored would overflow again at step 4
+    assert _weights(tmp_path / "cut") == _weights(tmp_path / "full")
 
 
 @pytest.mark.parametrize("name", RECIPES)
