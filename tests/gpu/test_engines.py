@@ -118,3 +118,18 @@ def test_gpu_qlora_trains_4bit_base(tmp_path, tiny_tokenizer, tiny_model_config)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert (out / "adapter_model.safetensors").is_file()
     assert json.loads((out / "summary.json").read_text())["trainable_parameters"] > 0
+
+
+def test_gpu_fp16_loss_scaling_skips_overflows_and_trains(tmp_path):
+    """fp16 mixed precision with CUDA's GradScaler: overflowing steps are skipped and counted, the run ends, no NaN in
+    the weights (the CPU test in tests/recipes/test_guarantees.py runs the same loop with torch's CPU GradScaler)."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "fp16"
+    result = launch("recipes/sft.py", [*COMMON, "--output_dir", str(out)], "single_gpu.yaml",
+                    launcher_args=(*ONE_PROCESS, "--mixed_precision", "fp16"))  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mixed_precision"] == "fp16" and summary["train_steps"] == 6
+    assert summary["skipped_updates"] < 6 and summary["final_train_loss"] is not None
+    assert all(torch.isfinite(w).all() for w in load_file(out / "model.safetensors").values())
