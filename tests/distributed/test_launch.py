@@ -149,6 +149,31 @@ exit $rc
 """
 
 
+def test_a_lora_checkpoint_of_an_fsdp2_sharded_model_holds_the_whole_adapters(tmp_path):
+    """Under FSDP2 the adapters and the base weights are DTensor shards: the checkpoint's adapter directory (and the
+    base copy beside it) must hold the gathered weights, the same files as from the unsharded model."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    result = launch("tests/distributed/fsdp2_lora_save.py", [str(tmp_path)], accelerate_config="multi_cpu.yaml")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    plain, sharded = (
+        load_file(tmp_path / d / "adapter" / "adapter_model.safetensors") for d in ("unsharded", "sharded")
+    )
+    assert sorted(sharded) == sorted(plain) and any("lora_B" in k for k in plain)
+    for key in plain:
+        torch.testing.assert_close(sharded[key], plain[key], rtol=0, atol=0, msg=key)
+    config = json.loads((tmp_path / "sharded" / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((tmp_path / "sharded" / "base_model").resolve())
+    base_plain, base_sharded = (
+        AutoModelForCausalLM.from_pretrained(tmp_path / d / "base_model").state_dict()
+        for d in ("unsharded", "sharded")
+    )
+    assert sorted(base_sharded) == sorted(base_plain)
+    for key in base_plain:
+        torch.testing.assert_close(base_sharded[key], base_plain[key], rtol=0, atol=0, msg=key)
+
+
 def test_the_slurm_script_prepares_once_then_launches_every_node(tmp_path):
     """scripts/slurm/train.sbatch under stand-ins for srun and scontrol: 2 "nodes" on loopback, CPU processes."""
     stubs = tmp_path / "bin"

@@ -26,6 +26,7 @@ __all__ = [
     "parameter_counts",
     "register_adapter_checkpoints",
     "save_adapter",
+    "save_checkpoint_adapter",
 ]
 
 ADAPTER_DIR = "adapter"  # inside a checkpoint
@@ -107,10 +108,9 @@ def register_adapter_checkpoints(accelerator, run_dir: str | Path) -> None:
         for i in reversed(range(len(models))):
             model = accelerator.unwrap_model(models[i])
             if is_peft_model(model):
-                if accelerator.is_main_process:
-                    _point_at_base(model, _base_model_path(model, Path(run_dir)))
-                    model.save_pretrained(Path(output_dir) / ADAPTER_DIR, safe_serialization=True)
-                weights.pop(i)
+                save_checkpoint_adapter(accelerator, model, Path(output_dir) / ADAPTER_DIR, Path(run_dir))
+                if i < len(weights):  # under FSDP Accelerate saves the (sharded) model itself and passes no weights
+                    weights.pop(i)
 
     def load_hook(models: list, input_dir: str) -> None:
         from peft import set_peft_model_state_dict
@@ -144,6 +144,59 @@ def save_adapter(accelerator, model, tokenizer, output_dir: str | Path, merge: b
             merge_adapter_dir(output_dir, output_dir / "merged")
     accelerator.wait_for_everyone()
     return output_dir
+
+
+def save_checkpoint_adapter(accelerator, peft_model, adapter_dir: Path, run_dir: Path) -> None:
+    """A checkpoint's adapter directory (call on every process). Its config points at the base model, copied once
+    into `run_dir/base_model/` if it has no path of its own."""
+    if _is_sharded(peft_model):  # FSDP2: every process takes part in gathering the shards
+        _save_sharded_adapter(peft_model, adapter_dir, run_dir, accelerator)
+    elif accelerator.is_main_process:
+        _point_at_base(peft_model, _base_model_path(peft_model, run_dir))
+        peft_model.save_pretrained(adapter_dir, safe_serialization=True)
+
+
+def _is_sharded(module: torch.nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered whole on the CPU (a collective: every process calls it, in the same order)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor().cpu() if isinstance(tensor, DTensor) else tensor.detach().cpu()
+
+
+def _save_sharded_adapter(peft_model, adapter_dir: Path, run_dir: Path, accelerator) -> None:
+    """The adapter directory of a peft model whose weights are FSDP2 shards (DTensors), written by the main process
+    from weights every process gathers: peft's `save_pretrained` would write the main process's shards only.
+
+    The base copy for a base built from a config is made from the gathered weights under the base model's own names,
+    as `unload()` leaves them in the unsharded case."""
+    from peft import get_peft_model_state_dict
+
+    state = peft_model.state_dict()
+    kept = {id(v) for v in get_peft_model_state_dict(peft_model, state_dict=state).values()}
+    adapters = {k: _full(v) for k, v in state.items() if id(v) in kept}  # full names, as save_pretrained filters
+    base_dir = run_dir / BASE_MODEL_DIR
+    name = getattr(peft_model.get_base_model(), "name_or_path", "") or ""
+    task = next(iter(peft_model.peft_config.values())).task_type
+    copy_base = not (name and task != "SEQ_CLS") and not (base_dir / "config.json").is_file()
+    base = {}
+    if copy_base:  # as unload() leaves it: LoRA layers back to their base layer, `modules_to_save` to its copy
+        copy_of = f".modules_to_save.{peft_model.active_adapter}."
+        for key, value in state.items():
+            if "lora_" in key or ".original_module." in key or (".modules_to_save." in key and copy_of not in key):
+                continue
+            plain = key.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(copy_of, ".")
+            base[plain] = _full(value)
+    if accelerator.is_main_process:
+        if copy_base:
+            peft_model.get_base_model().save_pretrained(base_dir, state_dict=base, safe_serialization=True)
+        _point_at_base(peft_model, _base_model_path(peft_model, run_dir))
+        peft_model.save_pretrained(adapter_dir, state_dict=adapters, safe_serialization=True)
 
 
 def _point_at_base(peft_model, base: tuple[str, str | None]) -> None:
