@@ -135,8 +135,10 @@ def save_adapter(accelerator, model, tokenizer, output_dir: str | Path, merge: b
     also the merged model into `output_dir/merged`. Call on every process (sharded states are gathered)."""
     output_dir = Path(output_dir)
     state_dict = accelerator.get_state_dict(model)
+    peft_model = accelerator.unwrap_model(model)
+    if _is_sharded(peft_model):  # the base copy, where one is needed, from weights every process gathers
+        _copy_sharded_base(peft_model, output_dir, accelerator)
     if accelerator.is_main_process:
-        peft_model = accelerator.unwrap_model(model)
         _point_at_base(peft_model, _base_model_path(peft_model, output_dir))
         peft_model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(output_dir)
@@ -171,32 +173,36 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 def _save_sharded_adapter(peft_model, adapter_dir: Path, run_dir: Path, accelerator) -> None:
     """The adapter directory of a peft model whose weights are FSDP2 shards (DTensors), written by the main process
-    from weights every process gathers: peft's `save_pretrained` would write the main process's shards only.
-
-    The base copy for a base built from a config is made from the gathered weights under the base model's own names,
-    as `unload()` leaves them in the unsharded case."""
+    from weights every process gathers: peft's `save_pretrained` would write the main process's shards only."""
     from peft import get_peft_model_state_dict
 
     state = peft_model.state_dict()
     kept = {id(v) for v in get_peft_model_state_dict(peft_model, state_dict=state).values()}
     adapters = {k: _full(v) for k, v in state.items() if id(v) in kept}  # full names, as save_pretrained filters
+    _copy_sharded_base(peft_model, run_dir, accelerator, state)
+    if accelerator.is_main_process:
+        _point_at_base(peft_model, _base_model_path(peft_model, run_dir))
+        peft_model.save_pretrained(adapter_dir, state_dict=adapters, safe_serialization=True)
+
+
+def _copy_sharded_base(peft_model, run_dir: Path, accelerator, state: dict | None = None) -> None:
+    """`_base_model_path`'s copy of the base (where it needs one) for a sharded peft model, made on every process
+    from the gathered weights under the base model's own names, as `unload()` leaves them unsharded: LoRA layers
+    back to their base layer, `modules_to_save` to its trained copy. Written by the main process."""
     base_dir = run_dir / BASE_MODEL_DIR
     name = getattr(peft_model.get_base_model(), "name_or_path", "") or ""
     task = next(iter(peft_model.peft_config.values())).task_type
-    copy_base = not (name and task != "SEQ_CLS") and not (base_dir / "config.json").is_file()
+    if (name and task != "SEQ_CLS") or (base_dir / "config.json").is_file():
+        return
+    copy_of = f".modules_to_save.{peft_model.active_adapter}."
     base = {}
-    if copy_base:  # as unload() leaves it: LoRA layers back to their base layer, `modules_to_save` to its copy
-        copy_of = f".modules_to_save.{peft_model.active_adapter}."
-        for key, value in state.items():
-            if "lora_" in key or ".original_module." in key or (".modules_to_save." in key and copy_of not in key):
-                continue
-            plain = key.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(copy_of, ".")
-            base[plain] = _full(value)
+    for key, value in (state if state is not None else peft_model.state_dict()).items():
+        if "lora_" in key or ".original_module." in key or (".modules_to_save." in key and copy_of not in key):
+            continue
+        plain = key.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(copy_of, ".")
+        base[plain] = _full(value)
     if accelerator.is_main_process:
-        if copy_base:
-            peft_model.get_base_model().save_pretrained(base_dir, state_dict=base, safe_serialization=True)
-        _point_at_base(peft_model, _base_model_path(peft_model, run_dir))
-        peft_model.save_pretrained(adapter_dir, state_dict=adapters, safe_serialization=True)
+        peft_model.get_base_model().save_pretrained(base_dir, state_dict=base, safe_serialization=True)
 
 
 def _point_at_base(peft_model, base: tuple[str, str | None]) -> None:
