@@ -158,17 +158,27 @@ def save_checkpoint_adapter(accelerator, peft_model, adapter_dir: Path, run_dir:
         peft_model.save_pretrained(adapter_dir, safe_serialization=True)
 
 
-def _is_sharded(module: torch.nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
+def _dtensor_type() -> type | None:
+    """torch's DTensor class (public from torch 2.5, private in 2.4), or None in a build without it."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        try:
+            from torch.distributed._tensor import DTensor
+        except ImportError:
+            return None
+    return DTensor
 
-    return any(isinstance(p, DTensor) for p in module.parameters())
+
+def _is_sharded(module: torch.nn.Module) -> bool:
+    dtensor = _dtensor_type()
+    return dtensor is not None and any(isinstance(p, dtensor) for p in module.parameters())
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor gathered whole on the CPU (a collective: every process calls it, in the same order)."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.full_tensor().cpu() if isinstance(tensor, DTensor) else tensor.detach().cpu()
+    dtensor = _dtensor_type()
+    return tensor.full_tensor().cpu() if dtensor and isinstance(tensor, dtensor) else tensor.detach().cpu()
 
 
 def _save_sharded_adapter(peft_model, adapter_dir: Path, run_dir: Path, accelerator) -> None:
