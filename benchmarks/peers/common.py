@@ -207,16 +207,19 @@ def train_and_report(trainer, clocks: list[TrainerCallback], args: argparse.Name
     if not args.no_save:
         trainer.save_model()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    steady = clocks[2].result if len(clocks) > 2 and clocks[2].result else {}
+    first_step, positions = (
+        next(c for c in clocks if isinstance(c, kind)) for kind in (FirstStepClock, PositionCount)
+    )
+    steady = next((c.result for c in clocks if isinstance(c, SteadyClock) and c.result), {})
     write_result(
         args.result,
         tokens=int(sum(len(ids) for ids in trainer.train_dataset["input_ids"])),
         train_seconds=metrics["train_runtime"],
-        time_to_first_step=clocks[0].seconds,
+        time_to_first_step=first_step.seconds,
         final_train_loss=metrics["train_loss"],  # the mean over all steps
         last_logged_loss=losses[-1] if losses else None,  # the mean over the last logging window
         steps=trainer.state.global_step,
-        computed_positions=clocks[1].positions,
+        computed_positions=positions.positions,
         **peak_memory(args.device),
         **steady,
     )

@@ -150,12 +150,19 @@ def save_adapter(accelerator, model, tokenizer, output_dir: str | Path, merge: b
 
 def save_checkpoint_adapter(accelerator, peft_model, adapter_dir: Path, run_dir: Path) -> None:
     """A checkpoint's adapter directory (call on every process). Its config points at the base model, copied once
-    into `run_dir/base_model/` if it has no path of its own."""
-    if _is_sharded(peft_model):  # FSDP2: every process takes part in gathering the shards
-        _save_sharded_adapter(peft_model, adapter_dir, run_dir, accelerator)
-    elif accelerator.is_main_process:
+    into `run_dir/base_model/` if it has no path of its own. Under FSDP2 the weights are shards (DTensors) and
+    peft's `save_pretrained` would write the main process's shards only: every process gathers them first."""
+    adapters = None
+    if _is_sharded(peft_model):
+        from peft import get_peft_model_state_dict
+
+        state = peft_model.state_dict()
+        kept = {id(v) for v in get_peft_model_state_dict(peft_model, state_dict=state).values()}
+        adapters = {k: _full(v) for k, v in state.items() if id(v) in kept}  # full names, as save_pretrained filters
+        _copy_sharded_base(peft_model, run_dir, accelerator)
+    if accelerator.is_main_process:
         _point_at_base(peft_model, _base_model_path(peft_model, run_dir))
-        peft_model.save_pretrained(adapter_dir, safe_serialization=True)
+        peft_model.save_pretrained(adapter_dir, state_dict=adapters, safe_serialization=True)
 
 
 def _dtensor_type() -> type | None:
@@ -181,32 +188,16 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor().cpu() if dtensor and isinstance(tensor, dtensor) else tensor.detach().cpu()
 
 
-def _save_sharded_adapter(peft_model, adapter_dir: Path, run_dir: Path, accelerator) -> None:
-    """The adapter directory of a peft model whose weights are FSDP2 shards (DTensors), written by the main process
-    from weights every process gathers: peft's `save_pretrained` would write the main process's shards only."""
-    from peft import get_peft_model_state_dict
-
-    state = peft_model.state_dict()
-    kept = {id(v) for v in get_peft_model_state_dict(peft_model, state_dict=state).values()}
-    adapters = {k: _full(v) for k, v in state.items() if id(v) in kept}  # full names, as save_pretrained filters
-    _copy_sharded_base(peft_model, run_dir, accelerator, state)
-    if accelerator.is_main_process:
-        _point_at_base(peft_model, _base_model_path(peft_model, run_dir))
-        peft_model.save_pretrained(adapter_dir, state_dict=adapters, safe_serialization=True)
-
-
-def _copy_sharded_base(peft_model, run_dir: Path, accelerator, state: dict | None = None) -> None:
+def _copy_sharded_base(peft_model, run_dir: Path, accelerator) -> None:
     """`_base_model_path`'s copy of the base (where it needs one) for a sharded peft model, made on every process
     from the gathered weights under the base model's own names, as `unload()` leaves them unsharded: LoRA layers
     back to their base layer, `modules_to_save` to its trained copy. Written by the main process."""
     base_dir = run_dir / BASE_MODEL_DIR
-    name = getattr(peft_model.get_base_model(), "name_or_path", "") or ""
-    task = next(iter(peft_model.peft_config.values())).task_type
-    if (name and task != "SEQ_CLS") or (base_dir / "config.json").is_file():
+    if _own_base_path(peft_model) or (base_dir / "config.json").is_file():
         return
     copy_of = f".modules_to_save.{peft_model.active_adapter}."
     base = {}
-    for key, value in (state if state is not None else peft_model.state_dict()).items():
+    for key, value in peft_model.state_dict().items():
         if "lora_" in key or ".original_module." in key or (".modules_to_save." in key and copy_of not in key):
             continue
         plain = key.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(copy_of, ".")
@@ -222,6 +213,14 @@ def _point_at_base(peft_model, base: tuple[str, str | None]) -> None:
             peft_config.revision = revision
 
 
+def _own_base_path(peft_model) -> str:
+    """The path or Hub name the base loads from, or "" where the adapter needs a copy of the base: a base built from
+    a config, and a classifier's base (with our label set and head size)."""
+    name = getattr(peft_model.get_base_model(), "name_or_path", "") or ""
+    task = next(iter(peft_model.peft_config.values())).task_type
+    return name if task != "SEQ_CLS" else ""
+
+
 def _base_model_path(peft_model, output_dir: Path) -> tuple[str, str | None]:
     """Where the adapter's base model loads from: the path or Hub name it was loaded from, or a copy of its weights
     saved in `output_dir/base_model/` now. The copy is made for a base built from a config, which has no path, and
@@ -230,9 +229,8 @@ def _base_model_path(peft_model, output_dir: Path) -> tuple[str, str | None]:
     A base loaded from a folder of the Hugging Face cache (`.../models--org--name/snapshots/<commit>/`) is recorded
     by its Hub name and commit: that loads on any machine (and on the Hub's pages), the cache path only on this one.
     Returns (path or name, revision or None)."""
-    name = getattr(peft_model.get_base_model(), "name_or_path", "") or ""
-    task = next(iter(peft_model.peft_config.values())).task_type
-    if name and task != "SEQ_CLS":
+    name = _own_base_path(peft_model)
+    if name:
         path = Path(name).expanduser()
         if not path.exists():
             return name, None  # a Hub name
