@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -214,13 +215,13 @@ def _finish(model, tokenizer, model_name_or_path, gradient_checkpointing: bool, 
             use_liger_kernel=False):  # fmt: skip
     """Embeddings sized for the tokenizer, special token ids in the configs, gradient checkpointing, Liger's
     kernels."""
-    rows = model.get_input_embeddings().weight.shape[0]
+    rows = _rows(model.get_input_embeddings().weight)
     if len(tokenizer) > rows:
         model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=8, mean_resizing=False)
         _mean_init_new_rows(model, rows)
         model.new_token_rows = range(rows, len(tokenizer))  # LoRA trains these rows too (models.lora)
         logger.info("Embeddings resized from %d to %d rows for the tokenizer's new tokens (initialised to the mean "
-                    "embedding)", rows, model.get_input_embeddings().weight.shape[0])  # fmt: skip
+                    "embedding)", rows, _rows(model.get_input_embeddings().weight))  # fmt: skip
     # generate() and padding-aware code (sequence classification finds the last token by pad_token_id) read these.
     # A model's own EOS ids stay EOS ids in generation (Llama 3 Instruct has three); the tokenizer's comes first.
     eos = _eos_ids(tokenizer.eos_token_id, model_name_or_path and getattr(model, "generation_config", None))
@@ -251,10 +252,26 @@ def _mean_init_new_rows(model, old_rows: int) -> None:
     knows, rather than random vectors whose large logits would dominate the first steps."""
     import torch
 
-    with torch.no_grad():
-        layers = [model.get_input_embeddings(), model.get_output_embeddings()]
-        for layer in {id(x): x for x in layers if x is not None and x.weight.shape[0] > old_rows}.values():
+    layers = [model.get_input_embeddings(), model.get_output_embeddings()]
+    for layer in {id(x): x for x in layers if x is not None and _rows(x.weight) > old_rows}.values():
+        with torch.no_grad(), _gathered(layer.weight):
             layer.weight[old_rows:] = layer.weight[:old_rows].mean(dim=0, keepdim=True)
+
+
+def _rows(weight) -> int:
+    # Under DeepSpeed ZeRO-3, transformers builds the model already partitioned (`zero.Init`): each process holds
+    # an empty tensor in place of the weight, whose full shape is `ds_shape`.
+    return getattr(weight, "ds_shape", weight.shape)[0]
+
+
+def _gathered(weight):
+    """The whole of a ZeRO-3 partitioned weight while inside (process 0's edits are kept and partitioned again);
+    nothing for any other weight."""
+    if not hasattr(weight, "ds_id"):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters([weight], modifier_rank=0)
 
 
 def _eos_ids(eos_id: int | None, generation_config) -> int | list[int] | None:

@@ -78,11 +78,12 @@ def is_peft_model(model: torch.nn.Module) -> bool:
 
 
 def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
-    """Trainable and total parameters (each shared tensor once)."""
-    params = list(model.parameters())
+    """Trainable and total parameters (each shared tensor once; a DeepSpeed ZeRO-3 partitioned one at its full
+    size, `ds_numel`, not the empty tensor each process holds in its place)."""
+    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
     return {
-        "trainable_parameters": sum(p.numel() for p in params if p.requires_grad),
-        "total_parameters": sum(p.numel() for p in params),
+        "trainable_parameters": sum(n for n, trainable in sizes if trainable),
+        "total_parameters": sum(n for n, _ in sizes),
     }
 
 

@@ -14,7 +14,7 @@ from ..hub import check_hub_access
 from ..models.lora import register_adapter_checkpoints
 from ..trackers import resolve_report_to, trackers_dir
 
-__all__ = ["build_accelerator", "check_engine", "has_accelerator_device", "recipe_accelerator"]
+__all__ = ["build_accelerator", "check_deepspeed", "check_engine", "has_accelerator_device", "recipe_accelerator"]
 
 
 def has_accelerator_device() -> bool:
@@ -42,14 +42,16 @@ def build_accelerator(
       Accelerate's default steps it `num_processes` times per step, which only works if the schedule was built
       for `num_processes` times more steps.
     """
+    deepspeed = str_to_bool(os.environ.get("ACCELERATE_USE_DEEPSPEED", "false"))
     # Under DeepSpeed the engine clips inside its step, with Accelerate's "auto" value fixed at 1.0: hand it ours.
-    if str_to_bool(os.environ.get("ACCELERATE_USE_DEEPSPEED", "false")):
+    if deepspeed:
         os.environ.setdefault("ACCELERATE_GRADIENT_CLIPPING", str(max_grad_norm))
     log_with = resolve_report_to(report_to)
     if log_with and output_dir is None:
         raise ValueError("build_accelerator: trackers need output_dir")
     accelerator = Accelerator(
-        cpu=not has_accelerator_device(),
+        # DeepSpeed runs on a CPU too (its CPU accelerator, gloo): `cpu=True` would make Accelerate drop it.
+        cpu=not has_accelerator_device() and not deepspeed,
         log_with=log_with or None,
         project_dir=trackers_dir(output_dir) if log_with else None,
         gradient_accumulation_steps=gradient_accumulation_steps,
@@ -72,19 +74,25 @@ def build_accelerator(
 def check_engine(accelerator: Accelerator) -> None:
     """Stop if the accelerate config asked for FSDP or DeepSpeed and Accelerate is not running it.
 
-    Accelerate silently drops its FSDP plugin without CUDA (plain DDP, or one process, trains instead), so a run
-    would look fine while sharding, its memory savings and its checkpoint format are absent.
+    Accelerate silently drops its FSDP plugin without CUDA, and DeepSpeed in a process not started by its launcher
+    (plain DDP, or one process, trains instead), so a run would look fine while sharding, its memory savings and its
+    checkpoint format are absent. DeepSpeed itself also runs on a CPU (its CPU accelerator, over gloo).
     """
     wanted = {
-        "FSDP": (str_to_bool(os.environ.get("ACCELERATE_USE_FSDP", "false")), DistributedType.FSDP),
-        "DeepSpeed": (str_to_bool(os.environ.get("ACCELERATE_USE_DEEPSPEED", "false")), DistributedType.DEEPSPEED),
-    }
-    for engine, (requested, distributed_type) in wanted.items():
+        "FSDP": (
+            str_to_bool(os.environ.get("ACCELERATE_USE_FSDP", "false")), DistributedType.FSDP,
+            "FSDP needs CUDA GPUs here. Use accelerate_configs/cpu.yaml or multi_cpu.yaml on a CPU",
+        ),
+        "DeepSpeed": (
+            str_to_bool(os.environ.get("ACCELERATE_USE_DEEPSPEED", "false")), DistributedType.DEEPSPEED,
+            "DeepSpeed starts only in processes launched by `tunebook train` or `accelerate launch`",
+        ),
+    }  # fmt: skip
+    for engine, (requested, distributed_type, hint) in wanted.items():
         if requested and accelerator.distributed_type != distributed_type:
             raise ConfigError(
                 f"the accelerate config asks for {engine} but Accelerate started {accelerator.distributed_type.value} "
-                f"on {accelerator.device.type} ({accelerator.num_processes} process(es)): {engine} needs CUDA GPUs "
-                "here. Use accelerate_configs/cpu.yaml or multi_cpu.yaml on a CPU"
+                f"on {accelerator.device.type} ({accelerator.num_processes} process(es)): {hint}"
             )
 
 
@@ -100,9 +108,23 @@ def recipe_accelerator(config) -> Accelerator:
         max_grad_norm=config.max_grad_norm,
     )
     register_adapter_checkpoints(accelerator, config.output_dir)  # a LoRA model's checkpoints hold only its adapters
-    if accelerator.distributed_type == DistributedType.DEEPSPEED and config.nan_policy == "skip":
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        check_deepspeed(accelerator, config)
+    return accelerator
+
+
+def check_deepspeed(accelerator: Accelerator, config) -> None:
+    """Stop at start-up on DeepSpeed settings that would fail or mislead only later in the run."""
+    if config.nan_policy == "skip":
         raise ConfigError(
             "nan_policy: skip does not work under DeepSpeed, whose engine applies the update inside backward; "
             "use nan_policy: stop"
         )
-    return accelerator
+    zero = accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
+    if zero.get("stage") == 3 and not zero.get("stage3_gather_16bit_weights_on_model_save"):
+        # Else Accelerate refuses to gather the weights for the final model directory after the whole run.
+        raise ConfigError(
+            "the accelerate config runs DeepSpeed ZeRO-3 without zero3_save_16bit_model: true (the DeepSpeed "
+            "config's stage3_gather_16bit_weights_on_model_save): the trained model could not be saved as a Hugging "
+            "Face directory. Set it, as accelerate_configs/deepspeed_zero3.yaml does"
+        )

@@ -141,6 +141,10 @@ def plan_training(
     lr_scheduler = accelerator.prepare(
         build_scheduler(config.lr_scheduler_type, optimizer, run.total_steps, config.warmup_ratio)
     )
+    if lr_scheduler not in accelerator._schedulers:
+        # Under DeepSpeed, Accelerate (1.15) hands back a scheduler prepared apart from its model unwrapped and
+        # unregistered, so `save_state` left it out and a resumed run restarted its schedule from the first step.
+        accelerator.register_for_checkpointing(lr_scheduler)
     run.log.info("Training %d optimizer steps (%d per epoch) of %d x %d %s x %d process(es)", run.total_steps,
                  run.steps_per_epoch, k, config.per_device_train_batch_size, unit, accelerator.num_processes)  # fmt: skip
     run.model, run.optimizer, run.lr_scheduler, run.train_loader = model, optimizer, lr_scheduler, train_loader
