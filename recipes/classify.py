@@ -34,6 +34,7 @@ from tunebook.training import (
     build_optimizer,
     epochs,
     finish,
+    micro_batch,
     plan_training,
     resume,
     start_run,
@@ -98,7 +99,7 @@ def main(config: ClassifyConfig) -> dict:
             scale = step_loss_scale(accelerator.reduce(local_examples, "sum"), accelerator.num_processes, k)
             step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
             for batch in window:
-                with accelerator.accumulate(model):
+                with micro_batch(accelerator, model, last=batch is window[-1]):
                     logits = model(**classifier_inputs(batch)).logits
                     loss_sum = F.cross_entropy(logits.float(), batch["labels"], reduction="sum")
                     accelerator.backward(loss_sum * scale)

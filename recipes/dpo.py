@@ -35,7 +35,7 @@ from tunebook.data import (
 )
 from tunebook.distributed import preparation_lock, prepare_then_join
 from tunebook.evaluation import evaluate_preferences
-from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options
+from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options, whole_weights
 from tunebook.recipe_configs import DPOConfig
 from tunebook.training import (
     REFERENCE_FREE_LOSSES,
@@ -46,6 +46,7 @@ from tunebook.training import (
     build_optimizer,
     epochs,
     finish,
+    micro_batch,
     plan_training,
     policy_and_reference_log_probs,
     precompute_reference_log_probs,
@@ -101,49 +102,50 @@ def main(config: DPOConfig) -> dict:
 
     # --- model: the policy; optionally a brief SFT warm-up; then the reference it is measured against
     model = build_causal_lm(tokenizer, **model_options(config))
-    if config.sft_warmup_steps:  # on the chosen responses
-        chosen = data.train.select_columns(["chosen_input_ids", "chosen_labels"])
-        chosen = chosen.rename_columns({"chosen_input_ids": "input_ids", "chosen_labels": "labels"})
-        sft_warmup(
-            model,
-            chosen,
-            tokenizer.pad_token_id,
-            steps=config.sft_warmup_steps,
-            seed=config.seed,
-            batch_size=config.per_device_train_batch_size,
-            device=accelerator.device,
-            log=log,
-            pad_to_multiple_of=config.pad_to_multiple_of,
-        )
-    attn, dtype = model.config._attn_implementation, model.dtype
-    reference = None  # with LoRA: the policy with its adapters off
-    use_reference = config.loss_type not in REFERENCE_FREE_LOSSES
-    if not use_reference:  # simpo, orpo: no copy, no adapters-off pass, nothing precomputed
-        log.info("Loss %s uses no reference model: none built", config.loss_type)
-    elif config.precompute_ref_log_probs:  # once, by the model as it is now, cached with the tokenised pairs
-        model.to(accelerator.device)
-        collate = PairCollator(tokenizer.pad_token_id, config.pad_to_multiple_of)
-        reference_key = weights_fingerprint(model)
-        for split in ("train", "eval"):
-            if getattr(data, split) is not None:
-                key = fingerprint({"pairs": data.keys[split], "reference": reference_key})
-                with preparation_lock(run.cache_dir):  # the first process computes, the others read its result
-                    dataset, cached = precompute_reference_log_probs(
-                        model,
-                        getattr(data, split),
-                        collate,
-                        accelerator.device,
-                        run.cache_dir,
-                        key,
-                        config.per_device_eval_batch_size,
-                        attn,
+    with whole_weights(model):  # under DeepSpeed ZeRO-3 the model is built partitioned: whole until prepare
+        if config.sft_warmup_steps:  # on the chosen responses
+            chosen = data.train.select_columns(["chosen_input_ids", "chosen_labels"])
+            chosen = chosen.rename_columns({"chosen_input_ids": "input_ids", "chosen_labels": "labels"})
+            sft_warmup(
+                model,
+                chosen,
+                tokenizer.pad_token_id,
+                steps=config.sft_warmup_steps,
+                seed=config.seed,
+                batch_size=config.per_device_train_batch_size,
+                device=accelerator.device,
+                log=log,
+                pad_to_multiple_of=config.pad_to_multiple_of,
+            )
+        attn, dtype = model.config._attn_implementation, model.dtype
+        reference = None  # with LoRA: the policy with its adapters off
+        use_reference = config.loss_type not in REFERENCE_FREE_LOSSES
+        if not use_reference:  # simpo, orpo: no copy, no adapters-off pass, nothing precomputed
+            log.info("Loss %s uses no reference model: none built", config.loss_type)
+        elif config.precompute_ref_log_probs:  # once, by the model as it is now, cached with the tokenised pairs
+            model.to(accelerator.device)
+            collate = PairCollator(tokenizer.pad_token_id, config.pad_to_multiple_of)
+            reference_key = weights_fingerprint(model)
+            for split in ("train", "eval"):
+                if getattr(data, split) is not None:
+                    key = fingerprint({"pairs": data.keys[split], "reference": reference_key})
+                    with preparation_lock(run.cache_dir):  # the first process computes, the others read its result
+                        dataset, cached = precompute_reference_log_probs(
+                            model,
+                            getattr(data, split),
+                            collate,
+                            accelerator.device,
+                            run.cache_dir,
+                            key,
+                            config.per_device_eval_batch_size,
+                            attn,
+                        )
+                    setattr(data, split, dataset)
+                    log.info(
+                        "Reference log-probabilities %s (%s)", "loaded from the cache" if cached else "computed", split
                     )
-                setattr(data, split, dataset)
-                log.info(
-                    "Reference log-probabilities %s (%s)", "loaded from the cache" if cached else "computed", split
-                )
-    elif not config.use_peft:  # a frozen copy of the starting model
-        reference = copy.deepcopy(model).requires_grad_(False).eval().to(accelerator.device)
+        elif not config.use_peft:  # a frozen copy of the starting model
+            reference = copy.deepcopy(model).requires_grad_(False).eval().to(accelerator.device)
     if config.use_peft:  # LoRA: the base stays frozen; checkpoints and the output hold only the adapters
         model = apply_lora(model, config)
     log.info("Model: %s, %s", type(model).__name__, describe_parameters(model))
@@ -172,7 +174,7 @@ def main(config: DPOConfig) -> dict:
             step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
             step_rewards = []
             for batch in window:
-                with accelerator.accumulate(model):
+                with micro_batch(accelerator, model, last=batch is window[-1]):
                     # One forward of chosen + rejected (2B rows); the reference (if the loss has one) without gradients.
                     policy, ref = policy_and_reference_log_probs(
                         model, reference, batch, attn, dtype, accelerator, use_reference

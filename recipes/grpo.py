@@ -37,7 +37,7 @@ from tunebook.data import (
 )
 from tunebook.distributed import prepare_then_join
 from tunebook.evaluation.completions import evaluate_completions
-from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options
+from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options, whole_weights
 from tunebook.recipe_configs import GRPOConfig
 from tunebook.training import (
     accumulation_windows,
@@ -46,6 +46,7 @@ from tunebook.training import (
     build_optimizer,
     epochs,
     finish,
+    micro_batch,
     plan_training,
     resume,
     sft_warmup,
@@ -154,23 +155,24 @@ def main(config: GRPOConfig) -> dict:
 
     # --- model: the policy; optionally a brief SFT warm-up on the reference answers; the reference for the KL
     model = build_causal_lm(tokenizer, **model_options(config))
-    if config.sft_warmup_steps:
-        examples = reference_examples(data.train, tokenizer, config.reference_column, config.max_seq_length)
-        sft_warmup(
-            model,
-            examples,
-            tokenizer.pad_token_id,
-            steps=config.sft_warmup_steps,
-            seed=config.seed,
-            batch_size=32,
-            device=accelerator.device,
-            log=log,
-            learning_rate=config.sft_warmup_learning_rate,  # constant: GRPO goes on from an unannealed model
-            max_grad_norm=1.0,
-        )
-    reference = None  # beta 0: none; with LoRA: the policy with its adapters off
-    if config.beta > 0 and not config.use_peft:
-        reference = copy.deepcopy(model).requires_grad_(False).eval().to(accelerator.device)
+    with whole_weights(model):  # under DeepSpeed ZeRO-3 the model is built partitioned: whole until prepare
+        if config.sft_warmup_steps:
+            examples = reference_examples(data.train, tokenizer, config.reference_column, config.max_seq_length)
+            sft_warmup(
+                model,
+                examples,
+                tokenizer.pad_token_id,
+                steps=config.sft_warmup_steps,
+                seed=config.seed,
+                batch_size=32,
+                device=accelerator.device,
+                log=log,
+                learning_rate=config.sft_warmup_learning_rate,  # constant: GRPO goes on from an unannealed model
+                max_grad_norm=1.0,
+            )
+        reference = None  # beta 0: none; with LoRA: the policy with its adapters off
+        if config.beta > 0 and not config.use_peft:
+            reference = copy.deepcopy(model).requires_grad_(False).eval().to(accelerator.device)
     if config.use_peft:  # LoRA: the base stays frozen; checkpoints and the output hold only the adapters
         model = apply_lora(model, config)
     log.info("Model: %s, %s", type(model).__name__, describe_parameters(model))
@@ -214,7 +216,7 @@ def main(config: GRPOConfig) -> dict:
                 step_loss = torch.zeros((), dtype=torch.float64, device=device)
                 clipped = kl = torch.zeros((), device=device)
                 for r in rollouts:
-                    with accelerator.accumulate(model):
+                    with micro_batch(accelerator, model, last=r is rollouts[-1]):
                         log_probs, rows = completion_log_probs(model, r)
                         old = log_probs.detach() if r.old_log_probs is None else r.old_log_probs
                         token_losses, token_clipped, token_kl = grpo_token_losses(

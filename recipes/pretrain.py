@@ -43,6 +43,7 @@ from tunebook.training import (
     count_loss_tokens,
     epochs,
     finish,
+    micro_batch,
     plan_training,
     resume,
     start_run,
@@ -106,7 +107,7 @@ def main(config: PretrainConfig) -> dict:
             scale = step_loss_scale(accelerator.reduce(local_tokens, "sum"), accelerator.num_processes, k)
             step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
             for batch in window:
-                with accelerator.accumulate(model):
+                with micro_batch(accelerator, model, last=batch is window[-1]):
                     # Every token but a document's first carries a label: the output layer runs where they are.
                     loss_sum = causal_lm_token_losses(model, attention_inputs(batch, attn, dtype), batch)[0].sum()
                     accelerator.backward(loss_sum * scale)

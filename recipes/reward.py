@@ -37,6 +37,7 @@ from tunebook.training import (
     build_optimizer,
     epochs,
     finish,
+    micro_batch,
     pair_rewards,
     plan_training,
     resume,
@@ -102,7 +103,7 @@ def main(config: RewardConfig) -> dict:
             step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
             step_rewards = []
             for batch in window:
-                with accelerator.accumulate(model):
+                with micro_batch(accelerator, model, last=batch is window[-1]):
                     # One forward of chosen + rejected (2B rows): both rewards from the same weights and batch.
                     losses, chosen, rejected = bradley_terry_loss(pair_rewards(model, batch), batch.get("margin"))
                     accelerator.backward(losses.sum() * scale)

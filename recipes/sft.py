@@ -49,6 +49,7 @@ from tunebook.training import (
     count_loss_tokens,
     epochs,
     finish,
+    micro_batch,
     plan_training,
     resume,
     start_run,
@@ -136,7 +137,7 @@ def main(config: SFTConfig) -> dict:
             scale = step_loss_scale(accelerator.reduce(local_tokens, "sum"), accelerator.num_processes, k)
             step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
             for batch in window:
-                with accelerator.accumulate(model):
+                with micro_batch(accelerator, model, last=batch is window[-1]):
                     # Logits only where a label is: prompt and padding positions carry no loss.
                     loss_sum = causal_lm_token_losses(model, attention_inputs(batch, attn, dtype), batch)[0].sum()
                     accelerator.backward(loss_sum * scale)

@@ -20,7 +20,9 @@ from transformers import (
 from ..errors import ConfigError, ModelError, first_line
 from ..locations import looks_like_local_path
 
-__all__ = ["build_causal_lm", "build_sequence_classifier", "model_options", "read_model_config", "torch_dtype"]
+__all__ = [
+    "build_causal_lm", "build_sequence_classifier", "model_options", "read_model_config", "torch_dtype", "whole_weights",
+]  # fmt: skip
 
 logger = logging.getLogger("tunebook")
 
@@ -254,7 +256,7 @@ def _mean_init_new_rows(model, old_rows: int) -> None:
 
     layers = [model.get_input_embeddings(), model.get_output_embeddings()]
     for layer in {id(x): x for x in layers if x is not None and _rows(x.weight) > old_rows}.values():
-        with torch.no_grad(), _gathered(layer.weight):
+        with torch.no_grad(), whole_weights(layer):
             layer.weight[old_rows:] = layer.weight[:old_rows].mean(dim=0, keepdim=True)
 
 
@@ -264,14 +266,17 @@ def _rows(weight) -> int:
     return getattr(weight, "ds_shape", weight.shape)[0]
 
 
-def _gathered(weight):
-    """The whole of a ZeRO-3 partitioned weight while inside (process 0's edits are kept and partitioned again);
-    nothing for any other weight."""
-    if not hasattr(weight, "ds_id"):
+def whole_weights(module):
+    """While inside, a DeepSpeed ZeRO-3 partitioned `module` holds its whole weights in every process, so it can be
+    edited, trained, run or copied as a plain module before `accelerator.prepare` hands it to the engine; on leaving,
+    process 0's weights are partitioned again (every process ran the same steps on the same data). Nothing for a
+    module that is not partitioned."""
+    params = [p for p in module.parameters() if hasattr(p, "ds_id")]
+    if not params:
         return contextlib.nullcontext()
     import deepspeed
 
-    return deepspeed.zero.GatheredParameters([weight], modifier_rank=0)
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
 
 
 def _eos_ids(eos_id: int | None, generation_config) -> int | list[int] | None:

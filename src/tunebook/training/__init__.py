@@ -28,7 +28,7 @@ from .preference import (
     weights_fingerprint,
 )
 from .reward_model import REWARD_FIGURES, RewardModel, bradley_terry_loss, load_reward_model, pair_rewards
-from .steps import accumulation_windows, eval_due, save_due, total_optimizer_steps
+from .steps import accumulation_windows, eval_due, micro_batch, save_due, total_optimizer_steps
 from .throughput import Throughput, peak_memory
 from .warmup import sft_warmup
 
@@ -69,6 +69,7 @@ __all__ = [
     "StopSignals",
     "TrainCounters",
     "accumulation_windows",
+    "micro_batch",
     "exit_code",
     "is_nonfinite",
     "build_accelerator",

@@ -46,18 +46,20 @@ def build_accelerator(
     # Under DeepSpeed the engine clips inside its step, with Accelerate's "auto" value fixed at 1.0: hand it ours.
     if deepspeed:
         os.environ.setdefault("ACCELERATE_GRADIENT_CLIPPING", str(max_grad_norm))
+    # DeepSpeed runs on a CPU too (its CPU accelerator): `cpu=True` would make Accelerate drop it, and without a
+    # backend named Accelerate finds none on a CPU and leaves every process of a launch to train alone.
+    cpu_deepspeed = {"backend": "gloo"} if deepspeed and not has_accelerator_device() else {}
     log_with = resolve_report_to(report_to)
     if log_with and output_dir is None:
         raise ValueError("build_accelerator: trackers need output_dir")
     accelerator = Accelerator(
-        # DeepSpeed runs on a CPU too (its CPU accelerator, gloo): `cpu=True` would make Accelerate drop it.
         cpu=not has_accelerator_device() and not deepspeed,
         log_with=log_with or None,
         project_dir=trackers_dir(output_dir) if log_with else None,
         gradient_accumulation_steps=gradient_accumulation_steps,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=non_blocking),
         step_scheduler_with_optimizer=False,
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=ddp_timeout))],
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=ddp_timeout), **cpu_deepspeed)],
         **kwargs,
     )
     check_engine(accelerator)

@@ -1,13 +1,14 @@
-"""Step arithmetic: how many optimizer steps a run takes."""
+"""Step arithmetic: how many optimizer steps a run takes, which micro-batches make one, and when gradients sync."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-__all__ = ["accumulation_windows", "eval_due", "save_due", "total_optimizer_steps"]
+__all__ = ["accumulation_windows", "eval_due", "micro_batch", "save_due", "total_optimizer_steps"]
 
 
 def total_optimizer_steps(
@@ -57,6 +58,20 @@ def accumulation_windows(
             window = []
     if window:  # plain DataLoaders, which do not announce their last batch
         yield window
+
+
+@contextlib.contextmanager
+def micro_batch(accelerator, model, last: bool):
+    """`accelerator.accumulate(model)` for one micro-batch of a window, syncing where the window ends (`last`): the
+    backward reduces gradients across processes, and DeepSpeed's engine applies its update, only there.
+
+    Accelerate's own counter also syncs wherever its loader reports its end, and `accumulation_windows` fetches a
+    window whole before its first backward: every micro-batch of an epoch's last window synced. Under DDP that was
+    only extra all-reduces; under DeepSpeed the engine stepped after each of them, a different update.
+    """
+    accelerator.gradient_state._set_sync_gradients(last)
+    with contextlib.nullcontext() if last else accelerator.no_sync(model):
+        yield
 
 
 def eval_due(config, global_step: int, total_steps: int, epoch_done: bool) -> bool:
