@@ -1,0 +1,94 @@
+"""DeepSpeed ZeRO-2 and ZeRO-3, through accelerate_configs/deepspeed_zero2.yaml and deepspeed_zero3.yaml, on the CPU
+(DeepSpeed's CPU accelerator, gloo, mixed precision off): the same training as without DeepSpeed, and a run resumed
+from a checkpoint continues it exactly.
+
+From the same saved model, each DeepSpeed run logs the losses of the plain run (DDP over as many processes, or one
+process) to 1e-5 and ends with its weights to 1e-5; the run resumed from its step-3 checkpoint logs the same losses
+and ends with the same weights, bit for bit. Each of these failed before the fixes they came with: a resumed run
+restarted its learning-rate schedule (Accelerate left the scheduler out of DeepSpeed checkpoints), ZeRO-3 models
+started from uninitialised embeddings and DPO's warm-up and reference ran on partitioned (empty) weights, and an
+epoch's last window stepped the engine after every micro-batch.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import TINY_TEST_MODEL, launch
+
+pytest.importorskip("deepspeed")
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+COMMON = """--disable_tqdm true --max_steps 6 --logging_steps 1 --per_device_train_batch_size 4
+    --gradient_accumulation_steps 2 --eval_on_start false --learning_rate 1e-3 --report_to none
+    --synthetic_train_size 64 --synthetic_eval_size 8 --save_steps 3 --save_total_limit 0""".split()
+TASKS = {"sft": ["--generation_eval", "false"], "dpo": ["--sft_warmup_steps", "2"]}
+
+
+@pytest.fixture(scope="module")
+def start(tmp_path_factory, tiny_tokenizer):
+    """A saved tiny model (and tokenizer): every run starts from these weights, whatever the engine builds."""
+    from tunebook.models import build_causal_lm
+
+    path = tmp_path_factory.mktemp("start")
+    build_causal_lm(tiny_tokenizer, model_config=TINY_TEST_MODEL).save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    return path
+
+
+def _train(recipe, config, processes, start, out, *extra):
+    args = [*COMMON, *TASKS[recipe], "--model_name_or_path", str(start), "--output_dir", str(out), *extra]
+    launcher = ("--num_processes", str(processes), "--mixed_precision", "no")
+    result = launch(f"recipes/{recipe}.py", args, config, launcher_args=launcher)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result
+
+
+def _losses(out) -> dict[int, float]:
+    records = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def _weights(out) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(out / "model.safetensors")
+
+
+@pytest.mark.parametrize(
+    ("config", "recipe", "processes"),
+    [("deepspeed_zero2.yaml", "sft", 2), ("deepspeed_zero3.yaml", "sft", 2), ("deepspeed_zero3.yaml", "dpo", 1)],
+)
+def test_deepspeed_trains_as_plain_training_and_resumes_exactly(tmp_path, start, config, recipe, processes):
+    plain, full, resumed = tmp_path / "plain", tmp_path / "deepspeed", tmp_path / "resumed"
+    _train(recipe, "multi_cpu.yaml" if processes > 1 else "cpu.yaml", processes, start, plain)
+    result = _train(recipe, config, processes, start, full)
+    assert f"{processes} process(es), DEEPSPEED, device cpu" in result.stdout + result.stderr
+    assert (full / "checkpoints" / "step-3" / "pytorch_model").is_dir()  # DeepSpeed's own checkpoint files
+
+    reference = _losses(plain)
+    assert sorted(_losses(full)) == list(range(1, 7))
+    assert [_losses(full)[s] for s in range(1, 7)] == pytest.approx([reference[s] for s in range(1, 7)], rel=1e-5)
+    a, b = _weights(plain), _weights(full)  # the final model gathered from the shards
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-5, msg=f"parameter {name}")
+
+    shutil.copytree(full, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step-6")
+    _train(recipe, config, processes, start, resumed, "--resume_from_checkpoint", "latest")
+    assert _losses(resumed) == _losses(full)
+    assert (resumed / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
+
+
+def test_zero3_without_gathered_16bit_weights_stops_at_start_up(tmp_path, start):
+    """Else Accelerate refuses to gather the final model only after the whole run has trained."""
+    out = tmp_path / "out"
+    args = [*COMMON, *TASKS["sft"], "--model_name_or_path", str(start), "--output_dir", str(out)]
+    launcher = ("--num_processes", "1", "--mixed_precision", "no", "--zero3_save_16bit_model", "false")
+    result = launch("recipes/sft.py", args, "deepspeed_zero3.yaml", launcher_args=launcher)
+    assert result.returncode != 0
+    assert "ZeRO-3 without zero3_save_16bit_model: true" in result.stdout + result.stderr
+    assert not (out / "metrics.jsonl").exists()
