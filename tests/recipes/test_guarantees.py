@@ -312,7 +312,7 @@ def test_torch_compile_trains_as_eager_does(name, tmp_path):
 def test_the_recipes_differ_only_where_their_task_differs():
     """The loop's calls, in one order, in every recipe's main; nothing of the loop's own written again."""
     loop_calls = ["start_run", "prepare_then_join", "build_optimizer", "prepare", "plan_training", "resume",
-                  "epochs", "accumulation_windows", "backward", "apply_update", "after_step", "finish"]  # fmt: skip
+                  "epochs", "accumulation_windows", "micro_batch", "backward", "apply_update", "after_step", "finish"]  # fmt: skip
     for name in RECIPES:
         source = (ROOT / "recipes" / f"{name}.py").read_text()
         main = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "main")
