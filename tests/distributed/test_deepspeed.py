@@ -82,6 +82,22 @@ def test_deepspeed_trains_as_plain_training_and_resumes_exactly(tmp_path, start,
     assert _losses(resumed) == _losses(full)
     assert (resumed / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
 
+    if config == "deepspeed_zero2.yaml":  # once: a checkpoint without the schedule (as written before the fix)
+        old = tmp_path / "old"
+        shutil.copytree(full, old)
+        shutil.rmtree(old / "checkpoints" / "step-6")
+        (old / "checkpoints" / "step-3" / "custom_checkpoint_0.pkl").unlink()
+        args = [*COMMON, *TASKS[recipe], "--model_name_or_path", str(start), "--output_dir", str(old),
+                "--resume_from_checkpoint", "latest"]  # fmt: skip
+        result = launch(
+            f"recipes/{recipe}.py",
+            args,
+            config,
+            launcher_args=("--num_processes", str(processes), "--mixed_precision", "no"),
+        )
+        assert result.returncode != 0
+        assert "holds no learning-rate schedule" in result.stdout + result.stderr
+
 
 def test_zero3_without_gathered_16bit_weights_stops_at_start_up(tmp_path, start):
     """Else Accelerate refuses to gather the final model only after the whole run has trained."""

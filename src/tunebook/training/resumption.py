@@ -114,6 +114,12 @@ def resume_training(accelerator, config, counters, best, figures, log: logging.L
             log.info("resume_from_checkpoint auto: no checkpoint in %s yet, starting from scratch", config.output_dir)
         return None, {}
     optimizer_changes = check_resumed_config(config, checkpoint, accelerator.num_processes)
+    if accelerator._custom_objects and not any(Path(checkpoint).glob("custom_checkpoint_*")):
+        # Only the schedule is registered (loop.plan_training, under DeepSpeed); Accelerate would raise a traceback.
+        raise ConfigError(
+            f"{checkpoint} holds no learning-rate schedule: it was written under DeepSpeed by a Tunebook that left "
+            "the schedule out, and a resumed run would restart it. Start a new run"
+        )
     accelerator.load_state(str(checkpoint))
     state = load_trainer_state(checkpoint)
     process = load_process_state(checkpoint, accelerator.process_index)
