@@ -38,10 +38,14 @@ def start(tmp_path_factory, tiny_tokenizer):
     return path
 
 
-def _train(recipe, config, processes, start, out, *extra):
+def _launch(recipe, config, processes, start, out, *extra, launcher_extra=()):
     args = [*COMMON, *TASKS[recipe], "--model_name_or_path", str(start), "--output_dir", str(out), *extra]
-    launcher = ("--num_processes", str(processes), "--mixed_precision", "no")
-    result = launch(f"recipes/{recipe}.py", args, config, launcher_args=launcher)
+    launcher = ("--num_processes", str(processes), "--mixed_precision", "no", *launcher_extra)
+    return launch(f"recipes/{recipe}.py", args, config, launcher_args=launcher)
+
+
+def _train(recipe, config, processes, start, out, *extra):
+    result = _launch(recipe, config, processes, start, out, *extra)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result
 
@@ -87,14 +91,7 @@ def test_deepspeed_trains_as_plain_training_and_resumes_exactly(tmp_path, start,
         shutil.copytree(full, old)
         shutil.rmtree(old / "checkpoints" / "step-6")
         (old / "checkpoints" / "step-3" / "custom_checkpoint_0.pkl").unlink()
-        args = [*COMMON, *TASKS[recipe], "--model_name_or_path", str(start), "--output_dir", str(old),
-                "--resume_from_checkpoint", "latest"]  # fmt: skip
-        result = launch(
-            f"recipes/{recipe}.py",
-            args,
-            config,
-            launcher_args=("--num_processes", str(processes), "--mixed_precision", "no"),
-        )
+        result = _launch(recipe, config, processes, start, old, "--resume_from_checkpoint", "latest")
         assert result.returncode != 0
         assert "holds no learning-rate schedule" in result.stdout + result.stderr
 
@@ -102,9 +99,9 @@ def test_deepspeed_trains_as_plain_training_and_resumes_exactly(tmp_path, start,
 def test_zero3_without_gathered_16bit_weights_stops_at_start_up(tmp_path, start):
     """Else Accelerate refuses to gather the final model only after the whole run has trained."""
     out = tmp_path / "out"
-    args = [*COMMON, *TASKS["sft"], "--model_name_or_path", str(start), "--output_dir", str(out)]
-    launcher = ("--num_processes", "1", "--mixed_precision", "no", "--zero3_save_16bit_model", "false")
-    result = launch("recipes/sft.py", args, "deepspeed_zero3.yaml", launcher_args=launcher)
+    result = _launch(
+        "sft", "deepspeed_zero3.yaml", 1, start, out, launcher_extra=("--zero3_save_16bit_model", "false")
+    )
     assert result.returncode != 0
     assert "ZeRO-3 without zero3_save_16bit_model: true" in result.stdout + result.stderr
     assert not (out / "metrics.jsonl").exists()
