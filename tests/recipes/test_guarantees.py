@@ -74,9 +74,27 @@ def _signal_at(monkeypatch, name: str, step: int, signum=signal.SIGTERM) -> None
     monkeypatch.setattr(module, "apply_update", apply_then_signal)
 
 
+def _rates_used(monkeypatch, name: str) -> dict[int, float]:
+    """Step -> the learning rate the optimizer held when it took that step, filled as recipe `name` trains."""
+    module, used = load_recipe(name).module, {}
+    real = module.apply_update
+
+    def note_rate_then_apply(run, step_loss, window):
+        used[run.state.global_step + 1] = run.optimizer.param_groups[0]["lr"]
+        return real(run, step_loss, window)
+
+    monkeypatch.setattr(module, "apply_update", note_rate_then_apply)
+    return used
+
+
 @pytest.mark.parametrize("name", RECIPES)
 def test_a_stop_signal_then_resume_equals_the_uninterrupted_run(name, tmp_path, monkeypatch):
-    full = _run(name, tmp_path / "full", tmp_path / "cache", eval_steps=2)
+    with monkeypatch.context() as patch:
+        used = _rates_used(patch, name)
+        full = _run(name, tmp_path / "full", tmp_path / "cache", eval_steps=2)
+    # Each step logs the learning rate its update used (a warm-up's first step trains at 0), not the next step's.
+    assert {r["step"]: r["learning_rate"] for r in _records(tmp_path / "full") if "loss" in r} == used
+    assert used[1] == 0 and len(set(used.values())) > 2
     with monkeypatch.context() as patch:
         _signal_at(patch, name, 3)
         with pytest.raises(SystemExit) as stopped:

@@ -94,6 +94,7 @@ class Run:
     compiled: Any = None  # tunebook.training.compilation.CompiledBlocks, with torch_compile
     signals: StopSignals = field(default_factory=StopSignals)
     grad_norm: Any = None  # of the last step
+    learning_rate: float = 0.0  # the rate the last step trained at
     stop: BaseException | None = None  # what ends the run early, raised by `finish` once the model is freed
 
 
@@ -226,6 +227,9 @@ def apply_update(run: Run, step_loss: torch.Tensor, window: list) -> bool:
                             state.global_step + 1, state.skipped_updates)  # fmt: skip
         else:
             run.optimizer.step()
+    # Logged as the step's rate: read after `lr_scheduler.step()`, as the Trainer does, it is the next step's (a
+    # warm-up's first step, trained at 0, would show the full rate).
+    run.learning_rate = run.lr_scheduler.get_last_lr()[0]
     run.lr_scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     state.global_step += 1
@@ -276,7 +280,7 @@ def after_step(run: Run) -> bool:
             "step": step,
             "epoch": round(step / run.steps_per_epoch, 3),
             **figures,
-            "learning_rate": run.lr_scheduler.get_last_lr()[0],
+            "learning_rate": run.learning_rate,
             "grad_norm": float(run.grad_norm),
             **run.throughput.window(),  # tokens/s, samples/s, data wait, MFU, peak memory: all processes
             **_mixture_shares(run),
