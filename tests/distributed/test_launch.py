@@ -179,6 +179,20 @@ def test_a_lora_checkpoint_of_an_fsdp2_sharded_model_holds_the_whole_adapters(tm
         torch.testing.assert_close(base_sharded[key], base_plain[key], rtol=0, atol=0, msg=key)
 
 
+def test_an_fp16_overflow_in_one_fsdp2_shard_skips_the_update_on_every_rank(tmp_path):
+    """Accelerate's FSDP2 scaler is torch's plain GradScaler: an overflow in rank 1's gradient shard alone must still
+    skip the update on both ranks (counted by the loop's fp16 skip), and the next update goes ahead on both."""
+    result = launch("tests/distributed/fsdp2_fp16_skip.py", [str(tmp_path)], accelerate_config="multi_cpu.yaml")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert ranks[0] == ranks[1], ranks
+    assert ranks[0]["scaler"] == "GradScaler" and ranks[0]["sharded"] == "DTensor"
+    skipped, taken = ranks[0]["updates"]
+    assert (skipped["updated"], skipped["weights_changed"], taken["updated"], taken["weights_changed"]) == (
+        False, False, True, True)  # fmt: skip
+    assert skipped["scale"] < 2.0**16 and ranks[0]["skipped_updates"] == 1
+
+
 def test_the_slurm_script_prepares_once_then_launches_every_node(tmp_path):
     """scripts/slurm/train.sbatch under stand-ins for srun and scontrol: 2 "nodes" on loopback, CPU processes."""
     stubs = tmp_path / "bin"
