@@ -60,12 +60,7 @@ def main(config: ClassifyConfig) -> dict:
     # --- data: prepared under a file lock (the first process builds, the others map the files), then all meet
     data = prepare_then_join(accelerator, config, prepare_classification_data, run.cache_dir, log)
     tokenizer = data.tokenizer
-    log.info(
-        "Data ready in %.1f s (%s); labels %s",
-        data.seconds,
-        "built: " + ", ".join(data.built) if data.built else "all cached",
-        data.stats["label_counts"],
-    )
+    log.info("Labels: %s", data.stats["label_counts"])
     example = data.train[0]  # what the model sees, and the label it learns to predict (the loss) in [[...]]
     log.info(
         "One training example: %s -> [[%s]]",

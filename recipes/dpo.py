@@ -20,8 +20,6 @@ none is built). Outputs in `output_dir` as for the other recipes: the model (or 
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from tunebook.config import load_config
@@ -46,7 +44,9 @@ from tunebook.training import (
     build_optimizer,
     epochs,
     finish,
+    frozen_copy,
     micro_batch,
+    partition_reference,
     plan_training,
     policy_and_reference_log_probs,
     precompute_reference_log_probs,
@@ -90,9 +90,6 @@ def main(config: DPOConfig) -> dict:
     # --- data: prepared under a file lock (the first process builds, the others map the files), then all meet
     data = prepare_then_join(accelerator, config, prepare_preference_data, run.cache_dir, log)
     tokenizer = data.tokenizer
-    log.info(
-        "Data ready in %.1f s (%s)", data.seconds, "built: " + ", ".join(data.built) if data.built else "all cached"
-    )
     pair = data.train[0]
     log.info(
         "One training pair, loss-bearing text in [[...]]:\nchosen:   %s\nrejected: %s",
@@ -145,7 +142,7 @@ def main(config: DPOConfig) -> dict:
                         "Reference log-probabilities %s (%s)", "loaded from the cache" if cached else "computed", split
                     )
         elif not config.use_peft:  # a frozen copy of the starting model
-            reference = copy.deepcopy(model).requires_grad_(False).eval().to(accelerator.device)
+            reference = frozen_copy(model, accelerator.device)
     if config.use_peft:  # LoRA: the base stays frozen; checkpoints and the output hold only the adapters
         model = apply_lora(model, config)
     log.info("Model: %s, %s", type(model).__name__, describe_parameters(model))
@@ -156,6 +153,7 @@ def main(config: DPOConfig) -> dict:
     )
     train_loader, eval_loader = build_dataloaders(config, data)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    reference = partition_reference(accelerator, reference)  # under ZeRO-3 sharded as the policy is
     plan_training(run, model, optimizer, train_loader, "pairs")  # optimizer steps and the learning-rate schedule
     log.info("DPO loss %s, beta %g, label smoothing %g", config.loss_type, config.beta, config.label_smoothing)
 

@@ -21,7 +21,6 @@ vs. training seconds.
 
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
@@ -46,7 +45,9 @@ from tunebook.training import (
     build_optimizer,
     epochs,
     finish,
+    frozen_copy,
     micro_batch,
+    partition_reference,
     plan_training,
     resume,
     sft_warmup,
@@ -149,9 +150,6 @@ def main(config: GRPOConfig) -> dict:
     # --- data: prompts (and their other columns, for the rewards), prepared under a file lock, then all meet
     data = prepare_then_join(accelerator, config, prepare_prompt_data, run.cache_dir, log)
     tokenizer = data.tokenizer
-    log.info(
-        "Data ready in %.1f s (%s)", data.seconds, "built: " + ", ".join(data.built) if data.built else "all cached"
-    )
 
     # --- model: the policy; optionally a brief SFT warm-up on the reference answers; the reference for the KL
     model = build_causal_lm(tokenizer, **model_options(config))
@@ -172,7 +170,7 @@ def main(config: GRPOConfig) -> dict:
             )
         reference = None  # beta 0: none; with LoRA: the policy with its adapters off
         if config.beta > 0 and not config.use_peft:
-            reference = copy.deepcopy(model).requires_grad_(False).eval().to(accelerator.device)
+            reference = frozen_copy(model, accelerator.device)
     if config.use_peft:  # LoRA: the base stays frozen; checkpoints and the output hold only the adapters
         model = apply_lora(model, config)
     log.info("Model: %s, %s", type(model).__name__, describe_parameters(model))
@@ -191,6 +189,7 @@ def main(config: GRPOConfig) -> dict:
     )
     train_loader, _ = train_and_eval_loaders(config, data.train, None, PromptRows())
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    reference = partition_reference(accelerator, reference)  # under ZeRO-3 sharded as the policy is
     plan_training(run, model, optimizer, train_loader, "prompts", updates_per_window=config.num_iterations)
 
     # --- resume (or start), then train: the loop's bookkeeping is tunebook.training.loop, the loss is here

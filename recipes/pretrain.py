@@ -71,9 +71,6 @@ def main(config: PretrainConfig) -> dict:
     data = prepare_then_join(accelerator, config, prepare_text_data, run.cache_dir, log)
     tokenizer = data.tokenizer
     log.info(
-        "Data ready in %.1f s (%s)", data.seconds, "built: " + ", ".join(data.built) if data.built else "all cached"
-    )
-    log.info(
         "One training row, loss-bearing text in [[...]]:\n%s",
         format_loss_mask(tokenizer, data.train[0]["input_ids"], data.train[0]["labels"]),
     )

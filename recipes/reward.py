@@ -63,9 +63,6 @@ def main(config: RewardConfig) -> dict:
     # --- data: prepared under a file lock (the first process builds, the others map the files), then all meet
     data = prepare_then_join(accelerator, config, prepare_preference_data, run.cache_dir, log)
     tokenizer = data.tokenizer
-    log.info(
-        "Data ready in %.1f s (%s)", data.seconds, "built: " + ", ".join(data.built) if data.built else "all cached"
-    )
     pair = data.train[0]  # what the model scores: the whole conversation, its reward read at the last token
     log.info(
         "One training pair%s:\nchosen:   %s\nrejected: %s",

@@ -99,9 +99,6 @@ def main(config: SFTConfig) -> dict:
     data = prepare_then_join(accelerator, config, prepare_sft_data, run.cache_dir, log)
     tokenizer = data.tokenizer
     log.info(
-        "Data ready in %.1f s (%s)", data.seconds, "built: " + ", ".join(data.built) if data.built else "all cached"
-    )
-    log.info(
         "One training %s, loss-bearing text in [[...]]:\n%s",
         "row" if config.packing else "example",
         format_loss_mask(tokenizer, data.train[0]["input_ids"], data.train[0]["labels"]),

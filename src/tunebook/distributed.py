@@ -163,7 +163,8 @@ def disagreements(gathered: list[dict[str, Any]]) -> list[str]:
 
 
 def prepare_then_join(accelerator, config, prepare, cache_dir: Path, log: logging.Logger):
-    """`prepare(config, cache_dir, log)` under the preparation lock, then the preflight check of all ranks.
+    """`prepare(config, cache_dir, log)` under the preparation lock, then the preflight check of all ranks; logs how
+    long the data took and what was built.
 
     What the recipes call instead of preparing inside `accelerator.main_process_first()` (see the module notes).
     """
@@ -176,4 +177,7 @@ def prepare_then_join(accelerator, config, prepare, cache_dir: Path, log: loggin
         facts = run_facts(config, data, accelerator.num_processes)
         preflight_check(facts, config.preflight_timeout, accelerator.process_index, accelerator.num_processes)
         log.info("Preflight: %d processes agree on config, data and versions", accelerator.num_processes)
+    log.info(
+        "Data ready in %.1f s (%s)", data.seconds, "built: " + ", ".join(data.built) if data.built else "all cached"
+    )
     return data

@@ -7,7 +7,8 @@ process) to 1e-5 and ends with its weights to 1e-5; the run resumed from its ste
 and ends with the same weights, bit for bit. Each of these failed before the fixes they came with: a resumed run
 restarted its learning-rate schedule (Accelerate left the scheduler out of DeepSpeed checkpoints), ZeRO-3 models
 started from uninitialised embeddings and DPO's warm-up and reference ran on partitioned (empty) weights, and an
-epoch's last window stepped the engine after every micro-batch.
+epoch's last window stepped the engine after every micro-batch. Under ZeRO-3, DPO's frozen reference is partitioned
+over the processes too.
 """
 
 from __future__ import annotations
@@ -63,13 +64,15 @@ def _weights(out) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     ("config", "recipe", "processes"),
-    [("deepspeed_zero2.yaml", "sft", 2), ("deepspeed_zero3.yaml", "sft", 2), ("deepspeed_zero3.yaml", "dpo", 1)],
+    [("deepspeed_zero2.yaml", "sft", 2), ("deepspeed_zero3.yaml", "sft", 2), ("deepspeed_zero3.yaml", "dpo", 2)],
 )
 def test_deepspeed_trains_as_plain_training_and_resumes_exactly(tmp_path, start, config, recipe, processes):
     plain, full, resumed = tmp_path / "plain", tmp_path / "deepspeed", tmp_path / "resumed"
     _train(recipe, "multi_cpu.yaml" if processes > 1 else "cpu.yaml", processes, start, plain)
     result = _train(recipe, config, processes, start, full)
     assert f"{processes} process(es), DEEPSPEED, device cpu" in result.stdout + result.stderr
+    if recipe == "dpo":  # the frozen reference is sharded as the policy is, not whole on every process
+        assert f"Reference model: ZeRO-3 partitioned over {processes} process(es)" in result.stdout + result.stderr
     assert (full / "checkpoints" / "step-3" / "pytorch_model").is_dir()  # DeepSpeed's own checkpoint files
 
     reference = _losses(plain)

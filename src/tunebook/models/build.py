@@ -266,12 +266,17 @@ def _rows(weight) -> int:
     return getattr(weight, "ds_shape", weight.shape)[0]
 
 
+def is_partitioned(module) -> bool:
+    """Whether DeepSpeed ZeRO-3 has partitioned `module`'s weights (it marks each such parameter with a `ds_id`)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
 def whole_weights(module):
     """While inside, a DeepSpeed ZeRO-3 partitioned `module` holds its whole weights in every process, so it can be
     edited, trained, run or copied as a plain module before `accelerator.prepare` hands it to the engine; on leaving,
     process 0's weights are partitioned again (every process ran the same steps on the same data). Nothing for a
     module that is not partitioned."""
-    params = [p for p in module.parameters() if hasattr(p, "ds_id")]
+    params = [p for p in module.parameters() if hasattr(p, "ds_id")]  # DeepSpeed's mark of a partitioned weight
     if not params:
         return contextlib.nullcontext()
     import deepspeed

@@ -27,6 +27,7 @@ from .preference import (
     sequence_log_probs,
     weights_fingerprint,
 )
+from .reference import frozen_copy, partition_reference
 from .reward_model import REWARD_FIGURES, RewardModel, bradley_terry_loss, load_reward_model, pair_rewards
 from .steps import accumulation_windows, eval_due, micro_batch, save_due, total_optimizer_steps
 from .throughput import Throughput, peak_memory
@@ -57,6 +58,8 @@ __all__ = [
     "preference_loss",
     "response_lengths",
     "policy_and_reference_log_probs",
+    "frozen_copy",
+    "partition_reference",
     "precompute_reference_log_probs",
     "sequence_log_probs",
     "weights_fingerprint",
