@@ -266,9 +266,13 @@ def _rows(weight) -> int:
     return getattr(weight, "ds_shape", weight.shape)[0]
 
 
+def _partitioned_params(module) -> list:
+    return [p for p in module.parameters() if hasattr(p, "ds_id")]  # DeepSpeed ZeRO-3's mark of a partitioned weight
+
+
 def is_partitioned(module) -> bool:
-    """Whether DeepSpeed ZeRO-3 has partitioned `module`'s weights (it marks each such parameter with a `ds_id`)."""
-    return any(hasattr(p, "ds_id") for p in module.parameters())
+    """Whether DeepSpeed ZeRO-3 has partitioned `module`'s weights."""
+    return bool(_partitioned_params(module))
 
 
 def whole_weights(module):
@@ -276,7 +280,7 @@ def whole_weights(module):
     edited, trained, run or copied as a plain module before `accelerator.prepare` hands it to the engine; on leaving,
     process 0's weights are partitioned again (every process ran the same steps on the same data). Nothing for a
     module that is not partitioned."""
-    params = [p for p in module.parameters() if hasattr(p, "ds_id")]  # DeepSpeed's mark of a partitioned weight
+    params = _partitioned_params(module)
     if not params:
         return contextlib.nullcontext()
     import deepspeed
