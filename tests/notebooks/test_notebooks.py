@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import nbformat
@@ -38,3 +39,17 @@ def test_notebook_runs(path, tmp_path):
     text = "\n".join(o.get("text", "") for c in notebook.cells if c.cell_type == "code" for o in c.outputs)
     if path.stem == "02_multi_process":
         assert "2 processes" in text
+    # What the notebooks say their runs show (each was once quietly false: GRPO took exact match from 0.21 to 0).
+    if path.stem == "01_quickstart":
+        before, after = _exact_match("exact match", text)
+        assert before <= 0.05 and after >= 0.7, text[-2000:]
+    if path.stem == "04_sft_reward_grpo":
+        before, after = _exact_match("GRPO exact match", text)
+        assert before >= 0.3 and after >= before + 0.05, text[-2000:]
+
+
+def _exact_match(label: str, text: str) -> tuple[float, float]:
+    """The (before, after) of the notebook's printed line "<label>: 0.12 -> 0.34"."""
+    found = re.search(rf"^{label}: ([0-9.]+) -> ([0-9.]+)$", text, re.MULTILINE)
+    assert found, f"no '{label}: before -> after' line in the output"
+    return float(found[1]), float(found[2])
