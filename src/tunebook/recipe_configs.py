@@ -510,7 +510,9 @@ class GRPOConfig(ChatModelConfig):
     )
     scale_rewards: Literal["group", "batch", "none"] = config_field(
         "Divide each advantage (reward minus its group's mean) by the group's reward std, the generation batch's, "
-        "or nothing (Dr. GRPO: the group std over-weights easy and hard prompts).",
+        "or nothing (Dr. GRPO: the group std over-weights easy and hard prompts). With a reward model next to a "
+        "0/1 reward use batch: where a group's 0/1 rewards are all equal, its own std makes the reward model's "
+        "noise a full-size advantage.",
         "group",
     )
     epsilon: float = config_field("Lower clipping range of the probability ratio: clip at 1 - epsilon.", 0.2)
