@@ -39,7 +39,7 @@ def test_notebook_runs(path, tmp_path):
     text = "\n".join(o.get("text", "") for c in notebook.cells if c.cell_type == "code" for o in c.outputs)
     if path.stem == "02_multi_process":
         assert "2 processes" in text
-    # What the notebooks say their runs show (each was once quietly false: GRPO took exact match from 0.21 to 0).
+    # What the notebooks say their runs show (notebook 04's GRPO once took exact match from 0.21 to 0, unnoticed).
     if path.stem == "01_quickstart":
         before, after = _exact_match("exact match", text)
         assert before <= 0.05 and after >= 0.7, text[-2000:]
