@@ -13,6 +13,7 @@ overlong punishment). A user's own: `path/to/file.py:function`. A trained reward
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 import numbers
 import re
@@ -34,6 +35,8 @@ __all__ = [
     "load_reward_functions",
     "score",
 ]
+
+logger = logging.getLogger("tunebook")
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,11 @@ def load_reward_functions(config, device=None) -> list[RewardFunction]:
         name = name if name not in names else f"{name}_{len(names)}"  # two files' functions of the same name
         names.append(name)
         functions.append(RewardFunction(name, _reward_function(spec, config, device), float(weight)))
+    if config.reward_model and config.reward_functions and config.scale_rewards == "group":
+        # Measured in notebooks/04_sft_reward_grpo: exact match 0.56 -> 0.29 under group, 0.56 -> 0.70 under batch.
+        logger.warning("reward_model next to reward functions, advantages scaled by group: where a group's other "
+                       "rewards are all equal (every answer wrong), its own small spread makes the reward model's "
+                       "noise a full-size advantage; scale_rewards: batch keeps it at its weight")  # fmt: skip
     return functions
 
 

@@ -3,7 +3,9 @@ of a pair batch, margins carried from the data, and a saved model as a scoring f
 
 from __future__ import annotations
 
+import logging
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from tunebook.data.preference import tokenize_pairs
 from tunebook.errors import ModelError
 from tunebook.models import build_sequence_classifier
 from tunebook.training import bradley_terry_loss, load_reward_model, pair_rewards
+from tunebook.training.rewards import load_reward_functions
 
 PAIRS = {
     "prompt": ["Reverse the digits.\n1234", [{"role": "user", "content": "Sort the digits in ascending order.\n391"}],
@@ -90,6 +93,20 @@ def test_a_saved_reward_model_scores_prompts_and_completions_as_training_formats
         expected_cut = model(input_ids=torch.tensor([ids[:-2]])).logits[0, 0].item()
     cut = load_reward_model(tmp_path / "rm", max_length=len(ids) - 2)
     assert cut(prompts[:1], ["4321"]) == pytest.approx([expected_cut], abs=1e-5)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch"])
+def test_a_reward_model_next_to_reward_functions_under_group_scaling_is_warned_of(
+    tiny_tokenizer, tiny_model_config, tmp_path, caplog, scale
+):
+    _classifier(tiny_tokenizer, tiny_model_config).save_pretrained(tmp_path)
+    tiny_tokenizer.save_pretrained(tmp_path)
+    config = SimpleNamespace(reward_functions=["exact_match"], reward_model=str(tmp_path), reward_weights=None,
+                             scale_rewards=scale, reference_column="answer")  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="tunebook"):
+        functions = load_reward_functions(config)
+    assert [f.name for f in functions] == ["exact_match", "reward_model"]
+    assert ("scale_rewards: batch keeps it at its weight" in caplog.text) == (scale == "group")
 
 
 def test_a_classifier_with_several_outputs_is_not_a_reward_model(tiny_tokenizer, tiny_model_config, tmp_path):
