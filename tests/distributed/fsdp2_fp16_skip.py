@@ -53,6 +53,8 @@ def main(out: Path) -> None:
     record = {"updates": updates, "skipped_updates": run.state.skipped_updates,
               "scaler": type(accelerator.scaler).__name__, "sharded": type(model[0].weight).__name__}  # fmt: skip
     (out / f"rank{accelerator.process_index}.json").write_text(json.dumps(record))
+    # Without it, gloo's threads were sometimes torn down at exit: "terminate called without an active exception".
+    accelerator.end_training()
 
 
 if __name__ == "__main__":
