@@ -1,6 +1,6 @@
 """Two fp16 updates of an FSDP2-sharded model, where only rank 1's shard of one gradient overflows in the first.
 
-Launched by test_launch.py through `accelerate launch` with 2 CPU processes (gloo). Under FSDP2 Accelerate uses
+Launched by test_launch.py through `tunebook train` with 2 CPU processes (gloo). Under FSDP2 Accelerate uses
 torch's plain `GradScaler`, not FSDP1's `ShardedGradScaler`, so each rank checks only its own gradient shards: the
 loop's skip (`_scaled_update`) is right only if the overflow found on one rank reaches every rank (DTensor's
 found-inf reduction). The model is sharded with `fully_shard` on a CPU mesh, as in fsdp2_lora_save.py. Writes
@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import torch
 from accelerate import Accelerator
 from accelerate.utils.fsdp_utils import get_fsdp2_grad_scaler
+from process_exit import exit_without_finalizing
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -53,8 +54,7 @@ def main(out: Path) -> None:
     record = {"updates": updates, "skipped_updates": run.state.skipped_updates,
               "scaler": type(accelerator.scaler).__name__, "sharded": type(model[0].weight).__name__}  # fmt: skip
     (out / f"rank{accelerator.process_index}.json").write_text(json.dumps(record))
-    # Without it, gloo's threads were sometimes torn down at exit: "terminate called without an active exception".
-    accelerator.end_training()
+    exit_without_finalizing()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Save a LoRA checkpoint's adapter directory from an FSDP2-sharded model and from the same model unsharded.
 
-Launched by test_launch.py through `accelerate launch` with 2 CPU processes (gloo). Accelerate runs FSDP only on
+Launched by test_launch.py through `tunebook train` with 2 CPU processes (gloo). Accelerate runs FSDP only on
 GPUs, so the model is sharded here with torch's `fully_shard` on a CPU mesh, as Accelerate's FSDP2 plugin shards it
 (each decoder layer, then the root), and the adapter directory is written by `save_checkpoint_adapter`, which the
 checkpoint hook calls. Writes OUT/unsharded/ and OUT/sharded/ (each with adapter/ and base_model/).
@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from peft import LoraConfig, get_peft_model
+from process_exit import exit_without_finalizing
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -49,6 +50,7 @@ def main(out: Path) -> None:
     assert type(model.base_model.model.lm_head.modules_to_save["default"].weight).__name__ == "DTensor"
     save_checkpoint_adapter(accelerator, model, out / "sharded" / "adapter", out / "sharded")
     accelerator.wait_for_everyone()
+    exit_without_finalizing()
 
 
 if __name__ == "__main__":
