@@ -23,7 +23,7 @@ def test_default_learns_the_topic_task_and_the_pipeline_prints_label_names(tmp_p
 
     out = tmp_path / "default"
     start = time.perf_counter()
-    result = launch("recipes/classify.py", ["--output_dir", str(out), "--disable_tqdm", "true"])
+    result = launch("recipes/classify.py", ["--output_dir", str(out), "--disable_tqdm", "true"], launcher="accelerate")
     seconds = time.perf_counter() - start
     assert result.returncode == 0, result.stderr[-3000:]
     summary = _summary(out)

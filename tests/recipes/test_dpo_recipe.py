@@ -17,15 +17,15 @@ SMALL = [
 ]  # fmt: skip
 
 
-def _run(tmp_path, name, args, accelerate_config="cpu.yaml"):
+def _run(tmp_path, name, args, accelerate_config="cpu.yaml", launcher="tunebook"):
     out = tmp_path / name
-    result = launch("recipes/dpo.py", [*args, "--output_dir", str(out)], accelerate_config=accelerate_config)
+    result = launch("recipes/dpo.py", [*args, "--output_dir", str(out)], accelerate_config, launcher=launcher)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out, json.loads((out / "summary.json").read_text()), result
 
 
 def test_default_raises_reward_accuracy_on_held_out_pairs(tmp_path):
-    out, summary, result = _run(tmp_path, "default", ["--disable_tqdm", "true"])
+    out, summary, result = _run(tmp_path, "default", ["--disable_tqdm", "true"], launcher="accelerate")
     before, after = summary["eval_before_training"], summary["eval"]
     # Before training the policy is its reference: every implicit reward is 0 and the loss is log 2.
     assert before["eval_loss"] == pytest.approx(math.log(2), abs=1e-6) and before["eval_rewards/accuracy"] == 0

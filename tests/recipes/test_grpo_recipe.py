@@ -55,7 +55,9 @@ def test_default_learns_the_digit_task_from_its_rewards(tmp_path):
     (measured: 0.655 -> 0.915 in ~70 s on 2 cores; with each batch's rewards shuffled among its completions the same
     steps took it to 0.02, so it is the reward that teaches, not the learning-rate decay: benchmarks/grpo_default.py)."""
     out = tmp_path / "default"
-    result = launch("recipes/grpo.py", ["--disable_tqdm", "true", "--output_dir", str(out)], timeout=900)
+    result = launch(
+        "recipes/grpo.py", ["--disable_tqdm", "true", "--output_dir", str(out)], timeout=900, launcher="accelerate"
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     before = summary["eval_before_training"]["eval_exact_match"]  # measured when GRPO starts, after the warm-up

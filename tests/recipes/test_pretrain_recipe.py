@@ -21,7 +21,7 @@ def _summary(out):
 
 def test_default_perplexity_falls(tmp_path):
     out = tmp_path / "default"
-    result = launch("recipes/pretrain.py", ["--output_dir", str(out), "--disable_tqdm", "true"])
+    result = launch("recipes/pretrain.py", ["--output_dir", str(out), "--disable_tqdm", "true"], launcher="accelerate")
     assert result.returncode == 0, result.stderr[-3000:]
     summary = _summary(out)
     before, after = summary["eval_before_training"]["eval_perplexity"], summary["eval"]["eval_perplexity"]

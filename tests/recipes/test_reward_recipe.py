@@ -16,9 +16,9 @@ QUICK = {"disable_tqdm": True, "report_to": "none", "dataloader_num_workers": 0,
          "model_config": TINY_TEST_MODEL, "max_steps": 2}  # fmt: skip
 
 
-def _run(out, args, accelerate_config="cpu.yaml", timeout=300):
+def _run(out, args, accelerate_config="cpu.yaml", timeout=300, launcher="tunebook"):
     result = launch("recipes/reward.py", [*args, "--output_dir", str(out)], accelerate_config=accelerate_config,
-                    timeout=timeout)  # fmt: skip
+                    timeout=timeout, launcher=launcher)  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return json.loads((out / "summary.json").read_text()), result
 
@@ -28,7 +28,8 @@ def default_run(tmp_path_factory):
     """The embedded default, run once for the module: (output_dir, cache_dir, summary, stdout)."""
     root = tmp_path_factory.mktemp("reward")
     # Estimated 1-2 minutes on 2 idle CPU cores; it took ~10 on a loaded one, hence the long timeouts.
-    summary, result = _run(root / "out", ["--disable_tqdm", "true", "--cache_dir", str(root / "cache")], timeout=900)
+    summary, result = _run(root / "out", ["--disable_tqdm", "true", "--cache_dir", str(root / "cache")], timeout=900,
+                           launcher="accelerate")  # fmt: skip
     return root / "out", root / "cache", summary, result.stdout
 
 

@@ -1,4 +1,4 @@
-"""End-to-end runs of recipes/sft.py through `accelerate launch`, shrunk by overrides."""
+"""End-to-end runs of recipes/sft.py through `tunebook train` and `accelerate launch`, shrunk by overrides."""
 
 from __future__ import annotations
 
@@ -203,7 +203,7 @@ def test_user_error_under_accelerate_launch_has_no_traceback(tmp_path):
 def test_two_process_gloo_launch(tmp_path):
     out = tmp_path / "ddp"
     args = [*SMALL, "--output_dir", str(out), "--max_seq_length", "26"]  # some examples truncated: a warning
-    result = _ok(launch("recipes/sft.py", args, accelerate_config="multi_cpu.yaml"))
+    result = _ok(launch("recipes/sft.py", args, accelerate_config="multi_cpu.yaml", launcher="accelerate"))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_processes"] == 2
     assert "2 process(es)" in result.stdout
@@ -219,7 +219,11 @@ def test_two_process_gloo_launch(tmp_path):
 def test_default_recipe_learns_the_synthetic_task(tmp_path):
     """The embedded default as `make train` runs it: exact match >= 0.8 after training, about 0 before."""
     out = tmp_path / "default"
-    _ok(launch("recipes/sft.py", ["--output_dir", str(out), "--disable_tqdm", "true"], timeout=400))
+    _ok(
+        launch(
+            "recipes/sft.py", ["--output_dir", str(out), "--disable_tqdm", "true"], timeout=400, launcher="accelerate"
+        )
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_before_training"]["eval_exact_match"] <= 0.05
     assert summary["eval"]["eval_exact_match"] >= 0.8
