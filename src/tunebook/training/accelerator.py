@@ -49,6 +49,11 @@ def build_accelerator(
     # DeepSpeed runs on a CPU too (its CPU accelerator): `cpu=True` would make Accelerate drop it, and without a
     # backend named Accelerate finds none on a CPU and leaves every process of a launch to train alone.
     cpu_deepspeed = {"backend": "gloo"} if deepspeed and not has_accelerator_device() else {}
+    if not has_accelerator_device():
+        # Accelerate imports DeepSpeed, where installed, whenever it unwraps a model, and DeepSpeed's device detection
+        # then warns in every CPU run, DeepSpeed or not, that it "was unable to detect" a GPU. Naming its CPU
+        # accelerator, the one it would pick here, keeps that line out of the run's log.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     log_with = resolve_report_to(report_to)
     if log_with and output_dir is None:
         raise ValueError("build_accelerator: trackers need output_dir")
