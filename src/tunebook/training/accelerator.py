@@ -48,8 +48,9 @@ def build_accelerator(
         os.environ.setdefault("ACCELERATE_GRADIENT_CLIPPING", str(max_grad_norm))
     # DeepSpeed runs on a CPU too (its CPU accelerator): `cpu=True` would make Accelerate drop it, and without a
     # backend named Accelerate finds none on a CPU and leaves every process of a launch to train alone.
-    cpu_deepspeed = {"backend": "gloo"} if deepspeed and not has_accelerator_device() else {}
-    if not has_accelerator_device():
+    cpu_only = not has_accelerator_device()
+    cpu_deepspeed = {"backend": "gloo"} if deepspeed and cpu_only else {}
+    if cpu_only:
         # Accelerate imports DeepSpeed, where installed, whenever it unwraps a model, and DeepSpeed's device detection
         # then warns in every CPU run, DeepSpeed or not, that it "was unable to detect" a GPU. Naming its CPU
         # accelerator, the one it would pick here, keeps that line out of the run's log.
@@ -58,7 +59,7 @@ def build_accelerator(
     if log_with and output_dir is None:
         raise ValueError("build_accelerator: trackers need output_dir")
     accelerator = Accelerator(
-        cpu=not has_accelerator_device() and not deepspeed,
+        cpu=cpu_only and not deepspeed,
         log_with=log_with or None,
         project_dir=trackers_dir(output_dir) if log_with else None,
         gradient_accumulation_steps=gradient_accumulation_steps,
