@@ -116,11 +116,60 @@ def launch(
     env=None,
     launcher_args: tuple[str, ...] = (),
     launcher: str = "tunebook",
+    in_process: bool | None = None,
 ):
-    """Run `launch_command(...)` and return the CompletedProcess."""
+    """Run `launch_command(...)` and return the CompletedProcess.
+
+    A single-process `tunebook train` on `cpu.yaml` runs in this interpreter (`in_process`, the default where it
+    can): `tunebook train` runs one process in its own interpreter anyway, and this one has imported torch,
+    transformers and datasets already, which a new process pays ~5 s for at every launch. Its errors propagate as
+    exceptions; a test of how a failure looks from outside (exit code, the one-line error, no traceback), of
+    signals or of the launcher passes `in_process=False`."""
     cmd = launch_command(script, args, accelerate_config, launcher_args, launcher)
+    if in_process is None:
+        in_process = launcher == "tunebook" and accelerate_config == "cpu.yaml" and not launcher_args
+    if in_process:
+        return _train_in_process(cmd, env or {})
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+
+
+def _train_in_process(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`tunebook.cli.main` with `cmd`'s arguments in this interpreter, its output captured, and what a run leaves in
+    the process undone after it: environment (accelerate's launch variables), torch's thread count, argv, sys.path,
+    signal handlers and Accelerate's process-wide state."""
+    import contextlib
+    import io
+    import signal
+
+    import torch
+    from accelerate.state import AcceleratorState, GradientState
+
+    from tunebook import cli
+
+    saved_env, saved_argv, saved_path, threads = dict(os.environ), sys.argv[:], sys.path[:], torch.get_num_threads()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    stdout, stderr, code = io.StringIO(), io.StringIO(), 0
+    cwd = os.getcwd()
+    try:
+        os.environ.update(env)
+        os.chdir(ROOT)
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                cli.main(cmd[cmd.index("tunebook.cli") + 1 :])
+            except SystemExit as exit:
+                code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
+    finally:
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        sys.argv[:], sys.path[:] = saved_argv, saved_path
+        torch.set_num_threads(threads)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    return subprocess.CompletedProcess(cmd, code, stdout.getvalue(), stderr.getvalue())
 
 
 def base_tokenizer(eos: str = "<|endoftext|>", extra: tuple[str, ...] = ()):

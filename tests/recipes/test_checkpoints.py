@@ -53,7 +53,7 @@ def test_nan_policy_stop_exits_with_the_step_and_the_last_good_checkpoint(tmp_pa
     out = tmp_path / "diverged"
     args = [*ARGS, "--learning_rate", "1e30", "--max_grad_norm", "0", "--max_steps", "6", "--save_steps", "1",
             "--output_dir", str(out)]  # fmt: skip
-    result = launch("recipes/sft.py", args)
+    result = launch("recipes/sft.py", args, in_process=False)  # the exit code and the one line, seen from outside
     assert result.returncode != 0
     error = [line for line in result.stderr.splitlines() if line.startswith("tunebook: error: non-finite loss")]
     assert len(error) == 1 and "Last good checkpoint:" in error[0] and "Traceback" not in result.stderr

@@ -83,7 +83,8 @@ def test_text_pairs_with_integer_labels_and_label_names(tmp_path):
     ],
 )
 def test_bad_labels_are_clear_errors(tmp_path, extra, message):
-    result = launch("recipes/classify.py", [*SMALL, *extra, "--max_steps", "1", "--output_dir", str(tmp_path / "x")])
+    result = launch("recipes/classify.py", [*SMALL, *extra, "--max_steps", "1", "--output_dir", str(tmp_path / "x")],
+                    in_process=False)  # fmt: skip
     assert result.returncode != 0
     assert message in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
 
@@ -94,7 +95,7 @@ def test_an_unknown_metric_fails_cleanly_after_training_with_workers_alive(tmp_p
     args = ["--disable_tqdm", "true", "--synthetic_train_size", "200", "--synthetic_eval_size", "20",
             "--metrics", "[accuracy, acuracy]", "--eval_on_start", "false", "--max_steps", "2",
             "--dataloader_num_workers", "2", "--output_dir", str(tmp_path / "x")]  # fmt: skip
-    result = launch("recipes/classify.py", args, timeout=180)
+    result = launch("recipes/classify.py", args, timeout=180, in_process=False)
     assert result.returncode != 0
     assert "metric 'acuracy' not found" in result.stderr and "accuracy, exact_match, f1" in result.stderr
     assert "Traceback" not in result.stderr, result.stderr[-2000:]

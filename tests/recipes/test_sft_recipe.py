@@ -29,7 +29,7 @@ def _ok(result):
 def test_sft_writes_a_loadable_model_and_standard_outputs(tmp_path):
     out = tmp_path / "run"
     args = [*SMALL, "--output_dir", str(out), "--save_steps", "3", "--report_to", "tensorboard", "--peak_flops", "1e12"]  # fmt: skip
-    first = _ok(launch("recipes/sft.py", args))
+    first = _ok(launch("recipes/sft.py", args, in_process=False))  # a fresh process: what it prints at import
     assert "tokenised and cached" in first.stdout
     # No progress bar (disable_tqdm): each logging step is a log line; the summary ends the run as a table.
     assert "INFO tunebook: Step 4/6: loss " in first.stdout and "tok/s" in first.stdout
@@ -195,7 +195,7 @@ def test_user_errors_are_one_readable_line(args, message, tmp_path):
 
 
 def test_user_error_under_accelerate_launch_has_no_traceback(tmp_path):
-    result = launch("recipes/sft.py", ["--max_stepz", "3", "--output_dir", str(tmp_path)])
+    result = launch("recipes/sft.py", ["--max_stepz", "3", "--output_dir", str(tmp_path)], in_process=False)
     assert result.returncode != 0
     assert "tunebook: error: unknown config key 'max_stepz'" in result.stderr
     assert "Traceback" not in result.stderr
