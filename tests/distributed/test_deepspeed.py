@@ -45,6 +45,21 @@ def start(tmp_path_factory, tiny_tokenizer):
     return path
 
 
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory, start):
+    """The plain (DDP) run of a recipe on as many processes, launched once for every engine compared with it."""
+    runs = {}
+
+    def run(recipe, processes):
+        if (recipe, processes) not in runs:
+            out = tmp_path_factory.mktemp(f"plain-{recipe}-{processes}")
+            _train(recipe, "multi_cpu.yaml" if processes > 1 else "cpu.yaml", processes, start, out)
+            runs[recipe, processes] = out
+        return runs[recipe, processes]
+
+    return run
+
+
 def _launch(recipe, config, processes, start, out, *extra, launcher_extra=()):
     args = [*COMMON, *TASKS[recipe], "--model_name_or_path", str(start), "--output_dir", str(out), *extra]
     launcher = ("--num_processes", str(processes), "--mixed_precision", "no", *launcher_extra)
@@ -82,9 +97,8 @@ def _weights(out) -> dict[str, torch.Tensor]:
     ("config", "recipe", "processes"),
     [("deepspeed_zero2.yaml", "sft", 2), ("deepspeed_zero3.yaml", "sft", 2), ("deepspeed_zero3.yaml", "dpo", 2)],
 )
-def test_deepspeed_trains_as_plain_training_and_resumes_exactly(tmp_path, start, config, recipe, processes):
-    plain, full, resumed = tmp_path / "plain", tmp_path / "deepspeed", tmp_path / "resumed"
-    _train(recipe, "multi_cpu.yaml" if processes > 1 else "cpu.yaml", processes, start, plain)
+def test_deepspeed_trains_as_plain_training_and_resumes_exactly(tmp_path, start, plain_run, config, recipe, processes):
+    plain, full, resumed = plain_run(recipe, processes), tmp_path / "deepspeed", tmp_path / "resumed"
     result = _train(recipe, config, processes, start, full)
     assert f"{processes} process(es), DEEPSPEED, device cpu" in result.stdout + result.stderr
     if recipe == "dpo":  # the frozen reference is sharded as the policy is, not whole on every process
