@@ -123,8 +123,9 @@ def launch(
     A single-process `tunebook train` on `cpu.yaml` runs in this interpreter (`in_process`, the default where it
     can): `tunebook train` runs one process in its own interpreter anyway, and this one has imported torch,
     transformers and datasets already, which a new process pays ~5 s for at every launch. Its errors propagate as
-    exceptions; a test of how a failure looks from outside (exit code, the one-line error, no traceback), of
-    signals or of the launcher passes `in_process=False`."""
+    exceptions, and its time limit is the suite's (pytest-timeout), not `timeout`; a test of how a failure looks
+    from outside (exit code, the one-line error, no traceback), of signals or of the launcher passes
+    `in_process=False`."""
     cmd = launch_command(script, args, accelerate_config, launcher_args, launcher)
     if in_process is None:
         in_process = launcher == "tunebook" and accelerate_config == "cpu.yaml" and not launcher_args
@@ -157,8 +158,11 @@ def _train_in_process(cmd: list[str], env: dict[str, str]) -> subprocess.Complet
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
             try:
                 cli.main(cmd[cmd.index("tunebook.cli") + 1 :])
-            except SystemExit as exit:
-                code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
+            except SystemExit as ended:
+                code = ended.code if isinstance(ended.code, int) else (0 if ended.code is None else 1)
+    except BaseException:
+        print(f"{stdout.getvalue()[-4000:]}{stderr.getvalue()[-4000:]}")  # the run's log, in pytest's report
+        raise
     finally:
         os.chdir(cwd)
         os.environ.clear()
