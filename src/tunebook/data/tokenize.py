@@ -10,6 +10,7 @@ results are not. A plain-text example (`{"text": ...}`) carries loss on every to
 
 from __future__ import annotations
 
+import bisect
 import json
 from typing import Any
 
@@ -44,7 +45,7 @@ def assistant_spans(
         if message["role"] != "assistant":
             continue
         before = render_chat(tokenizer, messages[:i], tools, generation_prompt=True) if i else ""
-        through = render_chat(tokenizer, messages[: i + 1], tools)
+        through = text if i == len(messages) - 1 else render_chat(tokenizer, messages[: i + 1], tools)
         if not (text.startswith(through) and through.startswith(before)):
             raise DataError(
                 "the tokenizer's chat template renders a conversation's prefix differently from the whole "
@@ -85,17 +86,27 @@ def tokenize_conversations(
     assistant turn, for generation eval; 0 for plain text), `truncated`, and `keep` (False for rows to drop:
     over-long under `overlong="drop"`, or left with no loss-bearing token). Errors name the row (from 1).
     """
-    out: dict[str, list[Any]] = {k: [] for k in ("input_ids", "labels", "prompt_length", "truncated", "keep")}
+    texts, spans = [], []  # per row: the text to tokenise; its assistant spans (None: plain text)
     for position, row in enumerate(batch["conversation"]):
         example = json.loads(row)
+        if "text" in example:
+            texts.append(example["text"])
+            spans.append(None)
+            continue
         try:
-            if "text" in example:
-                ids, labels, prompt_length = _plain_text(tokenizer, example["text"])
-            else:
-                ids, labels, prompt_length = _chat(tokenizer, example, assistant_only_loss)
+            text, turns = assistant_spans(tokenizer, example["messages"], example.get("tools"))
         except DataError as error:
             row_number = indices[position] + 1 if indices is not None else position + 1
             raise DataError(f"{where}, row {row_number}: {error}") from None
+        texts.append(text)
+        spans.append(turns)
+    encoded = _encode(tokenizer, texts, spans)
+    out: dict[str, list[Any]] = {k: [] for k in ("input_ids", "labels", "prompt_length", "truncated", "keep")}
+    for text, turns, (ids, offsets) in zip(texts, spans, encoded):
+        if turns is None:  # plain text: loss on every token
+            labels, prompt_length = list(ids), 0
+        else:
+            labels, prompt_length = _chat_labels(ids, offsets, turns, len(text), assistant_only_loss)
         truncated = len(ids) > max_seq_length
         keep = not (truncated and overlong == "drop")
         ids, labels = ids[:max_seq_length], labels[:max_seq_length]
@@ -106,23 +117,42 @@ def tokenize_conversations(
     return out
 
 
-def _chat(tokenizer, example: dict[str, Any], assistant_only_loss: bool) -> tuple[list[int], list[int], int]:
-    text, spans = assistant_spans(tokenizer, example["messages"], example.get("tools"))
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = enc["input_ids"], enc["offset_mapping"]
-    in_span = [any(a <= start < b for a, b in spans) for start, _ in offsets]
-    labels = [t if (m or not assistant_only_loss) else IGNORE_INDEX for t, m in zip(ids, in_span)]
-    last = spans[-1][0] if spans else len(text)
-    prompt_length = next((j for j, (start, _) in enumerate(offsets) if start >= last), len(ids))
-    return ids, labels, prompt_length
+def _encode(tokenizer, texts: list[str], spans: list) -> list[tuple[list[int], list | None]]:
+    """(ids, character offsets) of every text, chat renderings without special tokens (the template wrote them),
+    plain texts with them (BOS) and ending in EOS so the model learns to stop.
+
+    One tokenizer call per kind for the whole batch, not one per row: the per-call overhead of transformers'
+    tokenizer wrapper was ~40% of the time tokenising Code Alpaca's short examples.
+    """
+    chat = [i for i, turns in enumerate(spans) if turns is not None]
+    plain = [i for i, turns in enumerate(spans) if turns is None]
+    result: list = [None] * len(texts)
+    if chat:
+        enc = tokenizer([texts[i] for i in chat], add_special_tokens=False, return_offsets_mapping=True)
+        for i, ids, offsets in zip(chat, enc["input_ids"], enc["offset_mapping"]):
+            result[i] = (ids, offsets)
+    if plain:
+        eos = tokenizer.eos_token_id
+        for i, ids in zip(plain, tokenizer([texts[i] for i in plain])["input_ids"]):
+            result[i] = (ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids, None)
+    return result
 
 
-def _plain_text(tokenizer, text: str) -> tuple[list[int], list[int], int]:
-    """The whole text, with the tokenizer's own special tokens (BOS), then EOS so the model learns to stop."""
-    ids = tokenizer(text)["input_ids"]
-    if tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
-        ids = ids + [tokenizer.eos_token_id]
-    return ids, list(ids), 0
+def _chat_labels(ids, offsets, spans, text_length: int, assistant_only_loss: bool) -> tuple[list[int], int]:
+    """Labels (the ids of tokens starting inside an assistant span, or all ids) and the prompt length: the tokens
+    before the last assistant turn."""
+    starts = [start for start, _ in offsets]
+    last = spans[-1][0] if spans else text_length
+    if any(a > b for a, b in zip(starts, starts[1:])):  # not in text order (a normaliser that moves text): per token
+        inside = [any(a <= start < b for a, b in spans) for start in starts]
+        labels = [t if m or not assistant_only_loss else IGNORE_INDEX for t, m in zip(ids, inside)]
+        return labels, next((j for j, start in enumerate(starts) if start >= last), len(ids))
+    # In text order, each span's tokens are one slice: a per-token test was half of the tokenisation time.
+    labels = [IGNORE_INDEX] * len(ids) if assistant_only_loss else list(ids)
+    for a, b in spans if assistant_only_loss else ():
+        lo, hi = bisect.bisect_left(starts, a), bisect.bisect_left(starts, b)
+        labels[lo:hi] = ids[lo:hi]
+    return labels, bisect.bisect_left(starts, last)
 
 
 def format_loss_mask(tokenizer: PreTrainedTokenizerBase, input_ids: list[int], labels: list[int]) -> str:
