@@ -141,6 +141,17 @@ def _streamed(config, train_sources, eval_sources, cache_dir: Path, built: list,
     return SFTData(tokenizer, preview, eval_rows, eval_examples, stats, built, time.perf_counter() - start, stream)
 
 
+# The columns `tokenize_conversations` makes, with the types datasets would infer (input_ids narrowed to int32, as
+# datasets does for that name): given, they spare its scan of every value for mixed types (~20% of tokenising).
+TOKENISED_FEATURES = datasets.Features({
+    "input_ids": datasets.List(datasets.Value("int32")),
+    "labels": datasets.List(datasets.Value("int64")),
+    "prompt_length": datasets.Value("int64"),
+    "truncated": datasets.Value("bool"),
+    "keep": datasets.Value("bool"),
+})  # fmt: skip
+
+
 def _tokenised(config, sources: list[DataSource], tokenizer, cache_dir: Path, name: str, built: list, log):
     args = (config.data_format, config.max_seq_length, config.overlong_examples, config.assistant_only_loss)
     key = sft_cache_key(sources, tokenizer, *args, config.seed, config.dataset_text_field)
@@ -320,6 +331,7 @@ def prepare_sft_dataset(
                         "where": source.where,
                     },
                     remove_columns=["conversation"],
+                    features=TOKENISED_FEATURES,
                     num_proc=num_proc,
                     cache_file_name=str(scratch / f"tokenised-{i}.arrow"),
                     desc="Tokenising",
