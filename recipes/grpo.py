@@ -36,7 +36,7 @@ from tunebook.data import (
 )
 from tunebook.distributed import prepare_then_join
 from tunebook.evaluation.completions import evaluate_completions
-from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options, whole_weights
+from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options, unwrap, whole_weights
 from tunebook.recipe_configs import GRPOConfig
 from tunebook.training import (
     accumulation_windows,
@@ -73,7 +73,7 @@ from tunebook.training.rewards import combined, describe, load_reward_functions,
 def generate_rollouts(config: GRPOConfig, run, model, reference, window, rewards, figures, tokenizer) -> list:
     """Completions of the window's prompts, their rewards and advantages, and the log-probs the loss compares to."""
     accelerator, G = run.accelerator, config.num_generations
-    policy = accelerator.unwrap_model(model)
+    policy = unwrap(model)
     parts = []
     for batch in window:
         start = time.perf_counter()

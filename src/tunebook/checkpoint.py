@@ -21,6 +21,7 @@ from accelerate import Accelerator
 
 from .config import save_config
 from .errors import ConfigError
+from .models.wrappers import unwrap
 
 __all__ = [
     "TRAINER_STATE",
@@ -141,7 +142,7 @@ def _save_model_config(accelerator: Accelerator, directory: Path) -> None:
 
     if not accelerator._models:
         return
-    model = accelerator.unwrap_model(accelerator._models[0])
+    model = unwrap(accelerator._models[0])
     if is_peft_model(model):
         model = model.get_base_model()
     if not hasattr(getattr(model, "config", None), "save_pretrained"):
@@ -182,12 +183,12 @@ def save_final_model(accelerator: Accelerator, model, tokenizer, output_dir: str
     """
     from .models.lora import is_peft_model, save_adapter
 
-    if is_peft_model(accelerator.unwrap_model(model)):
+    if is_peft_model(unwrap(model)):
         save_adapter(accelerator, model, tokenizer, output_dir, merge=merge_adapter)
         return
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model)
+        unwrapped = unwrap(model)
         unwrapped.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(output_dir)
     accelerator.wait_for_everyone()

@@ -7,6 +7,7 @@ from torch.utils.data import DataLoader
 
 from ..data.prompts import PromptRows, reward_inputs
 from ..logging import progress_bar
+from ..models.wrappers import unwrap
 from ..training.grpo import sample_completions, stop_tokens
 from ..training.rewards import RewardFunction, combined, exact_match, score
 
@@ -21,7 +22,7 @@ def evaluate_completions(model, tokenizer, dataset, functions: list[RewardFuncti
     whether or not it is a reward), and their mean length in tokens. Exact over processes: every prompt counts
     once (the duplicates that even out the last batch are dropped)."""
     loader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=batch_size, collate_fn=PromptRows()))
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = unwrap(model)
     eos = stop_tokens(unwrapped, tokenizer)
     results, samples = [], []
     for batch in progress_bar(accelerator.is_main_process, disable_tqdm, iterable=loader, desc="Generating",

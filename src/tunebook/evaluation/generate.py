@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..data.collate import PromptCollator
 from ..logging import progress_bar
+from ..models.wrappers import unwrap
 from .metrics import load_metric
 
 __all__ = ["generation_exact_match"]
@@ -45,7 +46,7 @@ def generation_exact_match(
     loader = accelerator.prepare_data_loader(
         DataLoader(dataset, batch_size=batch_size, collate_fn=PromptCollator(tokenizer.pad_token_id))
     )
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = unwrap(model)
     was_training = unwrapped.training
     unwrapped.eval()
     exact_match, samples = load_metric("exact_match"), []

@@ -1,6 +1,7 @@
 """Model construction: build or load models (`build`), LoRA (`lora`), the tiny default configs (`tiny`), GGUF
-conversion (`gguf`). The tokenizer functions live in `tunebook.data.tokenizer` (the data path sets tokenizers up) and
-are re-exported here. Names load on first use: `from tunebook.models import TINY_LLAMA` imports no model code."""
+conversion (`gguf`), the model inside distributed and compiled wrappers (`wrappers`). The tokenizer functions live
+in `tunebook.data.tokenizer` (the data path sets tokenizers up) and are re-exported here. Names load on first use:
+`from tunebook.models import TINY_LLAMA` imports no model code."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ _LAZY = {
         "register_adapter_checkpoints", "save_adapter",
     ],
     "tunebook.models.tiny": ["TINY_BERT", "TINY_LLAMA"],
+    "tunebook.models.wrappers": ["unwrap"],
     "tunebook.data.tokenizer": [
         "CHATML_TEMPLATE", "load_or_train_tokenizer", "load_tokenizer", "setup_chat_template", "train_chat_tokenizer",
         "train_encoder_tokenizer",

@@ -17,6 +17,7 @@ import torch
 
 from ..errors import ConfigError
 from ..locations import hub_name_of_snapshot
+from .wrappers import unwrap
 
 __all__ = [
     "apply_lora",
@@ -107,7 +108,7 @@ def register_adapter_checkpoints(accelerator, run_dir: str | Path) -> None:
 
     def save_hook(models: list, weights: list, output_dir: str) -> None:
         for i in reversed(range(len(models))):
-            model = accelerator.unwrap_model(models[i])
+            model = unwrap(models[i])
             if is_peft_model(model):
                 save_checkpoint_adapter(accelerator, model, Path(output_dir) / ADAPTER_DIR, Path(run_dir))
                 if i < len(weights):  # under FSDP Accelerate saves the (sharded) model itself and passes no weights
@@ -117,7 +118,7 @@ def register_adapter_checkpoints(accelerator, run_dir: str | Path) -> None:
         from peft import set_peft_model_state_dict
 
         for i in reversed(range(len(models))):
-            model = accelerator.unwrap_model(models[i])
+            model = unwrap(models[i])
             if is_peft_model(model):
                 path = Path(input_dir) / ADAPTER_DIR / "adapter_model.safetensors"
                 if not path.is_file():
@@ -136,7 +137,7 @@ def save_adapter(accelerator, model, tokenizer, output_dir: str | Path, merge: b
     also the merged model into `output_dir/merged`. Call on every process (sharded states are gathered)."""
     output_dir = Path(output_dir)
     state_dict = accelerator.get_state_dict(model)
-    peft_model = accelerator.unwrap_model(model)
+    peft_model = unwrap(model)
     if _is_sharded(peft_model):  # the base copy, where one is needed, from weights every process gathers
         _copy_sharded_base(peft_model, output_dir, accelerator)
     if accelerator.is_main_process:

@@ -17,7 +17,8 @@ import contextlib
 import logging
 
 import torch
-from accelerate.utils import extract_model_from_parallel
+
+from ..models.wrappers import unwrap
 
 __all__ = ["CompiledBlocks", "compile_blocks", "eager"]
 
@@ -66,7 +67,7 @@ class CompiledBlocks:
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's repeated blocks: instances of the most numerous class transformers names in `_no_split_modules`
     (what FSDP wraps one by one: LlamaDecoderLayer, BertLayer, ...)."""
-    inner = extract_model_from_parallel(model)
+    inner = unwrap(model)
     base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft
     names = set(getattr(base, "_no_split_modules", None) or [])
     # By class lineage: FSDP2 swaps a sharded block's class for a subclass (FSDPLlamaDecoderLayer).
@@ -91,7 +92,7 @@ def compile_blocks(model: torch.nn.Module) -> CompiledBlocks:
         from ..errors import ConfigError
 
         raise ConfigError(
-            f"torch_compile: no transformer blocks found in {type(extract_model_from_parallel(model)).__name__} "
+            f"torch_compile: no transformer blocks found in {type(unwrap(model)).__name__} "
             "(its _no_split_modules names none); set torch_compile: false"
         )
     for block in blocks:

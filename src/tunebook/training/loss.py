@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from accelerate.utils import extract_model_from_parallel
 
 from ..data.collate import loss_positions
 from ..data.tokenize import IGNORE_INDEX
+from ..models.wrappers import unwrap
 from . import linear_ce
 from .linear_ce import LinearLosses
 
@@ -70,7 +70,7 @@ def output_layer_at(model: torch.nn.Module, positions: torch.Tensor, targets: to
     (`linear_ce.linear_cross_entropy`, chunked: the logits never exist whole), and the block yields the
     `LinearLosses` that computed them (its `losses` stay None if the layer never applied `F.linear` to them).
     """
-    head = extract_model_from_parallel(model).get_output_embeddings()
+    head = unwrap(model).get_output_embeddings()
     if head is None:
         yield None
         return
@@ -124,7 +124,7 @@ def causal_lm_token_losses(model: torch.nn.Module, inputs: dict[str, Any], batch
         _CHANGES_LOGITS.add(_model_type(model))
         logger.warning(
             "%s changes its logits after the output layer: its loss is computed from logits (not fused)",
-            type(extract_model_from_parallel(model)).__name__,
+            type(unwrap(model)).__name__,
         )
         return causal_lm_token_losses(model, inputs, batch)
     if logits.dim() == 3:  # the model made its logits without calling its output layer module: pick them here
@@ -147,7 +147,7 @@ _CHANGES_LOGITS: set[str] = set()  # model types seen doing so at run time
 def _fusable(model: torch.nn.Module, positions: int) -> bool:
     """The logits at `positions` positions take more than one chunk, and the output layer computes them with plain
     `F.linear`, and the model returns them unchanged (as far as known)."""
-    inner = extract_model_from_parallel(model)
+    inner = unwrap(model)
     config = getattr(inner, "config", None)
     configs = [config, getattr(config, "text_config", None)]
     if any(getattr(c, key, None) is not None for c in configs for key in _LOGIT_CHANGES):
@@ -163,7 +163,7 @@ def _fusable(model: torch.nn.Module, positions: int) -> bool:
 
 
 def _model_type(model: torch.nn.Module) -> str:
-    return getattr(getattr(extract_model_from_parallel(model), "config", None), "model_type", "") or ""
+    return getattr(getattr(unwrap(model), "config", None), "model_type", "") or ""
 
 
 def step_loss_scale(step_tokens: torch.Tensor, num_processes: int, gradient_accumulation_steps: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ..data.packing import attention_inputs
 from ..data.tokenize import IGNORE_INDEX
+from ..models.wrappers import unwrap
 from .loss import causal_lm_token_losses
 
 __all__ = [
@@ -155,7 +156,7 @@ def policy_and_reference_log_probs(
         return policy, torch.cat([batch["ref_chosen_logps"], batch["ref_rejected_logps"]])
     with torch.no_grad(), accelerator.autocast():
         if reference is None:
-            with accelerator.unwrap_model(model).disable_adapter():
+            with unwrap(model).disable_adapter():
                 return policy, sequence_log_probs(model, batch, attn, dtype)
         return policy, sequence_log_probs(reference, batch, attn, dtype)
 

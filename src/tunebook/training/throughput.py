@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from ..models.lora import parameter_counts
+from ..models.wrappers import unwrap
 from ..record import peak_rss_mb
 from .flops import dataset_flop_shape, device_peak_flops, mfu, model_flops_per_token
 
@@ -32,7 +33,7 @@ class Throughput:
     def __init__(self, accelerator, model, dataset, timer, counters, peak_flops: float | None = None):
         self.accelerator, self.timer, self.counters = accelerator, timer, counters
         self.attention_span, head_fraction = dataset_flop_shape(dataset)
-        unwrapped = accelerator.unwrap_model(model)
+        unwrapped = unwrap(model)
         self.flops_per_token = model_flops_per_token(unwrapped, self.attention_span, head_fraction)
         self.parameters = parameter_counts(unwrapped)  # trainable vs total: LoRA trains a small share
         self.peak_flops = device_peak_flops(accelerator.device, peak_flops)
