@@ -51,10 +51,10 @@ from tunebook.training import (
 )
 
 
-def build_dataloaders(config: PretrainConfig, data: TextData):
+def build_dataloaders(config: PretrainConfig, data: TextData, attn: str):
     """Rows of max_seq_length tokens with their document boundaries; workers collate in the background (and with
     streaming: true tokenise and cut the documents as training reads them)."""
-    collate = PackedCollator(data.tokenizer.pad_token_id, config.pad_to_multiple_of)
+    collate = PackedCollator(data.tokenizer.pad_token_id, config.pad_to_multiple_of, attn)
     train = data.stream if data.stream is not None else data.train
     return train_and_eval_loaders(config, train, data.eval, collate)
 
@@ -86,7 +86,7 @@ def main(config: PretrainConfig) -> dict:
     optimizer = build_optimizer(
         model, config.learning_rate, config.weight_decay, (config.adam_beta1, config.adam_beta2), config.adam_epsilon
     )
-    train_loader, eval_loader = build_dataloaders(config, data)
+    train_loader, eval_loader = build_dataloaders(config, data, attn)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     plan_training(run, model, optimizer, train_loader)  # optimizer steps and the learning-rate schedule
 

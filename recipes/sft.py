@@ -57,10 +57,10 @@ from tunebook.training import (
 )
 
 
-def build_dataloaders(config: SFTConfig, data: SFTData, num_processes: int):
+def build_dataloaders(config: SFTConfig, data: SFTData, num_processes: int, attn: str):
     """Packed rows, or examples (batched by similar length with group_by_length); workers collate in the background."""
     pad_id, multiple = data.tokenizer.pad_token_id, config.pad_to_multiple_of
-    collate = PackedCollator(pad_id, multiple) if config.packing else PadCollator(pad_id, multiple)
+    collate = PackedCollator(pad_id, multiple, attn) if config.packing else PadCollator(pad_id, multiple)
     columns = ["input_ids", "labels", "seq_lengths"] if config.packing else ["input_ids", "labels"]
     grouping = {}
     if config.group_by_length and not config.packing:  # packed rows are all about max_seq_length long
@@ -116,7 +116,7 @@ def main(config: SFTConfig) -> dict:
     optimizer = build_optimizer(
         model, config.learning_rate, config.weight_decay, (config.adam_beta1, config.adam_beta2), config.adam_epsilon
     )
-    train_loader, eval_loader = build_dataloaders(config, data, accelerator.num_processes)
+    train_loader, eval_loader = build_dataloaders(config, data, accelerator.num_processes, attn)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     plan_training(run, model, optimizer, train_loader)  # optimizer steps and the learning-rate schedule
 

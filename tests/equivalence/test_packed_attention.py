@@ -53,7 +53,7 @@ def _packed_and_alone(model, tokenizer, attn, device="cpu"):
     dtype = next(model.parameters()).dtype
     examples = _examples(tokenizer)
     packed, _ = pack_dataset(examples, 24, seed=0)
-    batch = PackedCollator(tokenizer.pad_token_id, 8)(list(packed))
+    batch = PackedCollator(tokenizer.pad_token_id, 8, attn)(list(packed))  # flex: the tiles made as in a worker
     assert batch["seq_ids"].max() >= 2, "rows must hold several examples for the test to mean anything"
     batch = {k: v.to(device) for k, v in batch.items()}
     logits = model(**attention_inputs(batch, attn, dtype)).logits

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .packing import BLOCK_MASK_PREFIX, document_kv_blocks
 from .tokenize import IGNORE_INDEX
 
 __all__ = ["PackedCollator", "PadCollator", "PairCollator", "PromptCollator", "loss_positions", "padded_length"]
@@ -63,12 +64,17 @@ class PackedCollator:
 
     Returns `input_ids`, `labels`, `position_ids` and `seq_ids` (the example index of every token within its row;
     the padding tail is a segment of its own, so no row of an attention mask is ever empty). `attention_inputs`
-    turns these into what the model's attention backend needs.
+    turns these into what the model's attention backend needs. Given `attn_implementation="flex_attention"`, it
+    also adds the tiles of FlexAttention's block mask (`document_kv_blocks`), so they are computed in the loader's
+    worker and reach the device with the batch's other tensors.
     """
 
-    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None):
+    def __init__(
+        self, pad_token_id: int, pad_to_multiple_of: int | None = None, attn_implementation: str | None = None
+    ):
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
+        self.block_mask = attn_implementation == "flex_attention"
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         longest = padded_length(features, self.pad_to_multiple_of)
@@ -88,7 +94,7 @@ class PackedCollator:
         attention_mask = (
             torch.arange(longest)[None, :] < torch.tensor([len(f["input_ids"]) for f in features])[:, None]
         )
-        return {
+        batch = {
             "input_ids": input_ids,
             "labels": labels,
             "position_ids": position_ids,
@@ -96,6 +102,9 @@ class PackedCollator:
             "attention_mask": attention_mask.long(),
             **loss_positions(labels),
         }
+        if self.block_mask:
+            batch.update({BLOCK_MASK_PREFIX + k: v for k, v in document_kv_blocks(seq_ids).items()})
+        return batch
 
 
 class PairCollator:

@@ -32,6 +32,7 @@ __all__ = [
     "best_fit_decreasing",
     "concatenate_examples",
     "document_block_mask",
+    "document_kv_blocks",
     "example_lengths",
     "pack_dataset",
     "packing_mechanism",
@@ -152,6 +153,10 @@ def pack_dataset(
     }
     return packed, stats
 
+
+# What `PackedCollator` adds for FlexAttention: the `document_kv_blocks` tensors, batch first, under these names.
+BLOCK_MASK_KEYS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+BLOCK_MASK_PREFIX = "block_mask_"
 
 # The kernels that take packed sequences as position ids (cumulative lengths), without a mask.
 VARLEN_BACKENDS = (
@@ -281,24 +286,64 @@ def packing_mechanism(attn_implementation: str) -> str:
     )
 
 
-def document_block_mask(seq_ids: torch.Tensor):
+def document_kv_blocks(seq_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Which of FlexAttention's 128 x 128 tiles a document-causal mask touches, read off the examples' boundaries.
+
+    `create_block_mask` evaluates the rule on every `length x length` pair (134M per batch of 8 rows of 4096) and then
+    sums tiles; the tiles follow from the segment ids at the tiles' edges, since the ids of a packed row never
+    decrease: below the diagonal, tile (q, kv) holds an allowed pair when the kv tile's last id is the q tile's first,
+    and all its pairs are allowed when the kv tile's first id is the q tile's last (and the q tile lies inside the
+    row); diagonal tiles are always partial. That is O(tiles^2) per row, cheap enough for the collator's worker.
+    Returns the tensors `BlockMask.from_kv_blocks` takes (the same values as `create_block_mask`'s), one head.
+    """
+    from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE as block
+
+    batch, length = seq_ids.shape
+    tiles = -(-length // block)
+    edges = F.pad(seq_ids, (0, tiles * block - length), value=-1).view(batch, tiles, block)
+    first, last = edges[..., 0], edges[..., -1].clone()
+    last[:, -1] = seq_ids[:, -1]  # the last tile's last token inside the row
+    below = torch.ones(tiles, tiles, dtype=torch.bool, device=seq_ids.device).tril(-1)
+    q_inside = torch.full((tiles, 1), True, device=seq_ids.device)
+    q_inside[-1] = length % block == 0
+    touched = (below & (last[:, None, :] == first[:, :, None])) | torch.eye(
+        tiles, dtype=torch.bool, device=seq_ids.device
+    )
+    full = below & q_inside & (first[:, None, :] == last[:, :, None])
+
+    def ordered(tiles_used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        used = tiles_used[:, None].to(torch.int32)  # (batch, head, q tile, kv tile)
+        return used.sum(-1, dtype=torch.int32), used.argsort(dim=-1, descending=True, stable=True).to(torch.int32)
+
+    (kv_num_blocks, kv_indices), (full_kv_num_blocks, full_kv_indices) = ordered(touched & ~full), ordered(full)
+    return {
+        "kv_num_blocks": kv_num_blocks,
+        "kv_indices": kv_indices,
+        "full_kv_num_blocks": full_kv_num_blocks,
+        "full_kv_indices": full_kv_indices,
+    }
+
+
+def document_block_mask(seq_ids: torch.Tensor, kv_blocks: dict[str, torch.Tensor] | None = None):
     """FlexAttention's BlockMask for packed rows: a token sees the earlier tokens of its own example only.
 
     The dense mask costs `length x length` per row in memory and, in SDPA, computes every score before masking it;
     a BlockMask records which 128 x 128 tiles hold any allowed pair, and the kernel skips the rest (on a row of
     examples averaging a few hundred tokens most tiles of a 4096 row), evaluating the rule only on partial tiles.
+    `kv_blocks` are the tiles as `PackedCollator` computed them in the loader's worker (`document_kv_blocks`).
     """
     from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE as block
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import BlockMask
 
-    batch, length = seq_ids.shape
+    length = seq_ids.shape[1]
     # The rule is also evaluated on the tiles' padding past `length`: give those positions an id of their own.
     padded = F.pad(seq_ids, (0, -length % block), value=-1)
 
     def document_causal(b, h, q, kv):
         return (padded[b, q] == padded[b, kv]) & (q >= kv)
 
-    return create_block_mask(document_causal, batch, None, length, length, device=seq_ids.device)
+    blocks = kv_blocks if kv_blocks is not None else document_kv_blocks(seq_ids)
+    return BlockMask.from_kv_blocks(**blocks, BLOCK_SIZE=block, mask_mod=document_causal, seq_lengths=(length, length))
 
 
 def attention_inputs(batch: dict[str, torch.Tensor], attn_implementation: str, dtype: torch.dtype) -> dict[str, Any]:
@@ -328,7 +373,10 @@ def attention_inputs(batch: dict[str, torch.Tensor], attn_implementation: str, d
         return inputs
     length = seq.shape[1]
     if attn_implementation == "flex_attention":
-        inputs["attention_mask"] = document_block_mask(seq)
+        # The tiles come from the collator's worker when it knew the backend (`PackedCollator(attn_implementation=)`).
+        given = BLOCK_MASK_PREFIX + "kv_indices" in batch
+        blocks = {k: batch[BLOCK_MASK_PREFIX + k] for k in BLOCK_MASK_KEYS} if given else None
+        inputs["attention_mask"] = document_block_mask(seq, blocks)
         return inputs
     causal = torch.ones(length, length, dtype=torch.bool, device=seq.device).tril()
     allowed = (seq[:, :, None] == seq[:, None, :]) & causal  # (batch, query, key)

@@ -10,6 +10,8 @@ from tunebook.data.packing import (
     SEGMENT_SDPA,
     attention_inputs,
     best_fit_decreasing,
+    document_block_mask,
+    document_kv_blocks,
     example_lengths,
     pack_dataset,
     segment_sdpa_attention,
@@ -117,3 +119,78 @@ def test_segment_attention_gets_example_boundaries_and_matches_masked_sdpa():
         q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask, scale=0.3
     )
     torch.testing.assert_close(out, ref.transpose(1, 2), atol=1e-6, rtol=1e-6)
+
+
+def _document_rows(length: int, longest: int, rows: int, seed: int) -> torch.Tensor:
+    """Segment ids of `rows` packed rows of `length` tokens, examples of 1 to `longest` tokens, as the collator
+    numbers them (0, 0, 1, 1, 1, 2, ...)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(rows):
+        lengths, total = [], 0
+        while total < length:
+            lengths.append(min(int(torch.randint(1, longest + 1, (1,), generator=g)), length - total))
+            total += lengths[-1]
+        out.append(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("length", [1, 100, 128, 129, 300, 640])
+@pytest.mark.parametrize("longest", [5, 150, 700])
+def test_block_mask_tiles_from_boundaries_equal_torchs_create_block_mask(length, longest):
+    """The tiles read off the segment ids equal `create_block_mask`'s evaluation of every pair, index for index,
+    including rows whose length is not a multiple of the 128-token tile and examples longer than a tile."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    seq = _document_rows(length, longest, rows=3, seed=length * longest)
+    padded = torch.nn.functional.pad(seq, (0, -length % 128), value=-1)
+
+    def document_causal(b, h, q, kv):
+        return (padded[b, q] == padded[b, kv]) & (q >= kv)
+
+    ref = create_block_mask(document_causal, 3, None, length, length, device="cpu")
+    ours = document_block_mask(seq)
+    for name, a, b in zip(("seq_lengths", *ref.__dict__), ref.as_tuple(), ours.as_tuple()):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), name
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    dense = (seq[:, None, :, None] == seq[:, None, None, :]) & causal
+    assert torch.equal(ours.to_dense().bool(), ref.to_dense().bool())
+    # The tiles cover every allowed pair, and tiles marked full hold no forbidden pair.
+    tiles = ours.to_dense().bool().repeat_interleave(128, -2).repeat_interleave(128, -1)[..., :length, :length]
+    assert not (dense & ~tiles).any()
+    full = _full_tiles(ours, length)
+    assert not (full & ~dense).any()
+
+
+def _full_tiles(mask, length):
+    """The positions of the tiles a BlockMask lists as full, as a dense (batch, 1, length, length) boolean."""
+    n = mask.full_kv_indices.shape[-1]
+    tiles = torch.zeros(*mask.full_kv_indices.shape[:2], n, n, dtype=torch.bool)
+    for b, h, q in np.ndindex(*mask.full_kv_num_blocks.shape):
+        tiles[b, h, q, mask.full_kv_indices[b, h, q, : mask.full_kv_num_blocks[b, h, q]].long()] = True
+    return tiles.repeat_interleave(128, -2).repeat_interleave(128, -1)[..., :length, :length]
+
+
+def test_flex_attention_tiles_are_made_in_the_loaders_worker_and_used_on_the_device_side():
+    """With `attn_implementation="flex_attention"` the collator adds the block mask's tiles (as tensors, so a worker
+    can send them and accelerate moves them to the device); `attention_inputs` builds the same BlockMask from them
+    as from the segment ids alone. Other backends get no tiles."""
+    rows = [
+        {"input_ids": list(range(1, 301)), "labels": list(range(1, 301)), "seq_lengths": [40, 200, 60]},
+        {"input_ids": list(range(1, 201)), "labels": list(range(1, 201)), "seq_lengths": [130, 70]},
+    ]
+    loader = torch.utils.data.DataLoader(
+        rows, batch_size=2, num_workers=1, collate_fn=PackedCollator(0, 8, attn_implementation="flex_attention")
+    )
+    batch = next(iter(loader))
+    assert batch["block_mask_kv_indices"].shape == (2, 1, 3, 3) and batch["block_mask_kv_indices"].dtype == torch.int32
+    given = attention_inputs(batch, "flex_attention", torch.float32)["attention_mask"]
+    del batch["block_mask_kv_indices"]
+    derived = attention_inputs(batch, "flex_attention", torch.float32)["attention_mask"]
+    assert torch.equal(given.to_dense(), derived.to_dense())
+    for a, b in zip(given.as_tuple(), derived.as_tuple()):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b)
+    assert given.full_kv_num_blocks[1, 0].tolist() == [0, 0, 0]  # row 2: tile 1 starts inside example 0, ends in 1
+    assert not any(k.startswith("block_mask_") for k in PackedCollator(0, 8, attn_implementation="sdpa")(rows))
