@@ -1,0 +1,295 @@
+"""Packed attention backends side by side: tokens/s of a training step, peak memory and the loss (issue 17, point 3).
+
+    python benchmarks/packed_attention.py                      # this machine's device, its default shapes
+    python benchmarks/packed_attention.py --shapes SmolLM2-135M --seq_lens 2048,4096 --out DIR
+    python benchmarks/packed_attention.py --smoke              # a tiny model, 2 steps: every code path, no RESULTS.md
+
+What `use_packed_attention` picks for a device should be the fastest backend that keeps packed examples apart; this
+measures them on the same packed batch. Example lengths are real: Code Alpaca (../shared) rendered with the chat
+template of a BPE tokenizer trained on it (benchmarks/vs_peers.py's), packed best-fit-decreasing into rows of L
+tokens; the model is built from its config with random weights. One step = forward, fused loss over the
+loss-bearing tokens, backward (no optimizer: it costs the same for every backend). Backends:
+
+- sdpa: transformers' SDPA with our block-diagonal causal mask (dense, rows x L x L booleans);
+- eager: transformers' eager attention with the additive float mask (CPU only: at GPU row lengths its L x L
+  weights per head are the memory of the whole step);
+- tunebook_segment_sdpa: our varlen attention, one causal SDPA call per example on a CPU, PyTorch's flash varlen
+  kernel (`torch.nn.attention.varlen`) on CUDA in bf16;
+- flex_attention: FlexAttention (compiled by transformers) with the document block mask whose tiles
+  `PackedCollator` computes in the loader's worker (CUDA only: FlexAttention has no backward pass on a CPU);
+- flash_attention_2: the `flash_attn` package's varlen kernel, where it is installed (CUDA only).
+
+On CUDA every step runs under bf16 autocast over float32 weights, as recipes/sft.py does with mixed_precision bf16;
+on a CPU in float32. The loss column must agree between backends (to bf16 precision on CUDA): a backend that lets
+examples see each other shows there. Also timed: building the block mask's tiles from the segment ids
+(`document_kv_blocks`, what the worker does) against `create_block_mask` on the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from results import header, write_section
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_BACKENDS = ("sdpa", "eager", "tunebook_segment_sdpa")
+CUDA_BACKENDS = ("sdpa", "tunebook_segment_sdpa", "flex_attention", "flash_attention_2")
+
+
+def shapes() -> dict[str, dict]:
+    from gpu_vs_peers import LLAMA_32_1B, SMOLLM2_135M, TINY
+
+    from tunebook.models import TINY_LLAMA
+
+    return {
+        "tiny-llama (vs_peers)": {**TINY_LLAMA, "vocab_size": 2048},
+        "SmolLM2-135M": SMOLLM2_135M,
+        "Llama-3.2-1B": LLAMA_32_1B,
+        "tiny": TINY,
+    }
+
+
+def example_lengths(work: Path, examples: int) -> list[int]:
+    """Token counts of the Code Alpaca examples as the SFT recipe renders them (chat template, EOS included)."""
+    import json as _json
+
+    from transformers import AutoTokenizer
+    from vs_peers import prepare_assets
+
+    from tunebook.data.formats import to_conversations
+
+    work.mkdir(parents=True, exist_ok=True)
+    data, model_dir = prepare_assets(work, examples, "code_alpaca")
+    records = _json.loads(data.read_text())
+    batch = {k: [r.get(k, "") for r in records] for k in ("instruction", "input", "output")}
+    rows = to_conversations(batch, data_format="alpaca", where="")["conversation"]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rendered = [tokenizer.apply_chat_template(_json.loads(r)["messages"], tokenize=False) for r in rows]
+    return [len(ids) for ids in tokenizer(rendered, add_special_tokens=False)["input_ids"]]
+
+
+def packed_batch(lengths: list[int], seq_len: int, rows: int, attn: str, vocab: int):
+    """`rows` rows of `lengths` packed into rows of `seq_len`, collated for `attn`; random token ids,
+    every token but each example's first carries a label (as with plain-text examples)."""
+    import numpy as np
+    import torch
+
+    from tunebook.data import PackedCollator
+    from tunebook.data.packing import best_fit_decreasing
+
+    capped = np.minimum(np.asarray(lengths), seq_len)
+    order, offsets = best_fit_decreasing(capped, seq_len, seed=0)
+    # A seeded sample of the rows, as training meets them (the first rows of best-fit-decreasing hold the longest
+    # examples, the last the shortest).
+    bins = np.random.default_rng(0).choice(len(offsets) - 1, size=min(rows, len(offsets) - 1), replace=False)
+    g = torch.Generator().manual_seed(0)
+    features = []
+    for b in sorted(bins.tolist()):
+        sizes = capped[order[offsets[b] : offsets[b + 1]]].tolist()
+        ids = torch.randint(10, vocab, (sum(sizes),), generator=g).tolist()
+        labels, start = list(ids), 0
+        for n in sizes:
+            labels[start] = -100
+            start += n
+        features.append({"input_ids": ids, "labels": labels, "seq_lengths": sizes})
+    return PackedCollator(0, 8, attn)(features)
+
+
+def measure(config_values: dict, attn: str, batch: dict, steps: int, warmup: int, device: str) -> dict:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tunebook.data import attention_inputs, use_packed_attention
+    from tunebook.training import causal_lm_token_losses
+
+    values = {k: v for k, v in config_values.items() if k != "model_type"}
+    config = AutoConfig.for_model("llama", **values)
+    build = "sdpa" if attn == "tunebook_segment_sdpa" else attn
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=build).to(device).train()
+    if attn == "tunebook_segment_sdpa":
+        if device == "cuda":  # use_packed_attention keeps the mask on CUDA; register and switch by hand
+            from transformers import AttentionInterface
+            from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+            from tunebook.data.packing import SEGMENT_SDPA, segment_sdpa_attention
+
+            AttentionInterface.register(SEGMENT_SDPA, segment_sdpa_attention)
+            AttentionMaskInterface.register(SEGMENT_SDPA, sdpa_mask)
+            model.set_attn_implementation(SEGMENT_SDPA)
+        else:
+            use_packed_attention(model, device)
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    tokens = int(batch["attention_mask"].sum())
+    times, losses = [], []
+    for step in range(warmup + steps):
+        sync()
+        start = time.perf_counter()
+        with autocast:
+            inputs = attention_inputs(batch, model.config._attn_implementation, torch.float32)
+            token_losses, _ = causal_lm_token_losses(model, inputs, batch)
+            loss = token_losses.mean()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        sync()
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    step_s = statistics.median(times)
+    return {
+        "step_ms": step_s * 1000,
+        "step_ms_range": (min(times) * 1000, max(times) * 1000),
+        "tokens_per_second": tokens / step_s,
+        "peak_memory_mb": torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None,
+        "loss": losses[0],
+    }
+
+
+def mask_timings(batch: dict, device: str, repeats: int = 5) -> dict:
+    """Milliseconds to build the block mask: our tiles from the boundaries on the CPU (what the worker does) and
+    torch's `create_block_mask` evaluating every pair on the device."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from tunebook.data.packing import document_kv_blocks
+
+    seq = batch["seq_ids"]
+    length = seq.shape[1]
+    on_device = seq.to(device)
+    padded = F.pad(on_device, (0, -length % 128), value=-1)
+
+    def document_causal(b, h, q, kv):
+        return (padded[b, q] == padded[b, kv]) & (q >= kv)
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def best(fn) -> float:
+        fn()
+        sync()
+        runs = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            sync()
+            runs.append(time.perf_counter() - start)
+        return min(runs) * 1000
+
+    return {
+        "tiles_from_boundaries_cpu_ms": best(lambda: document_kv_blocks(seq)),
+        f"create_block_mask_{device}_ms": best(
+            lambda: create_block_mask(document_causal, seq.shape[0], None, length, length, device=device)
+        ),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default=None, help="comma-separated; default: tiny-llama on a CPU, SmolLM2-135M "
+                        "and Llama-3.2-1B on CUDA")  # fmt: skip
+    parser.add_argument("--seq_lens", default=None, help="row lengths; default 512 on a CPU, 2048,4096 on CUDA")
+    parser.add_argument("--row_tokens", type=int, default=None, help="tokens per batch (rows = this / L); default "
+                        "4096 on a CPU (8 x 512, as vs_peers), 16384 on CUDA")  # fmt: skip
+    parser.add_argument("--backends", default=None, help="comma-separated subset of the device's backends")
+    parser.add_argument("--examples", type=int, default=2000)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--work_dir", default="/tmp/tunebook-vs-peers", help="shared with vs_peers.py's assets")
+    parser.add_argument("--smoke", action="store_true", help="tiny model, 2 steps, no RESULTS.md")
+    parser.add_argument("--out", default=None, help="write the table to DIR/packed_attention.md, not RESULTS.md")
+    parser.add_argument("--no_write", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.path.insert(0, str(ROOT / "src"))
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = device == "cuda"
+    known = shapes()
+    default_shapes = "tiny" if args.smoke else ("SmolLM2-135M,Llama-3.2-1B" if cuda else "tiny-llama (vs_peers)")
+    chosen = (args.shapes or default_shapes).split(",")
+    for name in chosen:
+        if name not in known:
+            parser.error(f"--shapes: unknown shape {name!r}; choose from {', '.join(known)}")
+    seq_lens = [int(x) for x in (args.seq_lens or ("2048,4096" if cuda else "512")).split(",")]
+    row_tokens = args.row_tokens or (16384 if cuda else 4096)
+    available = list(CUDA_BACKENDS if cuda else CPU_BACKENDS)
+    if "flash_attention_2" in available:
+        try:
+            import flash_attn  # noqa: F401
+        except ImportError:
+            available.remove("flash_attention_2")
+    backends = args.backends.split(",") if args.backends else available
+    for b in backends:
+        if b not in available:
+            parser.error(f"--backends: {b!r} is not available on this {device}; choose from {', '.join(available)}")
+    steps, warmup = (2, 1) if args.smoke else (args.steps, args.warmup)
+    if args.smoke:
+        args.examples = min(args.examples, 200)
+
+    lengths = example_lengths(Path(args.work_dir), args.examples)
+    results = []
+    for shape in chosen:
+        values = known[shape]
+        for seq_len in seq_lens:
+            rows = max(1, row_tokens // seq_len)
+            for attn in backends:
+                batch = packed_batch(lengths, seq_len, rows, attn, values["vocab_size"])
+                figures = measure(values, attn, batch, steps, warmup, device)
+                figures.update(shape=shape, seq_len=seq_len, rows=rows, attn=attn,
+                               examples_per_row=float(((batch["seq_ids"] * batch["attention_mask"]).amax(1) + 1).float().mean()),
+                               fill=float(batch["attention_mask"].float().mean()))  # fmt: skip
+                print(json.dumps(figures), flush=True)
+                results.append(figures)
+                if cuda:
+                    torch.cuda.empty_cache()
+            timings = mask_timings(packed_batch(lengths, seq_len, rows, "sdpa", 2048), device)
+            print(json.dumps({"shape": shape, "seq_len": seq_len, **timings}), flush=True)
+            results.append({"shape": shape, "seq_len": seq_len, "rows": rows, "mask": timings})
+
+    lines = [
+        *header("Packed attention backends: one training step on the same packed batch (benchmarks/packed_attention.py)"),
+        f"- Setup: {device}{', bf16 autocast over float32 weights' if cuda else ', float32'}; real example lengths "
+        f"(Code Alpaca, first {args.examples}, chat template of vs_peers' tokenizer) packed best-fit-decreasing; one "
+        f"step = forward + fused loss + backward, no optimizer; median of {steps} steps after {warmup} of warm-up. "
+        "Loss: the first step's, which must agree between backends.",
+        "",
+        "| shape | row length | rows | examples per row | backend | ms per step (min-max) | tokens/s | peak memory (MB) | loss |",
+        "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
+    ]  # fmt: skip
+    masks = []
+    for r in results:
+        if "mask" in r:
+            masks.append(r)
+            continue
+        memory = f"{r['peak_memory_mb']:.0f}" if r["peak_memory_mb"] is not None else "–"
+        low, high = r["step_ms_range"]
+        lines.append(
+            f"| {r['shape']} | {r['seq_len']} | {r['rows']} | {r['examples_per_row']:.1f} | {r['attn']} | "
+            f"{r['step_ms']:.1f} ({low:.1f}-{high:.1f}) | {r['tokens_per_second']:,.0f} | {memory} | {r['loss']:.5f} |"
+        )
+    lines += ["", "Building the block mask for one batch (best of 5, ms):", ""]
+    for m in masks:
+        lines.append(f"- {m['shape']}, {m['rows']} x {m['seq_len']}: " + ", ".join(
+            f"{k.removesuffix('_ms').replace('_', ' ')} {v:.2f}" for k, v in m["mask"].items()))  # fmt: skip
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "packed_attention.md").write_text(text + "\n")
+    elif not (args.smoke or args.no_write):
+        write_section(f"packed_attention_{device}", text)
+
+
+if __name__ == "__main__":
+    main()
