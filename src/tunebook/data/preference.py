@@ -38,6 +38,7 @@ __all__ = [
     "prepare_preference_data",
     "prompt_and_response",
     "prompt_and_response_ids",
+    "prompt_and_response_texts",
     "tokenize_pairs",
     "write_synthetic_preferences",
 ]
@@ -193,12 +194,16 @@ def tokenize_pairs(batch: dict[str, list], indices: list[int], *, tokenizer, max
     columns = list(batch)
     if "margin" in columns:
         out["margin"] = []
+    texts = []  # per row: the prompt, the chosen rest, the rejected rest; tokenised in one call for the batch
     for i, row in enumerate(indices):
         where_row = f"{where}, row {row + 1}"
         prompt, chosen, rejected, tools = preference_pair({c: batch[c][i] for c in columns}, where_row)
         if "margin" in columns:
             out["margin"].append(_margin(batch["margin"][i], where_row))
-        prompt_ids, responses = prompt_and_response_ids(tokenizer, prompt, (chosen, rejected), tools, where_row)
+        prompt_text, rests = prompt_and_response_texts(tokenizer, prompt, (chosen, rejected), tools, where_row)
+        texts += [prompt_text, *rests]
+    ids = _encode_texts(tokenizer, texts)
+    for prompt_ids, *responses in zip(ids[::3], ids[1::3], ids[2::3]):
         keep, cut = len(prompt_ids) < max_seq_length, False
         for side, response_ids in zip(("chosen", "rejected"), responses):
             room = max_seq_length - len(prompt_ids)
@@ -213,10 +218,10 @@ def tokenize_pairs(batch: dict[str, list], indices: list[int], *, tokenizer, max
     return out
 
 
-def prompt_and_response_ids(tokenizer, prompt: list[dict], responses, tools, where: str) -> tuple[list, list]:
-    """(the prompt's token ids, each response's token ids): the prompt rendered with the generation prompt, and each
-    response the rest of the full conversation's rendering, tokenised separately (as TRL does), so the split between
-    them never falls inside a token."""
+def prompt_and_response_texts(tokenizer, prompt: list[dict], responses, tools, where: str) -> tuple[str, list[str]]:
+    """(the prompt's text, each response's text): the prompt rendered with the generation prompt, and each response
+    the rest of the full conversation's rendering. Tokenised separately (as TRL does), the split between them never
+    falls inside a token."""
     try:
         prompt_text = render_chat(tokenizer, prompt, tools, generation_prompt=True)
         full_texts = [render_chat(tokenizer, prompt + response, tools) for response in responses]
@@ -225,8 +230,19 @@ def prompt_and_response_ids(tokenizer, prompt: list[dict], responses, tools, whe
     if not all(text.startswith(prompt_text) for text in full_texts):
         raise DataError(f"{where}: the chat template renders the prompt differently inside the full conversation; "
                         "cannot tell the response tokens apart (set chat_template)")  # fmt: skip
-    prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
-    return prompt_ids, [tokenizer(t[len(prompt_text) :], add_special_tokens=False)["input_ids"] for t in full_texts]
+    return prompt_text, [t[len(prompt_text) :] for t in full_texts]
+
+
+def prompt_and_response_ids(tokenizer, prompt: list[dict], responses, tools, where: str) -> tuple[list, list]:
+    """(the prompt's token ids, each response's token ids), from `prompt_and_response_texts`."""
+    prompt_text, rests = prompt_and_response_texts(tokenizer, prompt, responses, tools, where)
+    prompt_ids, *response_ids = _encode_texts(tokenizer, [prompt_text, *rests])
+    return prompt_ids, response_ids
+
+
+def _encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
+    # One call for many texts: transformers' per-call overhead dominated tokenising short pairs one text at a time.
+    return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
 
 
 def _margin(value: Any, where: str) -> float:

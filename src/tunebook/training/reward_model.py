@@ -49,17 +49,23 @@ class RewardModel:
     @torch.no_grad()
     def __call__(self, prompts: list, completions: list, **columns: Any) -> list[float]:
         from ..data.collate import PadCollator
-        from ..data.preference import prompt_and_response, prompt_and_response_ids
+        from ..data.preference import prompt_and_response, prompt_and_response_texts
 
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
         tools = columns.get("tools") or [None] * len(prompts)
-        rows = []
+        texts = []
         for i, (prompt, completion) in enumerate(zip(prompts, completions)):
             where = f"reward model input {i + 1}"
             prompt, response = prompt_and_response(prompt, completion, where)
             row_tools = json.loads(tools[i]) if isinstance(tools[i], str) else tools[i]  # as a pair's tools column
-            prompt_ids, (response_ids,) = prompt_and_response_ids(self.tokenizer, prompt, [response], row_tools, where)
+            prompt_text, (response_text,) = prompt_and_response_texts(
+                self.tokenizer, prompt, [response], row_tools, where
+            )
+            texts += [prompt_text, response_text]
+        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []  # one call for all
+        rows = []
+        for prompt_ids, response_ids in zip(ids[::2], ids[1::2]):
             if self.max_length is not None:  # as training cut pairs: the prompt whole, the response's end dropped
                 response_ids = response_ids[: max(self.max_length - len(prompt_ids), 0)]
             rows.append({"input_ids": prompt_ids + response_ids, "labels": prompt_ids + response_ids})

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from tunebook.data import load_conversations, parse_sources
-from tunebook.data.preference import tokenize_pairs
+from tunebook.data.preference import preference_pair, prompt_and_response_ids, tokenize_pairs
 from tunebook.data.sft import prepare_sft_dataset
 from tunebook.data.sources import fingerprint_sources, load_source
 from tunebook.data.tokenize import IGNORE_INDEX
@@ -300,3 +300,27 @@ def test_a_prompt_column_with_whole_conversations_renders_the_user_turn_once(tin
 def test_ambiguous_pairs_are_one_line_naming_the_row(tiny_tokenizer, row, message):
     with pytest.raises(DataError, match=rf"prefs.jsonl, row 1: .*{message}"):
         _pairs(tiny_tokenizer, [row])
+
+
+def test_a_batch_of_pairs_is_tokenised_as_each_pair_alone(tiny_tokenizer):
+    """`tokenize_pairs` tokenises a whole `map` batch in one call: every row of a batch mixing the shapes (explicit
+    prompt text, implicit prompt, prompt repeated in the responses, margins, a pair cut at max_seq_length) comes out
+    as that row does alone, and as `prompt_and_response_ids` (one call per text) gives its ids."""
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    ask = {"role": "user", "content": "Name a colour."}
+    rows = [
+        {"prompt": "2+2?", "chosen": "4", "rejected": "5, or so I think", "margin": 1.5},
+        {"chosen": [*history, ask, {"role": "assistant", "content": "Blue."}],
+         "rejected": [*history, ask, {"role": "assistant", "content": "Seven."}], "margin": 0.0},
+        {"prompt": "Name a colour.", "chosen": [ask, {"role": "assistant", "content": "Red."}],
+         "rejected": [ask, {"role": "assistant", "content": "A long answer " * 40}], "margin": -2},
+    ]  # fmt: skip
+    batch = _pairs(tiny_tokenizer, rows)
+    for i, row in enumerate(rows):
+        alone = _pairs(tiny_tokenizer, [row])
+        assert {k: v[i] for k, v in batch.items()} == {k: v[0] for k, v in alone.items()}, f"row {i + 1}"
+        prompt, chosen, rejected, tools = preference_pair(row, "t")
+        prompt_ids, (chosen_ids, _) = prompt_and_response_ids(tiny_tokenizer, prompt, (chosen, rejected), tools, "t")
+        assert batch["chosen_input_ids"][i] == prompt_ids + chosen_ids
+        assert batch["chosen_labels"][i] == [IGNORE_INDEX] * len(prompt_ids) + chosen_ids
+    assert batch["truncated"] == [False, False, True] and batch["margin"] == [1.5, 0.0, -2.0]
