@@ -11,7 +11,6 @@ from tunebook.data.packing import (
     attention_inputs,
     best_fit_decreasing,
     document_block_mask,
-    document_kv_blocks,
     example_lengths,
     pack_dataset,
     segment_sdpa_attention,
@@ -193,4 +192,12 @@ def test_flex_attention_tiles_are_made_in_the_loaders_worker_and_used_on_the_dev
         if isinstance(a, torch.Tensor):
             assert torch.equal(a, b)
     assert given.full_kv_num_blocks[1, 0].tolist() == [0, 0, 0]  # row 2: tile 1 starts inside example 0, ends in 1
+    # The kernel (FlexAttention's eager reference on a CPU, forward only) with these tiles is SDPA with the dense mask.
+    from torch.nn.attention.flex_attention import flex_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, batch["seq_ids"].shape[1], 16, generator=g) for _ in range(3))
+    dense = attention_inputs(batch, "sdpa", torch.float32)["attention_mask"]
+    torch.testing.assert_close(flex_attention(q, k, v, block_mask=given),
+                               torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense))  # fmt: skip
     assert not any(k.startswith("block_mask_") for k in PackedCollator(0, 8, attn_implementation="sdpa")(rows))
