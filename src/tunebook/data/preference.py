@@ -35,6 +35,7 @@ from .tokenizer import config_tokenizer, setup_chat_template
 
 __all__ = [
     "PreferenceData",
+    "encode_texts",
     "prepare_preference_data",
     "prompt_and_response",
     "prompt_and_response_ids",
@@ -202,7 +203,7 @@ def tokenize_pairs(batch: dict[str, list], indices: list[int], *, tokenizer, max
             out["margin"].append(_margin(batch["margin"][i], where_row))
         prompt_text, rests = prompt_and_response_texts(tokenizer, prompt, (chosen, rejected), tools, where_row)
         texts += [prompt_text, *rests]
-    ids = _encode_texts(tokenizer, texts)
+    ids = encode_texts(tokenizer, texts)
     for prompt_ids, *responses in zip(ids[::3], ids[1::3], ids[2::3]):
         keep, cut = len(prompt_ids) < max_seq_length, False
         for side, response_ids in zip(("chosen", "rejected"), responses):
@@ -236,12 +237,13 @@ def prompt_and_response_texts(tokenizer, prompt: list[dict], responses, tools, w
 def prompt_and_response_ids(tokenizer, prompt: list[dict], responses, tools, where: str) -> tuple[list, list]:
     """(the prompt's token ids, each response's token ids), from `prompt_and_response_texts`."""
     prompt_text, rests = prompt_and_response_texts(tokenizer, prompt, responses, tools, where)
-    prompt_ids, *response_ids = _encode_texts(tokenizer, [prompt_text, *rests])
+    prompt_ids, *response_ids = encode_texts(tokenizer, [prompt_text, *rests])
     return prompt_ids, response_ids
 
 
-def _encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
-    # One call for many texts: transformers' per-call overhead dominated tokenising short pairs one text at a time.
+def encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
+    """The ids of rendered texts (no special tokens added: the template wrote them), in one tokenizer call:
+    transformers' per-call overhead dominated tokenising short pairs one text at a time."""
     return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
 
 

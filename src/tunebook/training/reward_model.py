@@ -49,7 +49,7 @@ class RewardModel:
     @torch.no_grad()
     def __call__(self, prompts: list, completions: list, **columns: Any) -> list[float]:
         from ..data.collate import PadCollator
-        from ..data.preference import prompt_and_response, prompt_and_response_texts
+        from ..data.preference import encode_texts, prompt_and_response, prompt_and_response_texts
 
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
@@ -63,7 +63,7 @@ class RewardModel:
                 self.tokenizer, prompt, [response], row_tools, where
             )
             texts += [prompt_text, response_text]
-        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []  # one call for all
+        ids = encode_texts(self.tokenizer, texts)
         rows = []
         for prompt_ids, response_ids in zip(ids[::2], ids[1::2]):
             if self.max_length is not None:  # as training cut pairs: the prompt whole, the response's end dropped
