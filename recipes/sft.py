@@ -111,7 +111,7 @@ def main(config: SFTConfig) -> dict:
     log.info("Model: %s, %s", type(model).__name__, describe_parameters(model))
     attn, dtype = model.config._attn_implementation, model.dtype
     if config.packing:  # on a CPU, sdpa becomes our per-example (varlen) SDPA
-        attn = use_packed_attention(model, accelerator.device)
+        attn = use_packed_attention(model, accelerator.device, config.max_seq_length)
         log.info("Packing with %s attention: %s", attn, packing_mechanism(attn))
     optimizer = build_optimizer(
         model, config.learning_rate, config.weight_decay, (config.adam_beta1, config.adam_beta2), config.adam_epsilon

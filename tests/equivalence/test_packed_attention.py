@@ -149,3 +149,80 @@ def test_flex_attention_packing_on_a_cpu_stops_with_one_line(tiny_tokenizer, tin
     model = build_causal_lm(tiny_tokenizer, model_config=tiny_model_config, attn_implementation="flex_attention")
     with pytest.raises(ConfigError, match="FlexAttention has no backward pass on a CPU; use sdpa"):
         use_packed_attention(model, "cpu")
+
+
+# Tiny models with sliding-window layers, in the shapes users bring: every layer windowed (Mistral), windowed layers
+# after full ones (Qwen2 with use_sliding_window), local and global layers interleaved (Gemma-3). Window 4 tokens,
+# examples of 3 to 13: most examples are longer than the window.
+SLIDING = {
+    "mistral": {"sliding_window": 4},
+    "qwen2": {"sliding_window": 4, "use_sliding_window": True, "max_window_layers": 1},
+    "gemma3_text": {"sliding_window": 4, "head_dim": 8, "layer_types": ["sliding_attention", "full_attention"]},
+}
+
+
+def _sliding_model(model_type: str, attn: str = "sdpa"):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                                  **SLIDING[model_type])  # fmt: skip
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+
+
+@pytest.mark.parametrize("model_type", list(SLIDING))
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])  # fmt: skip
+def test_sliding_window_layers_keep_their_window_inside_packed_examples(model_type, mode, device):
+    """Packing a model with sliding-window layers gives every token the loss it has alone, where each layer sees the
+    window it was built with (on CUDA too, where sdpa otherwise keeps the mask). The block-diagonal mask (one mask
+    for every layer) would have dropped the windows: shown at the end, failing the comparison by orders of
+    magnitude."""
+    model = _sliding_model(model_type).to(device).train(mode == "train")
+    assert use_packed_attention(model, device, max_length=24) == SEGMENT_SDPA
+    tol = TOL if device == "cpu" else 1e-4
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(3, 100, (n,), generator=g).tolist() for n in LENGTHS]
+    packed, _ = pack_dataset(datasets.Dataset.from_dict({"input_ids": ids, "labels": ids}), 24, seed=0)
+    batch = {k: v.to(device) for k, v in PackedCollator(0, 8, SEGMENT_SDPA)(list(packed)).items()}
+    with torch.no_grad():
+        logits = model(**attention_inputs(batch, SEGMENT_SDPA, torch.float32)).logits
+        model.set_attn_implementation("sdpa")
+        unwindowed = model(**attention_inputs(batch, "sdpa", torch.float32)).logits
+        worst_unwindowed = 0.0
+        for row in range(len(packed)):
+            start = 0
+            for n in packed[row]["seq_lengths"]:
+                alone_ids = batch["input_ids"][row : row + 1, start : start + n]
+                alone = model(input_ids=alone_ids, use_cache=False).logits[0]
+                torch.testing.assert_close(logits[row, start : start + n], alone, atol=tol, rtol=tol)
+                worst_unwindowed = max(worst_unwindowed, (unwindowed[row, start : start + n] - alone).abs().max())
+                start += n
+    assert worst_unwindowed > 1000 * tol
+
+
+@pytest.mark.parametrize("attn", ["eager", "flex_attention"])
+def test_packing_a_sliding_window_model_with_one_mask_for_every_layer_stops_with_one_line(attn):
+    from tunebook.errors import ConfigError
+
+    model = _sliding_model("gemma3_text", attn)
+    with pytest.raises(ConfigError, match=r"sliding-window attention \(window 4 < max_seq_length 24\).*use "
+                                          "attn_implementation sdpa or flash_attention_2, or packing: false"):  # fmt: skip
+        use_packed_attention(model, "cuda", max_length=24)
+    # A window no example can outgrow changes nothing: the backend stays.
+    assert use_packed_attention(model, "cuda", max_length=4) == attn
+
+
+def test_sliding_window_is_read_from_the_config_only_where_layers_use_it():
+    from transformers import AutoConfig
+
+    from tunebook.data.packing import sliding_window
+
+    assert sliding_window(AutoConfig.for_model("mistral", sliding_window=4096)) == 4096
+    assert sliding_window(AutoConfig.for_model("mistral", sliding_window=None)) is None
+    assert sliding_window(AutoConfig.for_model("qwen2", sliding_window=4096)) is None  # use_sliding_window off
+    assert sliding_window(AutoConfig.for_model("qwen2", use_sliding_window=True, sliding_window=64)) == 64
+    assert sliding_window(AutoConfig.for_model("gemma3_text", sliding_window=512)) == 512
+    assert sliding_window(AutoConfig.for_model("llama")) is None

@@ -37,6 +37,7 @@ __all__ = [
     "pack_dataset",
     "packing_mechanism",
     "segment_sdpa_attention",
+    "sliding_window",
     "use_packed_attention",
 ]
 
@@ -180,6 +181,9 @@ def segment_sdpa_attention(module, query, key, value, attention_mask, scaling=No
     with PyTorch's flash varlen kernel (`torch.nn.attention.varlen`), elsewhere with one causal SDPA call per
     example (about 1.7x faster per attention layer than the mask on a CPU for rows of ~4 examples).
     Batches without `cu_seq_lens_q` (padded evaluation, generation) go to transformers' SDPA unchanged.
+    A sliding-window layer (transformers passes `sliding_window`: Mistral, Gemma-3's local layers, Qwen2 with
+    `use_sliding_window`) keeps its window inside each example: a token sees the `sliding_window - 1` tokens before
+    it, as transformers' `sliding_window_overlay` and flash-attention's `window_size` have it.
     """
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
@@ -192,7 +196,10 @@ def segment_sdpa_attention(module, query, key, value, attention_mask, scaling=No
     if key.shape[1] != heads:
         key, value = repeat_kv(key, heads // key.shape[1]), repeat_kv(value, heads // value.shape[1])
     dropout_p = dropout if module.training else 0.0
-    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and dropout_p == 0.0 and _cuda_varlen():
+    window = kwargs.get("sliding_window")
+    windowed = window is not None and kwargs["max_length_q"] > window  # some example is longer than the window
+    varlen = query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and dropout_p == 0.0 and _cuda_varlen()
+    if varlen and not windowed:
         q, k, v = (t.transpose(1, 2).reshape(batch * length, heads, -1) for t in (query, key, value))
         out = _cuda_varlen()(q, k, v, cu, cu, kwargs["max_length_q"], kwargs["max_length_k"], scaling)
         return out.reshape(batch, length, heads, -1), None
@@ -207,12 +214,32 @@ def segment_sdpa_attention(module, query, key, value, attention_mask, scaling=No
     with torch.autocast(q.device.type, enabled=False):
         parts = [
             F.scaled_dot_product_attention(
-                qi.to(compute), ki.to(compute), vi.to(compute), is_causal=True, scale=scaling, dropout_p=dropout_p
+                qi.to(compute), ki.to(compute), vi.to(compute), scale=scaling, dropout_p=dropout_p,
+                **({"attn_mask": _causal_band(n, window, q.device)} if windowed and n > window else {"is_causal": True}),
             )
-            for qi, ki, vi in zip(q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2))
-        ]
+            for n, qi, ki, vi in zip(sizes, q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2))
+        ]  # fmt: skip
     out = torch.cat(parts, dim=2)[0].to(dtype).reshape(heads, batch, length, -1)
     return out.permute(1, 2, 0, 3).contiguous(), None
+
+
+def _causal_band(length: int, window: int, device) -> torch.Tensor:
+    """Causal attention within a sliding window: query i sees keys i - window + 1 .. i."""
+    i = torch.arange(length, device=device)
+    distance = i[:, None] - i[None, :]
+    return (distance >= 0) & (distance < window)
+
+
+def sliding_window(config) -> int | None:
+    """The attention window of a model whose layers (some or all) use one, else None."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None  # Qwen2/Qwen3 carry a window that only `use_sliding_window: true` turns on
+    if layer_types and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
 
 
 @functools.cache
@@ -236,19 +263,27 @@ def _cuda_varlen():
     return attend
 
 
-def use_packed_attention(model, device: torch.device | str) -> str:
+def use_packed_attention(model, device: torch.device | str, max_length: int | None = None) -> str:
     """Pick the attention implementation for packed training and switch `model` to it; returns its name.
 
-    `sdpa` becomes `segment_sdpa_attention` (no FLOPs spent across examples) on a CPU. Otherwise the model keeps its
-    backend and `attention_inputs` supplies what isolates the examples for it (a block-diagonal mask for sdpa and
-    eager).
+    `sdpa` becomes `segment_sdpa_attention` (no FLOPs spent across examples) on a CPU, and on any device for a
+    model with sliding-window layers whose window is shorter than `max_length` (the longest example; None: not
+    known), which the one block-diagonal mask of the other paths would drop. Otherwise the model keeps its backend
+    and `attention_inputs` supplies what isolates the examples for it (a block-diagonal mask for sdpa and eager).
     """
     attn = model.config._attn_implementation
+    window = sliding_window(model.config)
+    # One block-diagonal mask (or BlockMask) serves every layer, so it cannot also be each layer's window.
+    windowed = window is not None and (max_length is None or max_length > window)
+    if windowed and attn in ("eager", "flex_attention"):
+        raise ConfigError(f"packing with attn_implementation {attn}: {type(model).__name__} has sliding-window "
+                          f"attention (window {window} < max_seq_length {max_length}), which the packed mask cannot "
+                          "keep; use attn_implementation sdpa or flash_attention_2, or packing: false")  # fmt: skip
     # On CUDA the mask path stays: with PyTorch 2.11 on an H200, the flash varlen kernel made training of a 135M
     # model 5.6x slower than SDPA with the block-diagonal mask (17k vs 97k tokens/s, benchmarks/gpu_engines.py),
     # though its results were right (tests/equivalence/test_packed_attention.py); `segment_sdpa_attention` keeps
-    # that path for models switched to it by hand.
-    if attn == "sdpa" and torch.device(device).type == "cpu":
+    # that path for sliding-window models, and for models switched to it by hand.
+    if attn == "sdpa" and (torch.device(device).type == "cpu" or windowed):
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
