@@ -226,3 +226,18 @@ def test_sliding_window_is_read_from_the_config_only_where_layers_use_it():
     assert sliding_window(AutoConfig.for_model("qwen2", use_sliding_window=True, sliding_window=64)) == 64
     assert sliding_window(AutoConfig.for_model("gemma3_text", sliding_window=512)) == 512
     assert sliding_window(AutoConfig.for_model("llama")) is None
+
+
+def test_packing_a_model_with_chunked_attention_stops_with_one_line():
+    """Llama-4's chunked layers attend within fixed chunks of the row, which a packed row would cut across examples."""
+    from transformers import AutoConfig
+
+    from tunebook.errors import ConfigError
+
+    class Llama4Stub(torch.nn.Module):  # only the config is read; a real Llama-4 is too large to build here
+        config = AutoConfig.for_model("llama4_text", num_hidden_layers=4, attention_chunk_size=256)
+
+    Llama4Stub.config._attn_implementation = "sdpa"
+    with pytest.raises(ConfigError, match=r"chunked attention \(chunks of 256 tokens\).*max_seq_length <= 256"):
+        use_packed_attention(Llama4Stub(), "cpu", max_length=1024)
+    assert use_packed_attention(Llama4Stub(), "cuda", max_length=256) == "sdpa"  # every example within one chunk

@@ -272,6 +272,13 @@ def use_packed_attention(model, device: torch.device | str, max_length: int | No
     and `attention_inputs` supplies what isolates the examples for it (a block-diagonal mask for sdpa and eager).
     """
     attn = model.config._attn_implementation
+    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    chunk = getattr(text_config, "attention_chunk_size", None)
+    if chunk and "chunked_attention" in (getattr(text_config, "layer_types", None) or []):
+        if max_length is None or max_length > chunk:  # transformers chunks by row index, not by example
+            raise ConfigError(f"packing: {type(model).__name__} has chunked attention (chunks of {chunk} tokens), "
+                              f"which packed rows cannot keep per example; set max_seq_length <= {chunk} or packing: "
+                              "false")  # fmt: skip
     window = sliding_window(model.config)
     # One block-diagonal mask (or BlockMask) serves every layer, so it cannot also be each layer's window.
     windowed = window is not None and (max_length is None or max_length > window)
