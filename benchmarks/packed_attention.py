@@ -1,7 +1,7 @@
 """Packed attention backends side by side: tokens/s of a training step, peak memory and the loss (issue 17, point 3).
 
     python benchmarks/packed_attention.py                      # this machine's device, its default shapes
-    python benchmarks/packed_attention.py --shapes SmolLM2-135M --seq_lens 2048,4096 --out DIR
+    python benchmarks/packed_attention.py --train_data .gpu/code_alpaca_2k.json --out DIR   # a GPU machine
     python benchmarks/packed_attention.py --smoke              # a tiny model, 2 steps: every code path, no RESULTS.md
 
 What `use_packed_attention` picks for a device should be the fastest backend that keeps packed examples apart; this
@@ -55,12 +55,16 @@ def shapes() -> dict[str, dict]:
     }
 
 
-def example_lengths(work: Path, examples: int) -> list[int]:
+def example_lengths(work: Path, examples: int, train_data: str | None) -> list[int]:
     """Token counts of the Code Alpaca examples as the SFT recipe renders them (chat template, EOS included)."""
     import json as _json
 
+    import vs_peers
     from transformers import AutoTokenizer
     from vs_peers import prepare_assets
+
+    if train_data:  # a GPU machine has no ../shared: the file is carried into the checkout
+        vs_peers.DATA["code_alpaca"] = (Path(train_data), vs_peers.DATA["code_alpaca"][1])
 
     from tunebook.data.formats import to_conversations
 
@@ -202,6 +206,7 @@ def main():
                         "4096 on a CPU (8 x 512, as vs_peers), 16384 on CUDA")  # fmt: skip
     parser.add_argument("--backends", default=None, help="comma-separated subset of the device's backends")
     parser.add_argument("--examples", type=int, default=2000)
+    parser.add_argument("--train_data", default=None, help="the Code Alpaca JSON (default: ../shared/data/...)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--work_dir", default="/tmp/tunebook-vs-peers", help="shared with vs_peers.py's assets")
@@ -237,7 +242,7 @@ def main():
     if args.smoke:
         args.examples = min(args.examples, 200)
 
-    lengths = example_lengths(Path(args.work_dir), args.examples)
+    lengths = example_lengths(Path(args.work_dir), args.examples, args.train_data)
     results = []
     for shape in chosen:
         values = known[shape]
