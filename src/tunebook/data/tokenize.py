@@ -143,13 +143,16 @@ def _chat_labels(ids, offsets, spans, text_length: int, assistant_only_loss: boo
     before the last assistant turn."""
     starts = [start for start, _ in offsets]
     last = spans[-1][0] if spans else text_length
-    prompt_length = next((j for j, start in enumerate(starts) if start >= last), len(ids))
-    if not assistant_only_loss:
-        return list(ids), prompt_length
     if any(a > b for a, b in zip(starts, starts[1:])):  # not in text order (a normaliser that moves text): per token
+        prompt_length = next((j for j, start in enumerate(starts) if start >= last), len(ids))
+        if not assistant_only_loss:
+            return list(ids), prompt_length
         labels = [t if any(a <= start < b for a, b in spans) else IGNORE_INDEX for t, start in zip(ids, starts)]
         return labels, prompt_length
     # In text order, each span's tokens are one slice: a per-token test was half of the tokenisation time.
+    prompt_length = bisect.bisect_left(starts, last)
+    if not assistant_only_loss:
+        return list(ids), prompt_length
     labels = [IGNORE_INDEX] * len(ids)
     for a, b in spans:
         lo, hi = bisect.bisect_left(starts, a), bisect.bisect_left(starts, b)
