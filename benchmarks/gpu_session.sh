@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# Issue 17's GPU points on a lent GPU machine (the workplace's `device` tool), a part per command.
+#
+# That machine has no network and its own Python 3.12 with CUDA PyTorch, accelerate, peft and an older transformers,
+# but not datasets, evaluate, trl, deepspeed, bitsandbytes or liger-kernel; `../shared` does not travel there.
+# So the packages travel as wheels and the data as a file, both in git-ignored folders named in the call's `carry`.
+#
+#   here, once:   bash benchmarks/gpu_session.sh prepare     # .whl/ (24 MiB), .whl-qlora/ (7 MiB), .gpu/ (data)
+#   there, each command within the 10-minute limit, carry [".whl", ".whl-qlora", ".gpu"]:
+#     bash benchmarks/gpu_session.sh peers SmolLM2-135M      # point 7; then Llama-3.2-1B
+#     bash benchmarks/gpu_session.sh packed                  # point 3: dense mask vs flex vs varlen
+#     bash benchmarks/gpu_session.sh tests                   # point 8 and the CUDA equivalence tests
+#   (not yet timed on a GPU: gpu_vs_peers.py estimates 20-25 minutes for everything on an H100, so split a part
+#   that nears the limit, e.g. `peers Llama-3.2-1B --seq_lens 2048`; a machine idle for 30 s goes back bare, and
+#   each part installs the wheels again, ~20 s)
+#   here, after:  python benchmarks/gpu_vs_peers.py --record <files_at>/runs.jsonl ...   # the section of RESULTS.md
+#
+# Every part writes its log and tables to $OUT (what comes back), or to ./gpu-out without one.
+# `prepare --python 3.11` fetches the wheels for this machine's Python instead, to rehearse a part here on the CPU
+# (`check` then installs them into a scratch folder and runs the parts' smoke versions).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=${PYTHON:-python3}  # the machine's Python (`check`: one set up like it)
+PART=${1:-}
+shift || true
+
+# Versions: those this checkout is tested with (make's .venv), so the GPU machine runs what CI ran; the two that
+# make test does not install are pinned here (trl as in pyproject's bench extra).
+WHEELS="transformers tokenizers datasets dill multiprocess fsspec evaluate hjson pydantic pydantic-core annotated-types
+typing-inspection"
+PINNED="trl==1.16.0 liger-kernel==0.8.5"
+
+prepare() {
+    local py=3.12 venv=${VENV:-.venv}
+    [[ ${1:-} == --python ]] && py=$2
+    [[ -x $venv/bin/python ]] || { echo "prepare: no $venv (run make first)"; exit 2; }
+    local pip=("$venv/bin/python" -m pip)
+    rm -rf .whl .whl-qlora && mkdir -p .whl .whl-qlora .gpu
+    local platforms=(--python-version "$py" --implementation cp --only-binary=:all: --no-deps)
+    for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 \
+        manylinux2014_x86_64 any; do platforms+=(--platform "$p"); done
+    local specs=($PINNED)
+    for name in $WHEELS; do
+        specs+=("$name==$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('$name'))")")
+    done
+    "${pip[@]}" download -q "${platforms[@]}" -d .whl "${specs[@]}"
+    # DeepSpeed publishes a source archive only: built here into a pure-Python wheel (its CUDA ops compile on first
+    # use there, where nvcc is).
+    local ds
+    ds=$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('deepspeed'))")
+    DS_BUILD_OPS=0 "${pip[@]}" wheel -q --no-deps --no-build-isolation -w .whl "deepspeed==$ds"
+    # bitsandbytes ships a library per CUDA and ROCm release (43 MiB); the machine's PyTorch is built for CUDA 13, so
+    # only the CUDA 13 libraries (and the CPU one it loads first) travel.
+    "${pip[@]}" download -q "${platforms[@]}" --platform manylinux_2_24_x86_64 -d .whl-qlora "bitsandbytes>=0.45"
+    "$venv/bin/python" - .whl-qlora/bitsandbytes-*.whl <<'EOF'
+import base64, hashlib, re, sys, zipfile
+from pathlib import Path
+
+src = Path(sys.argv[1])
+dst = src.with_suffix(".tmp")
+keep = re.compile(r"libbitsandbytes_(cpu|cuda13\d)\.so$")
+with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as zout:
+    names = [n for n in zin.namelist() if not n.endswith(".so") or keep.search(n)]
+    record = next(n for n in names if n.endswith(".dist-info/RECORD"))
+    lines = []
+    for n in names:
+        if n == record:
+            continue
+        data = zin.read(n)
+        zout.writestr(n, data)
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        lines.append(f"{n},sha256={digest},{len(data)}")
+    zout.writestr(record, "\n".join(lines + [f"{record},,"]) + "\n")
+dst.replace(src)
+EOF
+    cp ../shared/data/code_alpaca_2k/code_alpaca_2k.json .gpu/
+    du -sh .whl .whl-qlora .gpu
+}
+
+install() {  # there: the carried wheels over the machine's packages, this checkout's src/ first on the path
+    local site=/tmp/site
+    [[ -d .whl && -d .whl-qlora ]] || { echo "no .whl/ or .whl-qlora/: run 'bash benchmarks/gpu_session.sh prepare'" \
+        "here and carry them"; exit 2; }
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+        .whl/*.whl .whl-qlora/*.whl
+    export PYTHONPATH="$ROOT/src:$site${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+    "$PY" - <<'EOF'
+import importlib.metadata as m, platform, torch
+names = "torch transformers accelerate datasets evaluate peft trl deepspeed liger-kernel bitsandbytes".split()
+found = []
+for n in names:
+    try:
+        found.append(f"{n} {m.version(n)}")
+    except m.PackageNotFoundError:
+        found.append(f"{n} -")
+gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA"
+print(f"Python {platform.python_version()}; {gpu}; " + ", ".join(found), flush=True)
+EOF
+}
+
+OUT=${OUT:-$ROOT/gpu-out}
+mkdir -p "$OUT"
+DATA=$ROOT/.gpu/code_alpaca_2k.json
+case $PART in
+prepare) prepare "$@" ;;
+peers)  # point 7: gpu_vs_peers.py for the shapes named (comma-separated), each run's figures kept as it ends
+    install
+    "$PY" benchmarks/gpu_vs_peers.py --train_data "$DATA" --out "$OUT" --shapes "${1:?a shape, e.g. SmolLM2-135M}" \
+        "${@:2}" 2>&1 | tee "$OUT/peers.log"
+    ;;
+packed)  # point 3: one training step per packed-attention backend, SmolLM2-135M and Llama-3.2-1B shapes
+    install
+    "$PY" benchmarks/packed_attention.py --train_data "$DATA" --out "$OUT" "$@" 2>&1 | tee "$OUT/packed.log"
+    ;;
+tests)  # point 8 (QLoRA included) and the CUDA cases of the equivalence tests; the ZeRO resume drift is an xfail
+    install
+    "$PY" -m pytest -m gpu tests/gpu tests/equivalence -p no:cacheprovider -rA --junitxml "$OUT/gpu-tests.xml" "$@" \
+        2>&1 | tee "$OUT/tests.log"
+    ;;
+check)  # here, after `prepare --python 3.11`: the carried set installs and every part's code path runs on the CPU
+    install
+    "$PY" benchmarks/gpu_vs_peers.py --smoke --systems tunebook,trl --out "$OUT" 2>&1 | tail -5
+    "$PY" benchmarks/packed_attention.py --smoke --train_data "$DATA" --out "$OUT" 2>&1 | tail -5
+    "$PY" -m pytest -m gpu tests/gpu tests/equivalence -p no:cacheprovider -q 2>&1 | tail -3
+    ;;
+*)
+    awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"
+    exit 2
+    ;;
+esac
