@@ -81,7 +81,8 @@ def main(config: PretrainConfig) -> dict:
         model = apply_lora(model, config)
     log.info("Model: %s, %s", type(model).__name__, describe_parameters(model))
     # Rows hold several documents: on a CPU, sdpa becomes our per-document (varlen) SDPA.
-    attn, dtype = use_packed_attention(model, accelerator.device, config.max_seq_length), model.dtype
+    unpacked = "train it with recipes/sft.py and packing: false (pretrain always packs documents into rows)"
+    attn, dtype = use_packed_attention(model, accelerator.device, config.max_seq_length, fix=unpacked), model.dtype
     log.info("Documents kept apart with %s attention: %s", attn, packing_mechanism(attn))
     optimizer = build_optimizer(
         model, config.learning_rate, config.weight_decay, (config.adam_beta1, config.adam_beta2), config.adam_epsilon

@@ -151,6 +151,8 @@ def test_flex_attention_packing_on_a_cpu_stops_with_one_line(tiny_tokenizer, tin
         use_packed_attention(model, "cpu")
 
 
+TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=100, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
 # Tiny models with sliding-window layers, in the shapes users bring: every layer windowed (Mistral), windowed layers
 # after full ones (Qwen2 with use_sliding_window), local and global layers interleaved (Gemma-3). Window 4 tokens,
 # examples of 3 to 13: most examples are longer than the window.
@@ -161,14 +163,35 @@ SLIDING = {
 }
 
 
-def _sliding_model(model_type: str, attn: str = "sdpa"):
+def _tiny_model(model_type: str, attn: str = "sdpa", **overrides):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
-                                  **SLIDING[model_type])  # fmt: skip
+    config = AutoConfig.for_model(model_type, **{**TINY, **overrides})
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+
+
+def _sliding_model(model_type: str, attn: str = "sdpa"):
+    return _tiny_model(model_type, attn, **SLIDING[model_type])
+
+
+def _packed_rows(device="cpu", attn=SEGMENT_SDPA):
+    """LENGTHS examples of random ids below TINY's vocabulary, packed into rows of 24 and collated."""
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(3, 100, (n,), generator=g).tolist() for n in LENGTHS]
+    packed, _ = pack_dataset(datasets.Dataset.from_dict({"input_ids": ids, "labels": ids}), 24, seed=0)
+    batch = {k: v.to(device) for k, v in PackedCollator(0, 8, attn)(list(packed)).items()}
+    return batch, [row["seq_lengths"] for row in packed]
+
+
+def _logits_in_rows_and_alone(model, logits, batch, seq_lengths):
+    """(logits of each example inside its packed row, the same example's logits run alone), per example."""
+    for row, lengths in enumerate(seq_lengths):
+        start = 0
+        for n in lengths:
+            alone_ids = batch["input_ids"][row : row + 1, start : start + n]
+            yield logits[row, start : start + n], model(input_ids=alone_ids, use_cache=False).logits[0]
+            start += n
 
 
 @pytest.mark.parametrize("model_type", list(SLIDING))
@@ -183,24 +206,15 @@ def test_sliding_window_layers_keep_their_window_inside_packed_examples(model_ty
     model = _sliding_model(model_type).to(device).train(mode == "train")
     assert use_packed_attention(model, device, max_length=24) == SEGMENT_SDPA
     tol = TOL if device == "cpu" else 1e-4
-    g = torch.Generator().manual_seed(0)
-    ids = [torch.randint(3, 100, (n,), generator=g).tolist() for n in LENGTHS]
-    packed, _ = pack_dataset(datasets.Dataset.from_dict({"input_ids": ids, "labels": ids}), 24, seed=0)
-    batch = {k: v.to(device) for k, v in PackedCollator(0, 8, SEGMENT_SDPA)(list(packed)).items()}
+    batch, seq_lengths = _packed_rows(device)
     with torch.no_grad():
         logits = model(**attention_inputs(batch, SEGMENT_SDPA, torch.float32)).logits
+        for in_row, alone in _logits_in_rows_and_alone(model, logits, batch, seq_lengths):
+            torch.testing.assert_close(in_row, alone, atol=tol, rtol=tol)
         model.set_attn_implementation("sdpa")
         unwindowed = model(**attention_inputs(batch, "sdpa", torch.float32)).logits
-        worst_unwindowed = 0.0
-        for row in range(len(packed)):
-            start = 0
-            for n in packed[row]["seq_lengths"]:
-                alone_ids = batch["input_ids"][row : row + 1, start : start + n]
-                alone = model(input_ids=alone_ids, use_cache=False).logits[0]
-                torch.testing.assert_close(logits[row, start : start + n], alone, atol=tol, rtol=tol)
-                worst_unwindowed = max(worst_unwindowed, (unwindowed[row, start : start + n] - alone).abs().max())
-                start += n
-    assert worst_unwindowed > 1000 * tol
+        worst = max((a - b).abs().max() for a, b in _logits_in_rows_and_alone(model, unwindowed, batch, seq_lengths))
+    assert worst > 1000 * tol
 
 
 @pytest.mark.parametrize("attn", ["eager", "flex_attention"])
@@ -241,3 +255,97 @@ def test_packing_a_model_with_chunked_attention_stops_with_one_line():
     with pytest.raises(ConfigError, match=r"chunked attention \(chunks of 256 tokens\).*max_seq_length <= 256"):
         use_packed_attention(Llama4Stub(), "cpu", max_length=1024)
     assert use_packed_attention(Llama4Stub(), "cuda", max_length=256) == "sdpa"  # every example within one chunk
+
+
+# Architectures whose code differs where packing could go wrong: learned absolute positions (GPT-2), partial rotary
+# and parallel residual (GPT-NeoX), fused q/k/v (Phi-3), token routing (Qwen3-MoE), latent attention (DeepSeek-V3),
+# query-key norms (OLMo-2), parallel blocks (Cohere), attention outside transformers' AttentionInterface (Falcon, which
+# cannot be switched to per-example SDPA and keeps the mask), eager-only code with its own mask handling (GPT-J).
+# Swept over transformers' causal LMs in float32; these are one of each kind.
+ARCHITECTURES = {
+    "gpt2": ("sdpa", {"n_positions": 64}),
+    "gpt_neox": ("sdpa", {}),
+    "phi3": ("sdpa", {}),
+    "qwen3_moe": ("sdpa", {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    "deepseek_v3": ("sdpa", {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 1,
+                             "topk_group": 1, "first_k_dense_replace": 1, "q_lora_rank": 16, "kv_lora_rank": 16,
+                             "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "num_key_value_heads": 4}),
+    "olmo2": ("sdpa", {}),
+    "cohere": ("sdpa", {}),
+    "falcon": ("sdpa", {"alibi": False, "new_decoder_architecture": False, "multi_query": True}),
+    "gptj": ("eager", {"rotary_dim": 4, "n_positions": 64}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", list(ARCHITECTURES))
+def test_packed_examples_stay_apart_in_every_architecture_and_backend(model_type):
+    """Per-token logits inside packed rows equal each example's alone, on the backend packing picks on a CPU, on the
+    block-diagonal mask (what sdpa keeps on CUDA) and on eager's additive mask."""
+    attn, overrides = ARCHITECTURES[model_type]
+    models = {"eager": _tiny_model(model_type, "eager", **overrides).eval()}
+    if attn == "sdpa":
+        models["sdpa"] = _tiny_model(model_type, "sdpa", **overrides).eval()
+        picked = _tiny_model(model_type, "sdpa", **overrides).eval()
+        models[use_packed_attention(picked, "cpu", max_length=24)] = picked  # per-example SDPA, or sdpa (Falcon)
+    for backend, model in models.items():
+        batch, seq_lengths = _packed_rows(attn=backend)
+        with torch.no_grad():
+            logits = model(**attention_inputs(batch, backend, torch.float32)).logits
+            for in_row, alone in _logits_in_rows_and_alone(model, logits, batch, seq_lengths):
+                torch.testing.assert_close(in_row, alone, atol=TOL, rtol=TOL, msg=lambda m, b=backend: f"{b}: {m}")
+
+
+def test_falcon_is_not_given_per_example_inputs_it_would_ignore():
+    """Falcon's attention is its own code, so the switch to per-example SDPA does not take: packing keeps sdpa and its
+    mask. Given the per-example inputs anyway (cumulative lengths, no mask), as before this was checked, it lets every
+    example attend to the ones packed before it."""
+    model = _tiny_model("falcon", **ARCHITECTURES["falcon"][1]).eval()
+    assert use_packed_attention(model, "cpu", max_length=24) == "sdpa"
+    batch, seq_lengths = _packed_rows()
+    with torch.no_grad():
+        logits = model(**attention_inputs(batch, SEGMENT_SDPA, torch.float32)).logits
+        worst = max((a - b).abs().max() for a, b in _logits_in_rows_and_alone(model, logits, batch, seq_lengths))
+    assert worst > 1000 * TOL
+
+
+# Models no packed-attention path keeps apart: layers with state along the row (convolution: LFM2; linear attention:
+# Qwen3-Next; Mamba: Granite-4.0-H, Jamba), and code that accepts only a 2D padding mask (ALiBi from it: Falcon-RW,
+# Bloom; GPT-1).
+UNPACKABLE = {
+    "lfm2": ({"layer_types": ["full_attention", "conv"], "full_attn_idxs": [0]}, r"recurrent layers \(conv"),
+    "qwen3_next": ({"head_dim": 8, "layer_types": ["linear_attention", "full_attention"], "linear_key_head_dim": 8,
+                    "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 4,
+                    "num_experts_per_tok": 2}, r"recurrent layers \(linear_attention"),
+    "granitemoehybrid": ({"layer_types": ["mamba", "attention"], "num_local_experts": 4, "num_experts_per_tok": 2,
+                          "shared_intermediate_size": 32, "mamba_n_heads": 4, "mamba_d_state": 8, "mamba_d_head": 16,
+                          "mamba_chunk_size": 8}, "recurrent layers"),
+    "jamba": ({"num_experts": 4, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
+               "expert_layer_offset": 1, "mamba_d_state": 8, "mamba_dt_rank": 4, "use_mamba_kernels": False},
+              "recurrent layers"),
+    "falcon": ({"alibi": True, "new_decoder_architecture": False, "multi_query": True}, "ALiBi"),
+    "bloom": ({}, "ALiBi"),
+    "openai-gpt": ({"n_positions": 64}, "only a 2D attention mask"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", list(UNPACKABLE))
+def test_packing_a_model_whose_examples_cannot_be_kept_apart_stops_with_one_line(model_type):
+    from tunebook.errors import ConfigError
+
+    overrides, what = UNPACKABLE[model_type]
+    attn = "sdpa" if model_type not in ("bloom", "openai-gpt") else "eager"
+    model = _tiny_model(model_type, attn, **overrides)
+    with pytest.raises(ConfigError, match=rf"packing: \w+ .*{what}.*; set packing: false$"):
+        use_packed_attention(model, "cuda", max_length=24)
+
+
+def test_a_mamba_hybrid_packed_anyway_lets_examples_see_each_other():
+    """What the check above prevents: a packed row through Granite-4.0-H's Mamba layers leaks across examples on every
+    backend (the mask reaches its attention layers only)."""
+    model = _tiny_model("granitemoehybrid", **UNPACKABLE["granitemoehybrid"][0]).eval()
+    batch, seq_lengths = _packed_rows(attn="sdpa")
+    with torch.no_grad():
+        logits = model(**attention_inputs(batch, "sdpa", torch.float32)).logits
+        worst = max((a - b).abs().max() for a, b in _logits_in_rows_and_alone(model, logits, batch, seq_lengths))
+    assert worst > 1000 * TOL

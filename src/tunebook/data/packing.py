@@ -30,6 +30,7 @@ from .tokenize import IGNORE_INDEX
 __all__ = [
     "attention_inputs",
     "best_fit_decreasing",
+    "check_packable",
     "concatenate_examples",
     "document_block_mask",
     "document_kv_blocks",
@@ -242,6 +243,37 @@ def sliding_window(config) -> int | None:
     return int(window)
 
 
+# Layer kinds in a config's `layer_types` that carry state along the row (state-space, convolution, linear or compressed
+# attention): no attention mask reaches them, so in a packed row they run from one example into the next.
+_RECURRENT_KINDS = ("linear", "mamba", "conv", "ssm", "recurrent", "rwkv", "lstm", "delta", "compress")
+# Families whose forward derives biases or masks from a 2D padding mask, so a packed row's 4D mask makes it crash
+# (found by sweeping transformers' causal LMs, tests/equivalence/test_packed_architectures.py).
+_TWO_D_MASK_ONLY = {
+    "bloom": "builds its ALiBi biases from a 2D padding mask",
+    "openai-gpt": "takes only a 2D attention mask",
+}
+
+
+def check_packable(model, fix: str = "set packing: false") -> None:
+    """Stop with one line where no packed-attention path keeps `model`'s examples apart: layers with state along the
+    row (Mamba, convolution, linear attention: Jamba, Bamba, Falcon-H1, Granite-4.0-H, LFM2, Qwen3-Next, ...), and
+    families that accept only a 2D mask (Bloom, Falcon with ALiBi, GPT-1). Unpadded batches train them correctly."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    name, model_type = type(model).__name__, getattr(config, "model_type", "")
+    kinds = sorted({str(k) for k in getattr(config, "layer_types", None) or []
+                    if "attention" not in str(k) or any(r in str(k) for r in _RECURRENT_KINDS)})  # fmt: skip
+    if kinds or getattr(model, "_is_stateful", False):  # transformers marks models with a recurrent cache so
+        kinds = "/".join(kinds) or "a recurrent cache"
+        raise ConfigError(f"packing: {name} has recurrent layers ({kinds}: state-space, convolution or linear "
+                          "attention), which run across the whole packed row, so each example would see the ones "
+                          f"packed before it; {fix}")  # fmt: skip
+    reason = _TWO_D_MASK_ONLY.get(model_type)
+    if model_type == "falcon" and getattr(config, "alibi", False):
+        reason = "builds its ALiBi biases from a 2D padding mask"
+    if reason:
+        raise ConfigError(f"packing: {name} {reason}, so it cannot be given the packed rows' per-example mask; {fix}")
+
+
 @functools.cache
 def _cuda_varlen():
     """PyTorch's flash varlen attention as `f(q, k, v, cu_q, cu_k, max_q, max_k, scale)`, causal; None if absent.
@@ -263,41 +295,52 @@ def _cuda_varlen():
     return attend
 
 
-def use_packed_attention(model, device: torch.device | str, max_length: int | None = None) -> str:
+def use_packed_attention(
+    model, device: torch.device | str, max_length: int | None = None, fix: str = "set packing: false"
+) -> str:
     """Pick the attention implementation for packed training and switch `model` to it; returns its name.
 
     `sdpa` becomes `segment_sdpa_attention` (no FLOPs spent across examples) on a CPU, and on any device for a
     model with sliding-window layers whose window is shorter than `max_length` (the longest example; None: not
     known), which the one block-diagonal mask of the other paths would drop. Otherwise the model keeps its backend
     and `attention_inputs` supplies what isolates the examples for it (a block-diagonal mask for sdpa and eager).
+    Models no path keeps apart stop with one line (`check_packable`) that ends with `fix`, what to do instead.
     """
+    check_packable(model, fix)
     attn = model.config._attn_implementation
     text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     chunk = getattr(text_config, "attention_chunk_size", None)
     if chunk and "chunked_attention" in (getattr(text_config, "layer_types", None) or []):
         if max_length is None or max_length > chunk:  # transformers chunks by row index, not by example
             raise ConfigError(f"packing: {type(model).__name__} has chunked attention (chunks of {chunk} tokens), "
-                              f"which packed rows cannot keep per example; set max_seq_length <= {chunk} or packing: "
-                              "false")  # fmt: skip
+                              f"which packed rows cannot keep per example; set max_seq_length <= {chunk}, or "
+                              f"{fix.removeprefix('set ')}")  # fmt: skip
     window = sliding_window(model.config)
     # One block-diagonal mask (or BlockMask) serves every layer, so it cannot also be each layer's window.
     windowed = window is not None and (max_length is None or max_length > window)
     if windowed and attn in ("eager", "flex_attention"):
         raise ConfigError(f"packing with attn_implementation {attn}: {type(model).__name__} has sliding-window "
                           f"attention (window {window} < max_seq_length {max_length}), which the packed mask cannot "
-                          "keep; use attn_implementation sdpa or flash_attention_2, or packing: false")  # fmt: skip
+                          f"keep; use attn_implementation sdpa or flash_attention_2, or {fix.removeprefix('set ')}")  # fmt: skip
     # On CUDA the mask path stays: with PyTorch 2.11 on an H200, the flash varlen kernel made training of a 135M
     # model 5.6x slower than SDPA with the block-diagonal mask (17k vs 97k tokens/s, benchmarks/gpu_engines.py),
     # though its results were right (tests/equivalence/test_packed_attention.py); `segment_sdpa_attention` keeps
     # that path for sliding-window models, and for models switched to it by hand.
-    if attn == "sdpa" and (torch.device(device).type == "cpu" or windowed):
+    # A model whose attention does not go through transformers' AttentionInterface (Falcon) cannot be switched: it
+    # keeps its own SDPA, which the block-diagonal mask keeps exact, and only a window would be lost.
+    switchable = getattr(model, "_can_set_attn_implementation", lambda: True)()
+    if attn == "sdpa" and (torch.device(device).type == "cpu" or windowed) and switchable:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
         AttentionInterface.register(SEGMENT_SDPA, segment_sdpa_attention)
         AttentionMaskInterface.register(SEGMENT_SDPA, sdpa_mask)  # padded batches and generation get SDPA's masks
         model.set_attn_implementation(SEGMENT_SDPA)
-        attn = SEGMENT_SDPA
+        attn = model.config._attn_implementation
+    if windowed and attn == "sdpa":
+        raise ConfigError(f"packing: {type(model).__name__} has sliding-window attention (window {window} < "
+                          f"max_seq_length {max_length}) in its own attention code, which packing cannot give a "
+                          f"window per example; set max_seq_length <= {window}, or {fix.removeprefix('set ')}")  # fmt: skip
     if attn == "flex_attention" and torch.device(device).type == "cpu":
         raise ConfigError("attn_implementation flex_attention: PyTorch's FlexAttention has no backward pass on a CPU; "
                           "use sdpa (per-example attention on a CPU)")  # fmt: skip
