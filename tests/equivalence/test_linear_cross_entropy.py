@@ -212,6 +212,41 @@ def test_logits_changed_after_the_head_are_found_and_recomputed(tiny_tokenizer, 
         torch.testing.assert_close(grads[name], grad, atol=TOL, rtol=TOL, msg=f"gradient of {name}")
 
 
+def test_falcon_h1s_head_multiplier_takes_the_logits_path_without_a_second_forward(
+    tiny_tokenizer, tiny_model_config, caplog
+):
+    """Falcon-H1 multiplies the logits after the head (`lm_head_multiplier`, always set): known from its config, so
+    no batch is run fused first, found changed and run again."""
+    torch.manual_seed(0)
+    falcon_h1 = {"model_type": "falcon_h1", "head_dim": 8, "mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16,
+                 "mamba_d_state": 8, "mamba_chunk_size": 8, "lm_head_multiplier": 0.5}  # fmt: skip
+    model = build_causal_lm(tiny_tokenizer, model_config={**tiny_model_config, **falcon_h1}).train()
+    _assert_equal_to_full_logits(model, _batch(tiny_tokenizer, "padded"), fused_head=False)
+    assert "not fused" not in caplog.text and not loss_module._CHANGES_LOGITS
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_a_model_that_fails_on_fused_losses_gets_its_logits(tiny_tokenizer, tiny_model_config, mode, caplog):
+    """A model that works on its logits inside its forward (xLSTM reads their length in evaluation) breaks on the
+    fused head's one loss per position: that batch is run again with logits, and so are the next ones."""
+    torch.manual_seed(0)
+    model = build_causal_lm(tiny_tokenizer, model_config=tiny_model_config).train(mode == "train")
+
+    def read_length(module, args, output):
+        assert output.shape[1] > 0  # an IndexError on losses, as in xLSTM's forward
+        return output
+
+    model.get_output_embeddings().register_forward_hook(read_length)
+    batch = _batch(tiny_tokenizer, "padded")
+    with torch.set_grad_enabled(mode == "train"):
+        losses, positions = causal_lm_token_losses(model, attention_inputs(batch, "sdpa", torch.float32), batch)
+        full = per_example_token_loss(model(**attention_inputs(batch, "sdpa", torch.float32)).logits, batch["labels"])
+    assert "fails on fused losses from its output layer" in caplog.text
+    assert loss_module._CHANGES_LOGITS == {"llama"}
+    sums = torch.zeros(len(batch["labels"])).index_add(0, positions // batch["labels"].shape[1], losses)
+    torch.testing.assert_close(sums, full[0], atol=TOL, rtol=TOL)
+
+
 def _peak_rss_growth(fn) -> int:
     """Bytes the process's resident set grew by at its peak while `fn` ran (Linux: VmHWM reset via clear_refs)."""
 

@@ -110,29 +110,41 @@ def causal_lm_token_losses(model: torch.nn.Module, inputs: dict[str, Any], batch
     (1.1-1.2x faster on a CPU). A head that is not a plain linear layer (LoRA on `lm_head`, a quantized layer),
     or a model that changes its logits after the head (Gemma-2's `final_logit_softcapping`, Cohere's
     `logit_scale`, Granite's `logits_scaling`), gets the logits at the loss positions and `F.cross_entropy` on
-    them instead. So does a model found doing so at run time, once a warning says so (that batch runs twice).
+    them instead. So does a model found doing so at run time, or failing on the fused losses, once a warning says so
+    (that batch runs twice).
     """
     if "loss_positions" not in batch:
         batch = {**batch, **loss_positions(batch["labels"])}
     positions, targets = batch["loss_positions"], batch["loss_targets"]
-    with output_layer_at(model, positions, targets if _fusable(model, len(positions)) else None) as fused:
-        logits = model(**inputs).logits
+    fused = None
+    try:
+        with output_layer_at(model, positions, targets if _fusable(model, len(positions)) else None) as fused:
+            logits = model(**inputs).logits
+    except (IndexError, RuntimeError, ValueError):
+        if fused is None or fused.losses is None:  # the head never returned losses: not the fusion's doing
+            raise
+        # The model works on its logits after the head (xLSTM reads their length in evaluation) and broke on losses.
+        return _unfused(model, inputs, batch, "fails on fused losses from its output layer")
     if fused is not None and fused.losses is not None:
         # The head's losses came out untouched, or only cast by a wrapper (FSDP2's output_dtype).
         if logits is fused.losses or (logits.shape == fused.losses.shape and logits.dtype != fused.losses.dtype):
             return logits.float(), positions
-        _CHANGES_LOGITS.add(_model_type(model))
-        logger.warning(
-            "%s changes its logits after the output layer: its loss is computed from logits (not fused)",
-            type(unwrap(model)).__name__,
-        )
-        return causal_lm_token_losses(model, inputs, batch)
+        return _unfused(model, inputs, batch, "changes its logits after the output layer")
     if logits.dim() == 3:  # the model made its logits without calling its output layer module: pick them here
         logits = logits.reshape(-1, logits.shape[-1]).index_select(0, positions)
     return F.cross_entropy(logits.float(), targets, reduction="none"), positions
 
 
-# Config keys of models that scale, soft-cap or slice the logits after the head (transformers 5.x).
+def _unfused(model: torch.nn.Module, inputs: dict[str, Any], batch: dict[str, torch.Tensor], why: str):
+    """The batch again with logits from the output layer, and the model type remembered for the next batches."""
+    _CHANGES_LOGITS.add(_model_type(model))
+    logger.warning("%s %s: its loss is computed from logits (not fused)", type(unwrap(model)).__name__, why)
+    return causal_lm_token_losses(model, inputs, batch)
+
+
+# Config keys of models that scale, soft-cap or slice the logits after the head (transformers 5.x; swept over its
+# causal LMs, comparing the fused loss with full logits: Falcon-H1's `lm_head_multiplier` is always set, xLSTM's
+# `output_logit_soft_cap` defaults to 30).
 _LOGIT_CHANGES = (
     "final_logit_softcapping",
     "logits_soft_cap",
@@ -140,6 +152,8 @@ _LOGIT_CHANGES = (
     "logits_scaling",
     "output_multiplier",
     "unpadded_vocab_size",
+    "lm_head_multiplier",
+    "output_logit_soft_cap",
 )
 _CHANGES_LOGITS: set[str] = set()  # model types seen doing so at run time
 
