@@ -247,7 +247,7 @@ def sliding_window(config) -> int | None:
 # attention): no attention mask reaches them, so in a packed row they run from one example into the next.
 _RECURRENT_KINDS = ("linear", "mamba", "conv", "ssm", "recurrent", "rwkv", "lstm", "delta", "compress")
 # Families whose forward derives biases or masks from a 2D padding mask, so a packed row's 4D mask makes it crash
-# (found by sweeping transformers' causal LMs, tests/equivalence/test_packed_architectures.py).
+# (found by sweeping transformers' causal LMs; tests/equivalence/test_packed_attention.py keeps one of each).
 _TWO_D_MASK_ONLY = {
     "bloom": "builds its ALiBi biases from a 2D padding mask",
     "openai-gpt": "takes only a 2D attention mask",
@@ -257,12 +257,12 @@ _TWO_D_MASK_ONLY = {
 def check_packable(model, fix: str = "set packing: false") -> None:
     """Stop with one line where no packed-attention path keeps `model`'s examples apart: layers with state along the
     row (Mamba, convolution, linear attention: Jamba, Bamba, Falcon-H1, Granite-4.0-H, LFM2, Qwen3-Next, ...), and
-    families that accept only a 2D mask (Bloom, Falcon with ALiBi, GPT-1). Unpadded batches train them correctly."""
+    families that accept only a 2D mask (Bloom, Falcon with ALiBi, GPT-1). Padded batches train them correctly."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     name, model_type = type(model).__name__, getattr(config, "model_type", "")
     kinds = sorted({str(k) for k in getattr(config, "layer_types", None) or []
                     if "attention" not in str(k) or any(r in str(k) for r in _RECURRENT_KINDS)})  # fmt: skip
-    if kinds or getattr(model, "_is_stateful", False):  # transformers marks models with a recurrent cache so
+    if kinds or getattr(model, "_is_stateful", False):  # transformers' flag for a cache with recurrent state
         kinds = "/".join(kinds) or "a recurrent cache"
         raise ConfigError(f"packing: {name} has recurrent layers ({kinds}: state-space, convolution or linear "
                           "attention), which run across the whole packed row, so each example would see the ones "
