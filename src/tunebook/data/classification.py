@@ -53,6 +53,10 @@ def prepare_classification_data(config, cache_dir: Path, log: logging.Logger) ->
     texts = lambda: (t for c in columns[:-1] for t in train_raw[c])  # noqa: E731
     key = fingerprint_sources(train_sources) + "|" + "|".join(columns)
     tokenizer = config_tokenizer(config, cache_dir, key, texts, built, log, kind="encoder")
+    # Batches pad on the right whatever the tokenizer ships (chat tokenizers pad left): models with absolute positions
+    # (BERT, GPT-2) count them from the row's start, so left padding would shift every shorter example's positions.
+    # Every sequence-classification head pools right-padded rows correctly.
+    tokenizer.padding_side = "right"
 
     def tokenised(sources: list[DataSource], raw: datasets.Dataset | None, name: str):
         key = fingerprint(
@@ -125,13 +129,21 @@ def _load(sources: list[DataSource], columns: list[str], cache_dir: Path, seed: 
                 f"{source.where}: missing column(s) {', '.join(missing)} (columns: {', '.join(raw.column_names)}); "
                 "set text_column, text_pair_column and label_column"
             )
-        parts.append(_integer_labels(raw.select_columns(columns), columns[-1]))
+        parts.append(_integer_labels(raw.select_columns(columns), columns[-1], source.where))
     return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
 
 
-def _integer_labels(dataset: datasets.Dataset, label_column: str) -> datasets.Dataset:
-    """CSV/TSV cells are read as text (see `sources`): a label column of whole numbers is class ids, as in JSON."""
+def _integer_labels(dataset: datasets.Dataset, label_column: str, where: str) -> datasets.Dataset:
+    """CSV/TSV cells are read as text (see `sources`): a label column of whole numbers is class ids, as in JSON.
+    So are floats that are whole numbers (0.0/1.0, as pandas writes a column that once held a NaN)."""
     column = dataset.data.column(label_column)
+    if pa.types.is_floating(column.type):
+        values = column.drop_null()
+        if not pc.all(pc.equal(values, pc.floor(values))).as_py():
+            row = next(i for i, v in enumerate(column.to_pylist()) if v is not None and (v != v or v != int(v)))
+            raise DataError(f"{where}, row {row + 1}: label {column[row].as_py()} in column {label_column!r} is not a whole "
+                            "number; classification needs class labels (names, or ids 0..K-1)")  # fmt: skip
+        return dataset.cast_column(label_column, datasets.Value("int64"))
     if not pa.types.is_string(column.type) and not pa.types.is_large_string(column.type):
         return dataset
     if not pc.all(pc.match_substring_regex(column, r"^\d+$")).as_py():

@@ -199,18 +199,47 @@ def _load_or_build(
         try:
             return auto_class.from_pretrained(model_name_or_path, **config_values, **kwargs, **load_kwargs)
         except (OSError, ValueError) as e:
-            raise ModelError(f"could not load {what} from '{model_name_or_path}': {first_line(e)}") from None
+            raise ModelError(f"could not load {what} from '{model_name_or_path}': {_reason(e)}") from None
     values = read_model_config(model_config or {})
     model_type = values.pop("model_type", None)
     if model_type is None:
         raise ConfigError("model_config needs a 'model_type' (e.g. llama)")
     values.setdefault("vocab_size", len(tokenizer))
     try:
+        defaults = AutoConfig.for_model(model_type)
+        # Embeddings take their padding row from the config as they are built (RoBERTa's and OPT's default is 1, our
+        # tokenizers' [UNK]; ModernBERT's and Phi-3's lie outside a small vocabulary); architectures without such
+        # defaults (Llama) keep None, so no row of theirs is frozen as padding.
+        for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            if getattr(defaults, key, None) is not None and getattr(tokenizer, key) is not None:
+                values.setdefault(key, getattr(tokenizer, key))
         config = AutoConfig.for_model(model_type, **{**values, **config_values})
         dtype = load_kwargs.get("dtype")
-        return auto_class.from_config(config, **kwargs, **({"dtype": dtype} if dtype != "auto" else {}))
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"model_config: {first_line(e)}") from None
+        model = auto_class.from_config(config, **kwargs, **({"dtype": dtype} if dtype != "auto" else {}))
+    except (ValueError, TypeError, AssertionError) as e:
+        raise ConfigError(f"model_config: {_reason(e)}") from None
+    _check_padding_rows(model, tokenizer, model_type)
+    return model
+
+
+def _reason(error: Exception) -> str:
+    """transformers' first line, with the config key to set where it names a keyword argument."""
+    reason = first_line(error)
+    if "attn_implementation" in reason:
+        reason += " (config key attn_implementation, e.g. --attn_implementation eager)"
+    return reason
+
+
+def _check_padding_rows(model, tokenizer, model_type: str) -> None:
+    """A fresh model's embeddings must treat the tokenizer's pad token, and only it, as padding (a padding row is
+    never trained, and RoBERTa-style position ids restart at it). MPNet's are fixed at id 1 whatever the config."""
+    import torch
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Embedding) and module.padding_idx not in (None, tokenizer.pad_token_id):
+            raise ConfigError(f"model_config: {model_type}'s {name} treats token id {module.padding_idx} as padding, "
+                              f"but the tokenizer pads with id {tokenizer.pad_token_id}; use a tokenizer whose pad "
+                              f"token has id {module.padding_idx}, or another model_type")  # fmt: skip
 
 
 def _finish(model, tokenizer, model_name_or_path, gradient_checkpointing: bool, dtype="auto", frozen_base=False,
