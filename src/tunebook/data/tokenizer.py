@@ -173,8 +173,12 @@ def load_tokenizer(
         kind = "directory" if looks_like_local_path(name_or_path) else "Hub name"
         raise ModelError(f"could not load a tokenizer from {kind} '{name_or_path}': {first_line(e)}") from None
     if tokenizer.pad_token is None:
-        # Padding positions are masked out of attention and loss, so any existing token serves.
-        tokenizer.pad_token = tokenizer.eos_token
+        # Padding positions are masked out of attention and loss, so any existing token serves; a tokenizer with no
+        # EOS either gets a pad token of its own (the model's embeddings grow by its row, see models.build).
+        if tokenizer.eos_token is not None:
+            tokenizer.pad_token = tokenizer.eos_token
+        else:
+            tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
     return tokenizer
 
 

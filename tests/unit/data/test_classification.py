@@ -94,3 +94,22 @@ def test_an_architecture_without_sdpa_names_the_config_key(tmp_path):
     ):
         build_sequence_classifier(data.tokenizer, data.label_names, model_config={"model_type": "deberta-v2", **TINY},
                                   attn_implementation="sdpa")  # fmt: skip
+
+
+def test_a_tokenizer_with_neither_pad_nor_eos_gets_a_pad_token(tmp_path):
+    """Before, the first padded batch failed in transformers' collator ("Asking to pad but the tokenizer does not have
+    a padding token")."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(TEXTS, trainer=trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path / "tokenizer")
+    data = _data(tmp_path, ["x", "y", "z"] * 4, tokenizer_name_or_path=str(tmp_path / "tokenizer"))
+    assert data.tokenizer.pad_token == "<|pad|>" and data.tokenizer.eos_token is None
+    torch.manual_seed(0)
+    model = build_sequence_classifier(data.tokenizer, data.label_names,
+                                      model_config={"model_type": "bert", **TINY}).eval()  # fmt: skip
+    assert model.get_input_embeddings().padding_idx == data.tokenizer.pad_token_id
+    _padded_equals_alone(model, data)
