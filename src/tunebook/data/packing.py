@@ -231,9 +231,14 @@ def _causal_band(length: int, window: int, device) -> torch.Tensor:
     return (distance >= 0) & (distance < window)
 
 
+def _text_config(config):
+    """The language model's part of a (multimodal) config; the config itself otherwise."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def sliding_window(config) -> int | None:
     """The attention window of a model whose layers (some or all) use one, else None."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    config = _text_config(config)
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None) or []
     if not window or getattr(config, "use_sliding_window", True) is False:
@@ -258,7 +263,7 @@ def check_packable(model, fix: str = "set packing: false") -> None:
     """Stop with one line where no packed-attention path keeps `model`'s examples apart: layers with state along the
     row (Mamba, convolution, linear attention: Jamba, Bamba, Falcon-H1, Granite-4.0-H, LFM2, Qwen3-Next, ...), and
     families that accept only a 2D mask (Bloom, Falcon with ALiBi, GPT-1). Padded batches train them correctly."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = _text_config(model.config)
     name, model_type = type(model).__name__, getattr(config, "model_type", "")
     kinds = sorted({str(k) for k in getattr(config, "layer_types", None) or []
                     if "attention" not in str(k) or any(r in str(k) for r in _RECURRENT_KINDS)})  # fmt: skip
@@ -308,7 +313,7 @@ def use_packed_attention(
     """
     check_packable(model, fix)
     attn = model.config._attn_implementation
-    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text_config = _text_config(model.config)
     chunk = getattr(text_config, "attention_chunk_size", None)
     if chunk and "chunked_attention" in (getattr(text_config, "layer_types", None) or []):
         if max_length is None or max_length > chunk:  # transformers chunks by row index, not by example
