@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import time
 
 import nbformat
 import pytest
@@ -30,12 +29,11 @@ def test_notebook_runs(path, tmp_path):
     for cell in notebook.cells:
         if cell.cell_type == "code":
             assert not cell.outputs and cell.execution_count is None, f"{path.name} is stored with outputs"
-    start = time.monotonic()
     # The kernel inherits this process's environment: HF_HUB_OFFLINE=1 and the session's TUNEBOOK_CACHE.
     NotebookClient(
         notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
     ).execute()
-    assert time.monotonic() - start < 180, f"{path.name} took {time.monotonic() - start:.0f} s (budget: 3 minutes)"
+    # Their time (issue 7: under 3 minutes each) is measured by benchmarks/default_runs.py, not asserted here.
     text = "\n".join(o.get("text", "") for c in notebook.cells if c.cell_type == "code" for o in c.outputs)
     if path.stem == "02_multi_process":
         assert "2 processes" in text

@@ -55,3 +55,19 @@ def test_two_process_evaluation_equals_one_process(tmp_path):
         evals[name] = _summary(out)["eval"]
     assert evals["one"]["eval_tokens"] == evals["two"]["eval_tokens"]
     assert evals["two"]["eval_loss"] == pytest.approx(evals["one"]["eval_loss"], rel=1e-6)
+
+
+def test_a_model_packing_cannot_keep_apart_stops_with_what_to_do_instead(tmp_path):
+    # Pretraining always packs documents, so `packing: false` (sft's advice) is no option here: the line says so.
+    lfm2 = {"model_type": "lfm2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "layer_types": ["full_attention", "conv"],
+            "full_attn_idxs": [0], "max_position_embeddings": 256}  # fmt: skip
+    args = [*SMALL, "--model_config", json.dumps(lfm2), "--max_steps", "1", "--output_dir", str(tmp_path / "out")]
+    result = launch("recipes/pretrain.py", args, in_process=False)  # a failure's exit code and one line
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("tunebook: error")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "recurrent layers (conv" in errors[0], errors[0]
+    assert errors[0].endswith(
+        "; train it with recipes/sft.py and packing: false (pretrain always packs documents into rows)"
+    )
