@@ -30,7 +30,7 @@ from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer
 from .formats import as_messages, normalise_messages
 from .sources import DataSource, config_sources, fingerprint_sources, load_source
 from .synthetic import _write_disjoint, make_example
-from .tokenize import IGNORE_INDEX, render_chat
+from .tokenize import IGNORE_INDEX, check_messages_rendered, check_turn_rendered, render_chat
 from .tokenizer import config_tokenizer, setup_chat_template
 
 __all__ = [
@@ -226,6 +226,10 @@ def prompt_and_response_texts(tokenizer, prompt: list[dict], responses, tools, w
     try:
         prompt_text = render_chat(tokenizer, prompt, tools, generation_prompt=True)
         full_texts = [render_chat(tokenizer, prompt + response, tools) for response in responses]
+        for text, response in zip(full_texts, responses):
+            check_messages_rendered(text, prompt + response, tools)
+            for message in (m for m in response if m["role"] == "assistant"):
+                check_turn_rendered(text[len(prompt_text) :], message)
     except DataError as error:
         raise DataError(f"{where}: {error}") from None
     if not all(text.startswith(prompt_text) for text in full_texts):

@@ -38,35 +38,87 @@ def assistant_spans(
 ) -> tuple[str, list[tuple[int, int]]]:
     """Return the rendered text and the character spans of its assistant turns."""
     text = render_chat(tokenizer, messages, tools)
-    if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
-        _check_tools_rendered(text, messages, tools)
+    check_messages_rendered(text, messages, tools)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         before = render_chat(tokenizer, messages[:i], tools, generation_prompt=True) if i else ""
         through = text if i == len(messages) - 1 else render_chat(tokenizer, messages[: i + 1], tools)
-        if not (text.startswith(through) and through.startswith(before)):
-            raise DataError(
-                "the tokenizer's chat template renders a conversation's prefix differently from the whole "
-                "conversation, so assistant turns cannot be located for the loss mask; use another template "
-                "(chat_template) or assistant_only_loss: false"
-            )
+        if not text.startswith(through):
+            through = _without_closing(tokenizer, through, text)
+        if not text.startswith(through):
+            raise DataError(_unstable_turn(i, through, text, "when it is the last message", "once others follow"))
+        if not through.startswith(before):
+            raise DataError(_unstable_turn(i, before, through, "in the prompt that asks for it", "with it"))
         if len(through) > len(before):
             spans.append((len(before), len(through)))
+            check_turn_rendered(text[len(before) : len(through)], message)
     return text, spans
 
 
-def _check_tools_rendered(text: str, messages: list[dict[str, Any]], tools: list | None) -> None:
-    """Templates without tool support drop tool calls, definitions or results without a word: refuse that."""
-    expected = [call["function"]["name"] for m in messages for call in m.get("tool_calls", [])]
-    expected += [t.get("function", t).get("name") for t in tools or [] if isinstance(t.get("function", t), dict)]
-    expected += [m["content"] for m in messages if m["role"] == "tool"]
-    missing = [item for item in expected if item and item not in text]
+def _without_closing(tokenizer, through: str, text: str) -> str:
+    """`through` without the special token some templates close every rendering with (Phi-3's and Phi-4-mini's
+    `eos_token` after the last message), where the whole conversation has it only at its end: the turn ends where
+    the next one starts, with its own end-of-turn token. Anything else that differs is left for the caller to
+    refuse (GPT-OSS ends its last turn with `<|return|>` instead of an earlier turn's `<|end|>`)."""
+    stripped = through.rstrip()
+    for token in tokenizer.all_special_tokens:
+        if token and stripped.endswith(token) and text.rstrip().endswith(token):
+            head = stripped[: -len(token)]
+            if head.rstrip().endswith(tokenizer.eos_token or "\0") and text.startswith(head):
+                return head
+    return through
+
+
+def _unstable_turn(i: int, first: str, second: str, as_first: str, as_second: str) -> str:
+    """Why a turn cannot be located: where two renderings that should share a prefix part."""
+    at = next((k for k, (a, b) in enumerate(zip(first, second)) if a != b), min(len(first), len(second)))
+    return (
+        f"the chat template renders the conversation differently around message {i + 1} (assistant), so its turn "
+        f"cannot be located for the loss mask: {first[max(0, at - 20) : at + 30]!r} {as_first}, "
+        f"{second[max(0, at - 20) : at + 30]!r} {as_second} (templates such as Qwen3's and DeepSeek-R1's drop the "
+        "reasoning of earlier turns). Use a template that renders every turn the same way (chat_template, e.g. "
+        "TRL's qwen3_training.jinja), one example per assistant turn, or assistant_only_loss: false"
+    )
+
+
+def check_messages_rendered(text: str, messages: list[dict[str, Any]], tools: list | None) -> None:
+    """Templates drop what they do not support without a word (tool calls, tool definitions or results; Mistral's
+    system prompt, which goes only into a final user turn): refuse a rendering that lost part of the conversation."""
+    for message in messages:
+        content = message.get("content")
+        if message["role"] != "assistant" and isinstance(content, str) and content.strip() not in text:
+            raise DataError(
+                f"the chat template does not render the {message['role']} message {content.strip()!r:.60}; set "
+                "chat_template to a template that renders every message of the conversation"
+            )
+    names = [t.get("function", t).get("name") for t in tools or [] if isinstance(t.get("function", t), dict)]
+    missing = [name for name in names if name and name not in text]
     if missing:
         raise DataError(
-            f"the chat template does not render tool calls, tool definitions or tool results ({missing[0]!r:.60} "
-            "is missing from the rendered text); set chat_template to a template that supports tools"
+            f"the chat template does not render the tool definition {missing[0]!r:.60}; set chat_template to a "
+            "template that supports tools"
+        )
+
+
+def check_turn_rendered(turn: str, message: dict[str, Any]) -> None:
+    """The assistant turn's own span holds its answer and every tool call (Granite 3 drops tool calls, GPT-OSS
+    all but the first, Llama 3.1 the text beside a call)."""
+    calls = [call["function"]["name"] for call in message.get("tool_calls") or []]
+    missing = [name for name in calls if name not in turn]
+    if missing:
+        raise DataError(
+            f"the chat template does not render the tool call {missing[0]!r:.60} in its assistant turn; set "
+            "chat_template to a template that supports tools"
+        )
+    content = message.get("content")
+    # What follows the reasoning: templates re-render `<think>...</think>` (Qwen3), but the answer is kept as written.
+    answer = content.rsplit("</think>", 1)[-1].strip() if isinstance(content, str) else ""
+    if answer and answer not in turn:
+        raise DataError(
+            f"the chat template does not render the assistant message {answer!r:.60} in its turn"
+            f"{' beside its tool calls' if calls else ''}; set chat_template to a template that renders it"
         )
 
 

@@ -7,6 +7,7 @@ token so digit-manipulation tasks are learnable by tiny models.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -207,6 +208,10 @@ def setup_chat_template(tokenizer, chat_template: str | None, trust_remote_code:
         # The old EOS stays a special token (skipped when decoding); generate() still stops at it too.
         if old is not None:
             tokenizer.add_special_tokens({"extra_special_tokens": [old]}, replace_extra_special_tokens=False)
+        if old is not None and isinstance(tokenizer.chat_template, str) and "eos_token" in tokenizer.chat_template:
+            # Templates that close a conversation with eos_token (Phi-3, Phi-4-mini: "<|end|>\n<|endoftext|>") keep
+            # rendering the model's own EOS there, not the end-of-turn token it becomes ("<|end|>\n<|end|>").
+            tokenizer.chat_template = "{%- set eos_token = " + json.dumps(old) + " %}" + tokenizer.chat_template
         tokenizer.eos_token = end_of_turn
         log.info("eos_token is now %r, the end of an assistant turn in the chat template (was %r)", end_of_turn, old)
     return tokenizer

@@ -101,5 +101,5 @@ def test_examples_whose_answer_is_truncated_away_are_not_kept(tiny_tokenizer):
 def test_template_that_is_not_prefix_stable_is_a_clear_error(tiny_tokenizer):
     broken = copy.deepcopy(tiny_tokenizer)  # the fixture is session-scoped
     broken.chat_template = "{% for m in messages|reverse %}{{ m['content'] }}{% endfor %}"
-    with pytest.raises(DataError, match="renders a conversation's prefix differently"):
+    with pytest.raises(DataError, match="renders the conversation differently around message 3"):
         assistant_spans(broken, CHAT)
