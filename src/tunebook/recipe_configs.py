@@ -222,6 +222,12 @@ class SFTConfig(ChatModelConfig):
         "Truncate or drop examples longer than max_seq_length.", "truncate"
     )
     assistant_only_loss: bool = config_field("Compute the loss on assistant/completion tokens only.", True)
+    split_turns: bool = config_field(
+        "One example per assistant turn: the conversation up to it, rendered as the chat template renders it when "
+        "that turn is the last (as at generation). For templates that render earlier turns differently once later "
+        "ones follow (Qwen3, GPT-OSS), which stop otherwise; costs about k times the tokens for k turns.",
+        False,
+    )
     packing: bool = config_field(
         "Pack examples into rows of max_seq_length (best-fit decreasing) with attention kept inside each example; "
         "removes nearly all padding.",
@@ -264,6 +270,9 @@ class SFTConfig(ChatModelConfig):
         for key in ("generation_max_new_tokens", "packing_buffer_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.split_turns and not self.assistant_only_loss:
+            raise ConfigError("split_turns: true with assistant_only_loss: false would train on a conversation's "
+                              "earlier turns once for every later turn; set assistant_only_loss: true")  # fmt: skip
 
     def validate_streaming(self) -> None:
         super().validate_streaming()

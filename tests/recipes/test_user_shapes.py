@@ -78,3 +78,32 @@ def test_a_base_tokenizer_gets_chatml_and_the_fine_tuned_model_stops(tmp_path):
     for row in out[:, batch["input_ids"].shape[1] :].tolist():
         assert end in row, f"no end of turn in {tokenizer.decode(row)!r}"
         assert row.index(end) < 12, tokenizer.decode(row)
+
+
+def test_qwen3_multi_turn_sft_stops_with_the_choice_then_trains_each_turn_with_split_turns(tmp_path):
+    """Qwen3's template drops the (empty) think block of earlier turns once a user turn follows, so a whole
+    conversation cannot hold every turn as generated: the run says what to choose, and split_turns trains each
+    assistant turn as the last one of its own example."""
+    from conftest import ASSETS
+
+    tokenizer = base_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    rows = [{"messages": [{"role": "user", "content": f"Reverse {i}"}, {"role": "assistant", "content": str(i)[::-1]},
+                          {"role": "user", "content": f"Double {i}"}, {"role": "assistant", "content": str(2 * i)}]}
+            for i in range(100, 140)]  # fmt: skip
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sft = load_recipe("sft")
+    common = dict(QUICK, model_config=TINY_TEST_MODEL, max_steps=2, train_data=str(tmp_path / "chat.jsonl"),
+                  eval_split_ratio=0.25, tokenizer_name_or_path=str(tmp_path / "tokenizer"),
+                  chat_template=str(ASSETS / "chat_templates" / "qwen3.jinja"), generation_eval=False,
+                  cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    from tunebook.errors import DataError
+
+    with pytest.raises(DataError, match=r"chat.jsonl, row 1: .*message 2 \(assistant\).*split_turns: true"):
+        sft.main(sft.config(**common, output_dir=str(tmp_path / "whole")))
+    summary = sft.main(sft.config(**common, split_turns=True, output_dir=str(tmp_path / "split")))
+    assert summary["data"]["conversations_read"] == 40 and summary["data"]["examples_read"] == 80, summary["data"]
+    assert (
+        summary["data"]["train_rows"] == 60 and summary["eval"]["eval_tokens"] > 0
+    )  # 10 whole conversations held out

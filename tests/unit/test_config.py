@@ -70,6 +70,7 @@ def test_unknown_key_names_the_closest(tmp_path):
         (["--load_best_model_at_end", "true"], r"load_best_model_at_end needs evaluations during training"),
         (["--early_stopping_patience", "-1"], r"early_stopping_patience must be >= 0"),
         (["--eval_strategy", "sometimes"], r"eval_strategy.*not one of"),
+        (["--split_turns", "true", "--assistant_only_loss", "false"], r"split_turns: true with assistant_only_loss"),
     ],
 )
 def test_bad_values_are_rejected_with_key_and_value(argv, message):

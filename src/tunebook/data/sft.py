@@ -99,6 +99,7 @@ def prepare_sft_data(config, cache_dir: Path, log: logging.Logger) -> SFTData:
         eval_key = train_key
         log.info("Held out %d of the training examples for evaluation (eval_split_ratio)", len(eval_examples))
 
+    train, eval_examples = (_without_conversation_ids(d) for d in (train, eval_examples))
     train_rows, eval_rows = train, eval_examples
     if config.packing:
         train_rows, pack_stats = _packed(config, train, train_key, split and "train", cache_dir, "train", built, log)
@@ -123,7 +124,7 @@ def _streamed(config, train_sources, eval_sources, cache_dir: Path, built: list,
     tokenizer = tokenizer or config_tokenizer(config, cache_dir, stream_fingerprint(train_sources), texts, built, log)
     tokenizer = setup_chat_template(tokenizer, config.chat_template, config.trust_remote_code, log)
     rows = ChatRows(tokenizer, config.max_seq_length, config.overlong_examples, config.assistant_only_loss,
-                    config.packing, config.seed, len(train_sources))  # fmt: skip
+                    config.packing, config.seed, len(train_sources), config.split_turns)  # fmt: skip
     stream = TokenStream(mixture, rows, config.packing_buffer_size, config.per_device_train_batch_size,
                          *process_position(), source_names(train_sources),
                          config.seed if config.stream_shuffle else None)  # fmt: skip
@@ -150,11 +151,13 @@ TOKENISED_FEATURES = datasets.Features({
     "truncated": datasets.Value("bool"),
     "keep": datasets.Value("bool"),
 })  # fmt: skip
+# With split_turns, each example also names its conversation, so eval_split_ratio holds out whole conversations.
+TURN_FEATURES = datasets.Features({**TOKENISED_FEATURES, "conversation_id": datasets.Value("int64")})
 
 
 def _tokenised(config, sources: list[DataSource], tokenizer, cache_dir: Path, name: str, built: list, log):
     args = (config.data_format, config.max_seq_length, config.overlong_examples, config.assistant_only_loss)
-    key = sft_cache_key(sources, tokenizer, *args, config.seed, config.dataset_text_field)
+    key = sft_cache_key(sources, tokenizer, *args, config.seed, config.dataset_text_field, config.split_turns)
     dataset, stats, cached = prepare_sft_dataset(
         sources,
         tokenizer,
@@ -167,6 +170,7 @@ def _tokenised(config, sources: list[DataSource], tokenizer, cache_dir: Path, na
         num_proc=config.dataset_num_proc,
         key=key,
         text_field=config.dataset_text_field,
+        split_turns=config.split_turns,
     )
     if not cached:
         built.append(f"{name} tokenisation")
@@ -184,13 +188,24 @@ def _tokenised(config, sources: list[DataSource], tokenizer, cache_dir: Path, na
     return dataset, key, dict(stats)
 
 
+def _without_conversation_ids(dataset: datasets.Dataset | None) -> datasets.Dataset | None:
+    if dataset is None or "conversation_id" not in dataset.column_names:
+        return dataset
+    return dataset.remove_columns("conversation_id")
+
+
 def _split(dataset: datasets.Dataset, ratio: float, seed: int):
-    """A seeded split of the examples (before any packing), as index views: nothing is copied."""
-    order = np.random.default_rng(seed).permutation(len(dataset))
-    n_eval = max(1, int(round(ratio * len(dataset))))
-    if n_eval >= len(dataset):
-        raise ConfigError(f"eval_split_ratio={ratio} leaves no training examples out of {len(dataset)}")
-    return dataset.select(np.sort(order[n_eval:])), dataset.select(np.sort(order[:n_eval])), (ratio, seed)
+    """A seeded split of the examples (before any packing), as index views: nothing is copied. Examples that name
+    their conversation (split_turns) are held out a whole conversation at a time: no turn of a held-out
+    conversation is trained on, and none of its history is."""
+    groups = np.asarray(dataset.data.column("conversation_id")) if "conversation_id" in dataset.column_names else None
+    ids = np.unique(groups) if groups is not None else np.arange(len(dataset))
+    order = np.random.default_rng(seed).permutation(len(ids))
+    n_eval = max(1, int(round(ratio * len(ids))))
+    if n_eval >= len(ids):
+        raise ConfigError(f"eval_split_ratio={ratio} leaves no training examples out of {len(ids)}")
+    held = np.isin(groups, ids[order[:n_eval]]) if groups is not None else np.isin(ids, order[:n_eval])
+    return dataset.select(np.flatnonzero(~held)), dataset.select(np.flatnonzero(held)), (ratio, seed)
 
 
 def _packed(config, dataset, parent_key: str, part: str | None, cache_dir: Path, name: str, built: list, log):
@@ -275,6 +290,7 @@ def sft_cache_key(
     assistant_only_loss: bool,
     seed: int,
     text_field: str = "text",
+    split_turns: bool = False,
 ) -> str:
     """Fingerprint of everything a tokenised data set depends on: the cache key of `prepare_sft_dataset`."""
     return fingerprint(
@@ -286,6 +302,7 @@ def sft_cache_key(
             "overlong": overlong,
             "assistant_only_loss": assistant_only_loss,
             "text_field": text_field,
+            **({"split_turns": True} if split_turns else {}),  # absent when off: earlier caches keep their key
             "seed": seed if any(s.weight != 1.0 or s.samples is not None for s in sources) else None,
             "version": PREPROCESSING_VERSION,
         }
@@ -305,19 +322,21 @@ def prepare_sft_dataset(
     num_proc: int | None = None,
     key: str | None = None,
     text_field: str = "text",
+    split_turns: bool = False,
 ) -> tuple[datasets.Dataset, dict[str, Any], bool]:
     """Tokenise and mask `sources`, cached by a fingerprint of every input. Returns (dataset, stats, was_cached).
 
     The dataset has columns `input_ids`, `labels`, `prompt_length`; stats count the examples read, truncated
     and dropped. `key` is `sft_cache_key(...)` of the same arguments, if the caller already computed it.
     """
-    args = (data_format, max_seq_length, overlong, assistant_only_loss, seed, text_field)
+    args = (data_format, max_seq_length, overlong, assistant_only_loss, seed, text_field, split_turns)
     key = key or sft_cache_key(sources, tokenizer, *args)
 
     def build(scratch: Path) -> tuple[datasets.Dataset, dict[str, Any]]:
-        parts = []
+        parts, conversations_read = [], 0
         for i, source in enumerate(sources):  # one source at a time, so errors name its file and row
             conversations = _conversations(source, data_format, cache_dir, seed, num_proc, scratch, i, text_field)
+            first_id, conversations_read = conversations_read, conversations_read + len(conversations)
             parts.append(
                 conversations.map(
                     tokenize_conversations,
@@ -328,10 +347,12 @@ def prepare_sft_dataset(
                         "max_seq_length": max_seq_length,
                         "overlong": overlong,
                         "assistant_only_loss": assistant_only_loss,
+                        "split_turns": split_turns,
                         "where": source.where,
+                        "first_id": first_id if split_turns else None,
                     },
                     remove_columns=["conversation"],
-                    features=TOKENISED_FEATURES,
+                    features=TURN_FEATURES if split_turns else TOKENISED_FEATURES,
                     num_proc=num_proc,
                     cache_file_name=str(scratch / f"tokenised-{i}.arrow"),
                     desc="Tokenising",
@@ -343,6 +364,7 @@ def prepare_sft_dataset(
         truncated = np.asarray(tokenised.data.column("truncated"), dtype=bool)
         dropped_overlong = int((truncated & ~keep).sum()) if overlong == "drop" else 0
         stats = {
+            **({"conversations_read": conversations_read} if split_turns else {}),
             "examples_read": len(tokenised),
             "truncated": int(truncated.sum()) if overlong == "truncate" else 0,
             "dropped_overlong": dropped_overlong,

@@ -213,7 +213,8 @@ class ChatRows:
     column = "conversation"
 
     def __init__(self, tokenizer, max_seq_length: int, overlong: str, assistant_only_loss: bool, packing: bool,
-                 seed: int, num_sources: int):  # fmt: skip
+                 seed: int, num_sources: int, split_turns: bool = False):  # fmt: skip
+        self.split_turns = split_turns
         self.tokenizer, self.length, self.overlong = tokenizer, max_seq_length, overlong
         self.assistant_only_loss, self.packing, self.seed, self.num_sources = (
             assistant_only_loss,
@@ -225,12 +226,14 @@ class ChatRows:
     def __call__(self, batch: dict[str, list], carry) -> tuple[list[dict], Any]:
         if "input_ids" in batch:
             return _prepared_rows(batch, self.num_sources), carry
+        origin: list[int] = []  # the conversation each example came from (several with split_turns)
         out = tokenize_conversations({"conversation": batch["conversation"]}, tokenizer=self.tokenizer,
                                      max_seq_length=self.length, overlong=self.overlong,
-                                     assistant_only_loss=self.assistant_only_loss, where="streamed train_data")  # fmt: skip
+                                     assistant_only_loss=self.assistant_only_loss, split_turns=self.split_turns,
+                                     where="streamed train_data", origin=origin)  # fmt: skip
         kept = [i for i, keep in enumerate(out["keep"]) if keep]
         ids, labels = [out["input_ids"][i] for i in kept], [out["labels"][i] for i in kept]
-        sources = [batch["source"][i] for i in kept]
+        sources = [batch["source"][origin[i]] for i in kept]
         if not self.packing:
             rows = [{"input_ids": x, "labels": y, "source_tokens": _per_source([len(x)], [s], self.num_sources)}
                     for x, y, s in zip(ids, labels, sources)]  # fmt: skip

@@ -18,7 +18,14 @@ from transformers import PreTrainedTokenizerBase
 
 from ..errors import DataError, first_line
 
-__all__ = ["IGNORE_INDEX", "assistant_spans", "format_loss_mask", "render_chat", "tokenize_conversations"]
+__all__ = [
+    "IGNORE_INDEX",
+    "assistant_spans",
+    "format_loss_mask",
+    "render_chat",
+    "tokenize_conversations",
+    "turn_examples",
+]
 
 IGNORE_INDEX = -100
 
@@ -57,6 +64,32 @@ def assistant_spans(
     return text, spans
 
 
+def turn_examples(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: list | None = None
+) -> list[tuple[str, list[tuple[int, int]]]]:
+    """One (text, [span]) per assistant turn: the conversation up to and including the turn, rendered as the
+    template renders it when that turn is the last, which is how the model sees it when generating it.
+
+    For templates that render earlier turns differently once later turns follow (Qwen3 drops their reasoning,
+    GPT-OSS ends them with <|end|> instead of <|return|>), where one rendering of the whole conversation cannot
+    hold every turn as it is generated. A conversation of k turns costs about k times the tokens of its last one.
+    """
+    examples = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = render_chat(tokenizer, messages[:i], tools, generation_prompt=True) if i else ""
+        through = render_chat(tokenizer, messages[: i + 1], tools)
+        check_messages_rendered(through, messages[: i + 1], tools)
+        if not through.startswith(before):
+            raise DataError(_unstable_turn(i, before, through, "in the prompt that asks for it", "with it"))
+        if len(through) > len(before):
+            check_turn_rendered(through[len(before) :], message)
+            examples.append((through, [(len(before), len(through))]))
+    # No assistant turn: one example without loss, counted and dropped as the whole-conversation path does.
+    return examples or [(render_chat(tokenizer, messages, tools), [])]
+
+
 def _without_closing(tokenizer, through: str, text: str) -> str:
     """`through` without the special token some templates close every rendering with (Phi-3's and Phi-4-mini's
     `eos_token` after the last message), where the whole conversation has it only at its end: the turn ends where
@@ -79,7 +112,7 @@ def _unstable_turn(i: int, first: str, second: str, as_first: str, as_second: st
         f"cannot be located for the loss mask: {first[max(0, at - 20) : at + 30]!r} {as_first}, "
         f"{second[max(0, at - 20) : at + 30]!r} {as_second} (templates such as Qwen3's and DeepSeek-R1's drop the "
         "reasoning of earlier turns). Use a template that renders every turn the same way (chat_template, e.g. "
-        "TRL's qwen3_training.jinja), one example per assistant turn, or assistant_only_loss: false"
+        "TRL's qwen3_training.jinja), one example per assistant turn (split_turns: true), or assistant_only_loss: false"
     )
 
 
@@ -130,28 +163,41 @@ def tokenize_conversations(
     max_seq_length: int,
     overlong: str,
     assistant_only_loss: bool,
+    split_turns: bool = False,
     where: str = "data",
+    origin: list[int] | None = None,
+    first_id: int | None = None,
 ) -> dict[str, list[Any]]:
     """Batched `datasets.map` function: `conversation` JSON rows -> input_ids, labels and bookkeeping columns.
 
     Columns: `input_ids`, `labels` (IGNORE_INDEX outside the loss), `prompt_length` (tokens before the last
     assistant turn, for generation eval; 0 for plain text), `truncated`, and `keep` (False for rows to drop:
     over-long under `overlong="drop"`, or left with no loss-bearing token). Errors name the row (from 1).
+    With `split_turns`, a conversation gives one example per assistant turn (see `turn_examples`); `origin`, if
+    given, receives the batch position each output row came from, and with `first_id` a `conversation_id` column
+    numbers the conversations from it (row index + first_id), so a held-out split can keep each one whole.
     """
-    texts, spans = [], []  # per row: the text to tokenise; its assistant spans (None: plain text)
+    texts, spans, rows = [], [], []  # per output row: the text to tokenise; its assistant spans; its input row
     for position, row in enumerate(batch["conversation"]):
         example = json.loads(row)
         if "text" in example:
-            texts.append(example["text"])
-            spans.append(None)
-            continue
-        try:
-            text, turns = assistant_spans(tokenizer, example["messages"], example.get("tools"))
-        except DataError as error:
-            row_number = indices[position] + 1 if indices is not None else position + 1
-            raise DataError(f"{where}, row {row_number}: {error}") from None
-        texts.append(text)
-        spans.append(turns)
+            pieces = [(example["text"], None)]
+        else:
+            messages, tools = example["messages"], example.get("tools")
+            try:
+                if split_turns:
+                    pieces = turn_examples(tokenizer, messages, tools)
+                else:
+                    pieces = [assistant_spans(tokenizer, messages, tools)]
+            except DataError as error:
+                row_number = indices[position] + 1 if indices is not None else position + 1
+                raise DataError(f"{where}, row {row_number}: {error}") from None
+        for text, turns in pieces:
+            texts.append(text)
+            spans.append(turns)
+            rows.append(position)
+    if origin is not None:
+        origin.extend(rows)
     encoded = _encode(tokenizer, texts, spans)
     out: dict[str, list[Any]] = {k: [] for k in ("input_ids", "labels", "prompt_length", "truncated", "keep")}
     for text, turns, (ids, offsets) in zip(texts, spans, encoded):
@@ -166,6 +212,8 @@ def tokenize_conversations(
         keep = keep and any(label != IGNORE_INDEX for label in labels[1:])
         for key, value in zip(out, (ids, labels, prompt_length, truncated, keep)):
             out[key].append(value)
+    if first_id is not None:
+        out["conversation_id"] = [first_id + (indices[r] if indices is not None else r) for r in rows]
     return out
 
 

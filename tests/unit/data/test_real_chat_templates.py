@@ -173,3 +173,59 @@ def test_preference_pairs_get_the_same_checks_and_closing():
     with pytest.raises(DataError, match="prefs.jsonl, row 3: the chat template does not render the system message"):
         nemo = _tokenizer("mistral-nemo-instruct-2407")
         prompt_and_response_texts(nemo, [SYSTEM, U1], [chosen, rejected], None, "prefs.jsonl, row 3")
+
+
+def _split_examples(name: str, conversation: str) -> list[tuple[str, list[str]]]:
+    """(text, loss-bearing runs) of each example `split_turns` makes of a conversation."""
+    tokenizer = _tokenizer(name)
+    messages, tools = CONVERSATIONS[conversation]
+    row = {"messages": normalise_messages(json.loads(json.dumps(messages)), "test"), "tools": tools}
+    origin: list[int] = []
+    out = tokenize_conversations({"conversation": [json.dumps(row)] * 2}, tokenizer=tokenizer, max_seq_length=4096,
+                                 overlong="truncate", assistant_only_loss=True, split_turns=True, origin=origin,
+                                 first_id=10)  # fmt: skip
+    assert origin == sorted(origin) and out["conversation_id"] == [10 + r for r in origin]
+    examples = []
+    for ids, labels in zip(out["input_ids"][: len(out["input_ids"]) // 2], out["labels"]):
+        runs = [tokenizer.decode([t for t, y in zip(ids, labels) if y != IGNORE_INDEX])]
+        examples.append((tokenizer.decode(ids), runs))
+    return examples
+
+
+def test_split_turns_trains_each_turn_as_generated_where_the_whole_conversation_cannot():
+    (first, loss1), (second, loss2) = _split_examples("qwen3", "multi")
+    assert loss1 == ["<think>\n\n</think>\n\nA1 first.<|im_end|>\n"] and loss2 == [
+        "<think>\n\n</think>\n\nA2 second.<|im_end|>\n"]  # fmt: skip
+    # The history as Qwen3 renders it at generation time: the earlier turn without its think block.
+    assert "<|im_start|>assistant\nA1 first.<|im_end|>\n<|im_start|>user\nQ2 beta?" in second
+    (_, oss1), (_, oss2) = _split_examples("gpt-oss", "multi")
+    assert oss1 == ["<|channel|>final<|message|>A1 first.<|return|>"]
+    assert oss2 == ["<|channel|>final<|message|>A2 second.<|return|>"]
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-instruct", "llama-3.1-instruct", "smollm2-instruct"])
+def test_split_turns_on_a_template_that_renders_turns_alike_trains_the_same_tokens(name):
+    split = [run for _, runs in _split_examples(name, "multi") for run in runs]
+    assert split == _loss_runs(name, "multi")
+
+
+def test_split_turns_still_refuses_a_template_that_drops_part_of_the_conversation():
+    with pytest.raises(DataError, match="does not render the system message"):
+        _split_examples("mistral-nemo-instruct-2407", "system")
+    with pytest.raises(DataError, match="in the prompt that asks for it"):  # DeepSeek-R1 forces <think> in the prompt
+        _split_examples("deepseek-r1-distill", "single")
+
+
+def test_a_held_out_split_of_split_turns_keeps_each_conversation_on_one_side():
+    import datasets
+
+    from tunebook.data.sft import _split
+
+    ids = [c for c in range(50) for _ in range(1 + c % 4)]  # conversations of 1-4 turns, one example each
+    data = datasets.Dataset.from_dict({"input_ids": [[i] for i in range(len(ids))], "conversation_id": ids})
+    train, held, _ = _split(data, 0.2, seed=0)
+    train_ids, held_ids = set(train["conversation_id"]), set(held["conversation_id"])
+    assert not train_ids & held_ids and len(held_ids) == 10 and len(train) + len(held) == len(ids)
+    assert sorted(held["conversation_id"]) == sorted(c for c in ids if c in held_ids)  # every turn of each
+    plain, plain_held, _ = _split(data.remove_columns("conversation_id"), 0.2, seed=0)  # without ids: by example
+    assert len(plain_held) == round(0.2 * len(ids))

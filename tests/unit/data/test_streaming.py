@@ -112,6 +112,25 @@ def test_streamed_sft_packing_equals_the_cached_packing(tmp_path, tokenizer_dir)
         assert torch.equal(_token_losses(batch), _token_losses(same))
 
 
+def test_streamed_split_turns_equals_the_cached_split_turns(tmp_path, tokenizer_dir):
+    """Two turns per conversation, each its own example: the stream makes the cached path's examples."""
+    path = tmp_path / "chat.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"Reverse {n}"}, {"role": "assistant", "content": str(n)[::-1]},
+                          {"role": "user", "content": "Again"}, {"role": "assistant", "content": str(n)}]}
+            for n in range(1000, 1040)]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = {"tokenizer_name_or_path": tokenizer_dir, "max_seq_length": 64, "cache_dir": str(tmp_path / "cache"),
+              "packing": True, "max_steps": 5, "per_device_train_batch_size": 4, "model_config": TINY_TEST_MODEL,
+              "split_turns": True}  # fmt: skip
+    cached = prepare_sft_data(SFTConfig(train_data=str(path), **common), tmp_path / "cache", LOG)
+    assert cached.stats["conversations_read"] == 40 and cached.stats["examples_read"] == 80
+    config = SFTConfig(train_data={"path": str(path), "streaming": True}, packing_buffer_size=40,
+                       stream_shuffle=False, **common)  # fmt: skip
+    streamed = prepare_sft_data(config, tmp_path / "cache", LOG)
+    # The preview runs on into the next pass; its first rows are the cached path's.
+    assert streamed.train["input_ids"][: len(cached.train)] == cached.train["input_ids"]
+
+
 @pytest.mark.parametrize("overlong", ["truncate", "drop"])
 def test_streamed_sft_counts_truncated_and_dropped_examples_as_the_cached_path(tmp_path, tokenizer_dir, overlong):
     """What the cached path reports before training, a stream counts as its groups are trained on."""

@@ -243,7 +243,9 @@ def test_a_template_without_tool_support_is_refused_by_row(tmp_path, tiny_tokeni
         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
     )
     (tmp_path / "tools.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _tool_rows()))
-    with pytest.raises(DataError, match=r"tools.jsonl, row 1: the chat template does not render the tool definition .get_weather."):
+    with pytest.raises(
+        DataError, match=r"tools.jsonl, row 1: the chat template does not render the tool definition .get_weather."
+    ):
         prepare_sft_dataset(parse_sources(str(tmp_path / "tools.jsonl"), "t"), plain, data_format="auto",
                             max_seq_length=1024, overlong="truncate", assistant_only_loss=True,
                             cache_dir=tmp_path / "cache", seed=0)  # fmt: skip
