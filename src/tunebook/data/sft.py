@@ -132,7 +132,7 @@ def _streamed(config, train_sources, eval_sources, cache_dir: Path, built: list,
     eval_rows = eval_examples = None
     if eval_sources:
         eval_examples, eval_key, _ = _tokenised(config, eval_sources, tokenizer, cache_dir, "eval", built, log)
-        eval_rows = eval_examples
+        eval_examples = eval_rows = _without_conversation_ids(eval_examples)
         if config.packing:
             eval_rows, _ = _packed(config, eval_examples, eval_key, None, cache_dir, "eval", built, log)
     stats = {"streamed": True, "sources": source_names(train_sources)}

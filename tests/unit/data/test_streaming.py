@@ -125,8 +125,9 @@ def test_streamed_split_turns_equals_the_cached_split_turns(tmp_path, tokenizer_
     cached = prepare_sft_data(SFTConfig(train_data=str(path), **common), tmp_path / "cache", LOG)
     assert cached.stats["conversations_read"] == 40 and cached.stats["examples_read"] == 80
     config = SFTConfig(train_data={"path": str(path), "streaming": True}, packing_buffer_size=40,
-                       stream_shuffle=False, **common)  # fmt: skip
+                       stream_shuffle=False, eval_data=str(path), **common)  # fmt: skip
     streamed = prepare_sft_data(config, tmp_path / "cache", LOG)
+    assert streamed.eval_examples.column_names == ["input_ids", "labels", "prompt_length"]  # no conversation_id
     # The preview runs on into the next pass; its first rows are the cached path's.
     assert streamed.train["input_ids"][: len(cached.train)] == cached.train["input_ids"]
 
