@@ -121,7 +121,7 @@ def check_messages_rendered(text: str, messages: list[dict[str, Any]], tools: li
     system prompt, which goes only into a final user turn): refuse a rendering that lost part of the conversation."""
     for message in messages:
         content = message.get("content")
-        if message["role"] != "assistant" and isinstance(content, str) and content.strip() not in text:
+        if message["role"] != "assistant" and isinstance(content, str) and not _rendered(content.strip(), text):
             raise DataError(
                 f"the chat template does not render the {message['role']} message {content.strip()!r:.60}; set "
                 "chat_template to a template that renders every message of the conversation"
@@ -133,6 +133,11 @@ def check_messages_rendered(text: str, messages: list[dict[str, Any]], tools: li
             f"the chat template does not render the tool definition {missing[0]!r:.60}; set chat_template to a "
             "template that supports tools"
         )
+
+
+def _rendered(content: str, text: str) -> bool:
+    """The content is in the text as written, or as a JSON string (Llama 3.1 renders tool results with `tojson`)."""
+    return content in text or json.dumps(content, ensure_ascii=False)[1:-1] in text
 
 
 def check_turn_rendered(turn: str, message: dict[str, Any]) -> None:

@@ -61,6 +61,8 @@ CONVERSATIONS = {
     "system": ([SYSTEM, U1, A1], None),
     "multi": ([U1, A1, U2, A2], None),
     "tools": (TOOL_FLOW, TOOLS),
+    "json result": ([*TOOL_FLOW[:2], {**TOOL_FLOW[2], "content": '{"sky": "sunny", "temp": 21}'}, TOOL_FLOW[3]],
+                    TOOLS),
     "text beside a call": ([TOOL_FLOW[0], {**TOOL_FLOW[1], "content": "Let me check."}, *TOOL_FLOW[2:]], TOOLS),
     "parallel calls": ([TOOL_FLOW[0], {**TOOL_FLOW[1], "tool_calls": [_call("get_weather"), _call("get_time", "Rome",
                         "call1EFGH")]}, TOOL_FLOW[2], {"role": "tool", "content": "noon", "tool_call_id": "call1EFGH"}, TOOL_FLOW[3]],
@@ -73,6 +75,9 @@ CORRECT = {
     ("llama-3.1-instruct", "system"): ["A1 first.<|eot_id|>"],
     ("llama-3.1-instruct", "tools"): ['{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>',
                                       "Sunny.<|eot_id|>"],
+    # Llama 3.1 renders a tool result with tojson: a JSON result is escaped in the text, and still found there.
+    ("llama-3.1-instruct", "json result"): ['{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>',
+                                            "Sunny.<|eot_id|>"],
     ("qwen2.5-instruct", "multi"): ["A1 first.<|im_end|>\n", "A2 second.<|im_end|>\n"],
     ("qwen2.5-instruct", "parallel calls"): [
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n'
