@@ -175,6 +175,12 @@ def test_preference_pairs_get_the_same_checks_and_closing():
     chosen, rejected = [A1], [{"role": "assistant", "content": "A1 wrong."}]
     _, rests = prompt_and_response_texts(_tokenizer("phi-3.5-mini-instruct"), [U1], [chosen, rejected], None, "p")
     assert rests == ["A1 first.<|end|>\n<|endoftext|>", "A1 wrong.<|end|>\n<|endoftext|>"]
+    # Qwen3 renders the earlier turn of a multi-turn prompt as history in both, and the response as a final turn.
+    prompt, rests = prompt_and_response_texts(_tokenizer("qwen3"), [U1, A1, U2], [[A2], [A1]], None, "p")
+    assert prompt.endswith(
+        "assistant\nA1 first.<|im_end|>\n<|im_start|>user\nQ2 beta?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert rests == ["<think>\n\n</think>\n\nA2 second.<|im_end|>\n", "<think>\n\n</think>\n\nA1 first.<|im_end|>\n"]
     with pytest.raises(DataError, match="prefs.jsonl, row 3: the chat template does not render the system message"):
         nemo = _tokenizer("mistral-nemo-instruct-2407")
         prompt_and_response_texts(nemo, [SYSTEM, U1], [chosen, rejected], None, "prefs.jsonl, row 3")
