@@ -110,9 +110,10 @@ def _unstable_turn(i: int, first: str, second: str, as_first: str, as_second: st
     return (
         f"the chat template renders the conversation differently around message {i + 1} (assistant), so its turn "
         f"cannot be located for the loss mask: {first[max(0, at - 20) : at + 30]!r} {as_first}, "
-        f"{second[max(0, at - 20) : at + 30]!r} {as_second} (templates such as Qwen3's and DeepSeek-R1's drop the "
-        "reasoning of earlier turns). Use a template that renders every turn the same way (chat_template, e.g. "
-        "TRL's qwen3_training.jinja), one example per assistant turn (split_turns: true), or assistant_only_loss: false"
+        f"{second[max(0, at - 20) : at + 30]!r} {as_second} (Qwen3's template drops the think block of earlier "
+        "turns, GPT-OSS's ends them differently, DeepSeek-R1's prompt forces <think>). Use a template that renders "
+        "every turn the same way (chat_template, e.g. TRL's qwen3_training.jinja), one example per assistant turn "
+        "(split_turns: true), or assistant_only_loss: false"
     )
 
 
