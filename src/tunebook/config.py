@@ -115,6 +115,11 @@ class TrainConfig:
     use_liger_kernel: bool = config_field(
         "Liger's Triton kernels for RMSNorm, RoPE and SwiGLU (pip install liger-kernel; CUDA only).", False
     )
+    fused_cpu_layers: bool = config_field(
+        "On a CPU, RMSNorm and rotary embeddings of models whose code is Llama's (Mistral, Qwen2/3, ...) run as fused "
+        "autograd functions: the same math in fewer passes over memory (~5% of a step on the vs_peers model).",
+        True,
+    )
     # --- logging, evaluation, checkpoints
     logging_steps: int = config_field("Log train metrics every N optimizer steps.", 10)
     eval_strategy: Literal["steps", "epoch"] = config_field(

@@ -90,17 +90,23 @@ def test_chunked_function_equals_cross_entropy_of_linear(monkeypatch):
     targets = torch.randint(0, vocab, (rows,), generator=g)
     upstream = torch.rand(rows, generator=g)  # a different weight per token
     results = []
-    for fused in (False, True):
+    for chunk_rows in (None, 8, rows):  # the plain loss; 8-row chunks; one chunk, whose softmax the backward keeps
         hidden.grad = weight.grad = bias.grad = None
-        if fused:
-            monkeypatch.setattr(linear_ce, "CHUNK_ELEMENTS", 8 * vocab)
+        if chunk_rows:
+            monkeypatch.setattr(linear_ce, "CHUNK_ELEMENTS", chunk_rows * vocab)
             losses = linear_cross_entropy(hidden, weight, bias, targets)
         else:
             losses = F.cross_entropy(F.linear(hidden, weight, bias), targets, reduction="none")
         (losses * upstream).sum().backward()
         results.append([losses.detach(), hidden.grad, weight.grad, bias.grad])
-    for got, expected in zip(*reversed(results)):
-        torch.testing.assert_close(got, expected, atol=TOL, rtol=TOL)
+    for fused in results[1:]:
+        for got, expected in zip(fused, results[0]):
+            torch.testing.assert_close(got, expected, atol=TOL, rtol=TOL)
+    # The one-chunk softmax is changed in place by the backward: a second backward through it must fail, not reuse it.
+    losses = linear_cross_entropy(hidden, weight, bias, targets)
+    losses.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        losses.sum().backward()
     empty = linear_cross_entropy(hidden[:0], weight, None, targets[:0])
     empty.sum().backward()
     assert empty.shape == (0,) and empty.dtype == torch.float32
@@ -172,14 +178,14 @@ def test_fused_loss_equals_full_logits_with_lora(tiny_tokenizer, tiny_model_conf
     torch.testing.assert_close(sums, full[0], atol=TOL, rtol=TOL)
 
 
-def test_one_chunk_lora_on_the_head_and_softcapped_logits_take_the_logits_path(
+def test_one_chunk_is_fused_lora_on_the_head_and_softcapped_logits_take_the_logits_path(
     tiny_tokenizer, tiny_model_config, monkeypatch
 ):
     torch.manual_seed(0)
     batch = _batch(tiny_tokenizer, "padded")
     model = build_causal_lm(tiny_tokenizer, model_config=tiny_model_config).train()
     monkeypatch.setattr(linear_ce, "CHUNK_ELEMENTS", batch["loss_positions"].numel() * len(tiny_tokenizer))
-    _assert_equal_to_full_logits(model, batch, fused_head=False)  # the logits fit in one chunk
+    _assert_equal_to_full_logits(model, batch)  # the logits fit in one chunk: fused, its softmax kept for backward
     monkeypatch.setattr(linear_ce, "CHUNK_ELEMENTS", CHUNK_ROWS * len(tiny_tokenizer))
     model = build_causal_lm(tiny_tokenizer, model_config=tiny_model_config)
     settings = SFTConfig(

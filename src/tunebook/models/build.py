@@ -19,6 +19,7 @@ from transformers import (
 
 from ..errors import ConfigError, ModelError, first_line
 from ..locations import looks_like_local_path
+from .fused_cpu import set_fused_cpu_layers
 
 __all__ = [
     "build_causal_lm", "build_sequence_classifier", "model_options", "read_model_config", "torch_dtype", "whole_weights",
@@ -60,6 +61,7 @@ def model_options(config) -> dict[str, Any]:
         "use_safetensors": config.use_safetensors,
         "frozen_base": config.use_peft,
         "use_liger_kernel": config.use_liger_kernel,
+        "fused_cpu_layers": config.fused_cpu_layers,
     }
 
 
@@ -77,6 +79,7 @@ def build_causal_lm(
     use_safetensors: bool = True,
     frozen_base: bool = False,
     use_liger_kernel: bool = False,
+    fused_cpu_layers: bool = True,
 ) -> PreTrainedModel:
     """Load or build the model and make its embeddings and special token ids agree with `tokenizer`.
 
@@ -88,7 +91,8 @@ def build_causal_lm(
         AutoModelForCausalLM, "a causal LM", tokenizer, model_name_or_path, model_config, attn_implementation,
         trust_remote_code, {}, **_load_options(dtype, frozen_base, load_in_4bit, revision, use_safetensors),
     )  # fmt: skip
-    return _finish(model, tokenizer, model_name_or_path, gradient_checkpointing, dtype, frozen_base, use_liger_kernel)
+    return _finish(model, tokenizer, model_name_or_path, gradient_checkpointing, dtype, frozen_base, use_liger_kernel,
+                   fused_cpu_layers)  # fmt: skip
 
 
 def build_sequence_classifier(
@@ -106,6 +110,7 @@ def build_sequence_classifier(
     use_safetensors: bool = True,
     frozen_base: bool = False,
     use_liger_kernel: bool = False,
+    fused_cpu_layers: bool = True,
     problem_type: str = "single_label_classification",
 ) -> PreTrainedModel:
     """`AutoModelForSequenceClassification` with one output per label and the label names in its config
@@ -128,7 +133,8 @@ def build_sequence_classifier(
         AutoModelForSequenceClassification, "a sequence classifier", tokenizer, model_name_or_path, model_config,
         attn_implementation, trust_remote_code, labels, **extra,
     )  # fmt: skip
-    return _finish(model, tokenizer, model_name_or_path, gradient_checkpointing, dtype, frozen_base, use_liger_kernel)
+    return _finish(model, tokenizer, model_name_or_path, gradient_checkpointing, dtype, frozen_base, use_liger_kernel,
+                   fused_cpu_layers)  # fmt: skip
 
 
 def _load_options(dtype: str, frozen_base: bool, load_in_4bit: bool, revision, use_safetensors: bool) -> dict:
@@ -243,9 +249,9 @@ def _check_padding_rows(model, tokenizer, model_type: str) -> None:
 
 
 def _finish(model, tokenizer, model_name_or_path, gradient_checkpointing: bool, dtype="auto", frozen_base=False,
-            use_liger_kernel=False):  # fmt: skip
+            use_liger_kernel=False, fused_cpu_layers=True):  # fmt: skip
     """Embeddings sized for the tokenizer, special token ids in the configs, gradient checkpointing, Liger's
-    kernels."""
+    kernels, the fused CPU layers."""
     rows = _rows(model.get_input_embeddings().weight)
     if len(tokenizer) > rows:
         model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=8, mean_resizing=False)
@@ -275,6 +281,9 @@ def _finish(model, tokenizer, model_name_or_path, gradient_checkpointing: bool, 
         from .kernels import apply_liger_kernel
 
         apply_liger_kernel(model)
+    fused = set_fused_cpu_layers(model, fused_cpu_layers and not use_liger_kernel)
+    if fused:
+        logger.info("fused_cpu_layers: on a CPU, %s run as fused autograd functions", ", ".join(fused))
     return model
 
 

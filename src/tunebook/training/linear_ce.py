@@ -60,27 +60,35 @@ class _LinearCrossEntropy(torch.autograd.Function):
             logits = _chunk_logits(hidden[start : start + rows], weight, bias, buffer)
             logits.sub_(logits.amax(dim=1, keepdim=True))  # exp cannot overflow
             target_logits = logits.gather(1, targets[start : start + rows, None]).squeeze(1)
-            torch.sub(logits.exp_().sum(dim=1).log_(), target_logits, out=losses[start : start + rows])
-        ctx.save_for_backward(hidden, weight, bias, targets, losses)
+            sums = logits.exp_().sum(dim=1)
+            torch.sub(sums.log(), target_logits, out=losses[start : start + rows])
+        # One chunk: its softmax is kept for the backward, which then has no logits to recompute (the memory of the
+        # unfused loss's log-softmax, at most one chunk; 1.2-1.5x faster than F.cross_entropy's forward and backward
+        # on the vs_peers model's 2048-token vocabulary, with no (rows, vocab) zero tensor for nll_loss's gradient).
+        softmax = buffer.div_(sums[:, None]) if 0 < hidden.shape[0] <= rows else None
+        ctx.save_for_backward(hidden, weight, bias, targets, losses, softmax)
         ctx.rows = rows
         return losses
 
     @staticmethod
     def backward(ctx, grad_losses):
-        hidden, weight, bias, targets, losses = ctx.saved_tensors
+        hidden, weight, bias, targets, losses, softmax = ctx.saved_tensors
         rows = ctx.rows
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         # Summed over chunks in float32, whatever the weight's dtype: bf16 partial sums would round once per chunk.
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_bias else None
-        buffer = _logits_buffer(hidden, weight, rows)
+        buffer = _logits_buffer(hidden, weight, rows) if softmax is None else None
         for start in range(0, hidden.shape[0], rows):
             chunk, chunk_targets = hidden[start : start + rows], targets[start : start + rows, None]
-            logits = _chunk_logits(chunk, weight, bias, buffer)
-            # log-sum-exp = loss + target logit, so the saved loss gives the softmax without another reduction.
-            log_norm = losses[start : start + rows] + logits.gather(1, chunk_targets).squeeze(1)
-            grad_logits = logits.sub_(log_norm[:, None]).exp_()  # softmax ...
+            if softmax is not None:
+                grad_logits = softmax  # ... (changed in place: a second backward through it stops at autograd's check)
+            else:
+                logits = _chunk_logits(chunk, weight, bias, buffer)
+                # log-sum-exp = loss + target logit, so the saved loss gives the softmax without another reduction.
+                log_norm = losses[start : start + rows] + logits.gather(1, chunk_targets).squeeze(1)
+                grad_logits = logits.sub_(log_norm[:, None]).exp_()  # softmax ...
             grad_logits.scatter_add_(1, chunk_targets, torch.full_like(grad_logits[:, :1], -1.0))  # ... - one-hot
             grad_logits.mul_(grad_losses[start : start + rows, None])
             if need_bias:

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from ..data.collate import loss_positions
 from ..data.tokenize import IGNORE_INDEX
 from ..models.wrappers import unwrap
-from . import linear_ce
 from .linear_ce import LinearLosses
 
 __all__ = [
@@ -105,9 +104,8 @@ def causal_lm_token_losses(model: torch.nn.Module, inputs: dict[str, Any], batch
     Where the output layer is a plain linear layer (`nn.Linear`, also inside peft's `modules_to_save` or
     `trainable_token_indices` wrappers, tied to the embeddings or not), the loss is fused into it: the
     (positions, vocab) logits and their gradient are never materialised, only chunks of them
-    (`linear_ce.CHUNK_ELEMENTS` logits each). Logits that fit in one chunk are computed whole: with their softmax
-    and gradient they take a few chunks' memory, and the fused backward's recompute of the logits is saved
-    (1.1-1.2x faster on a CPU). A head that is not a plain linear layer (LoRA on `lm_head`, a quantized layer),
+    (`linear_ce.CHUNK_ELEMENTS` logits each); logits that fit in one chunk keep their softmax for the backward
+    instead (no recompute). A head that is not a plain linear layer (LoRA on `lm_head`, a quantized layer),
     or a model that changes its logits after the head (Gemma-2's `final_logit_softcapping`, Cohere's
     `logit_scale`, Granite's `logits_scaling`), gets the logits at the loss positions and `F.cross_entropy` on
     them instead. So does a model found doing so at run time, or failing on the fused losses, once a warning says so
@@ -159,8 +157,8 @@ _CHANGES_LOGITS: set[str] = set()  # model types seen doing so at run time
 
 
 def _fusable(model: torch.nn.Module, positions: int) -> bool:
-    """The logits at `positions` positions take more than one chunk, and the output layer computes them with plain
-    `F.linear`, and the model returns them unchanged (as far as known)."""
+    """Some position carries a loss, the output layer computes its logits with plain `F.linear`, and the model
+    returns them unchanged (as far as known)."""
     inner = unwrap(model)
     config = getattr(inner, "config", None)
     configs = [config, getattr(config, "text_config", None)]
@@ -173,7 +171,7 @@ def _fusable(model: torch.nn.Module, positions: int) -> bool:
         head = head.original_module
     # Exactly nn.Linear's forward (FSDP2 subclasses the class, bitsandbytes' Linear4bit overrides forward).
     plain = isinstance(head, torch.nn.Linear) and type(head).forward is torch.nn.Linear.forward
-    return plain and positions * head.out_features > linear_ce.CHUNK_ELEMENTS
+    return plain and positions > 0
 
 
 def _model_type(model: torch.nn.Module) -> str:

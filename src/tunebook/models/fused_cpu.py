@@ -1,0 +1,178 @@
+"""`fused_cpu_layers: true` (the default): RMSNorm and rotary embeddings as fused autograd functions on a CPU.
+
+transformers writes both as chains of elementwise ops (RMSNorm: pow, mean, add, rsqrt, two muls; rotary: a
+negation, a `cat` and three more ops per tensor). In eager mode every op is a pass over memory and a node whose
+backward is another pass or two (the `cat`'s backward fills a zero tensor per half). On the vs_peers model (4 x 128
+Llama, packed rows of 8 x 512, 2 cores) they take ~13% of a training step. The functions here compute the same
+forward (equal to float32 rounding: the rotary's multiply-adds are fused) and a hand-written backward, with about half
+the passes and temporaries: ~5% of that step (tests/equivalence/test_fused_cpu_layers.py keeps them equal).
+On a GPU, `torch_compile` or `use_liger_kernel` fuse the same layers for real, so only CPU tensors take this path.
+
+Only code that is Llama's is replaced: a model's RMSNorm class and its module's `apply_rotary_pos_emb` and
+`rotate_half` are patched when their bodies parse to the same statements as the reference below (transformers
+copies Llama's code into Mistral, Qwen2/3, SmolLM3, OLMoE, ... and these match). Gemma's `1 + weight`, partial
+rotary dimensions, or a transformers release that changes the code keep transformers' own. Patched functions fall
+back to the original for anything but plain float32 CPU tensors (CUDA, bf16 autocast, FSDP's DTensors) and while
+torch.compile traces (inductor fuses these itself).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import logging
+import sys
+import textwrap
+
+import torch
+
+__all__ = ["set_fused_cpu_layers"]
+
+logger = logging.getLogger("tunebook")
+
+# The bodies the fused functions reproduce (transformers 5.x, models/llama/modeling_llama.py), docstrings aside.
+_REFERENCE = {
+    "rms_norm": """
+def forward(self, hidden_states):
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return self.weight * hidden_states.to(input_dtype)
+""",
+    "rotate_half": """
+def rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+""",
+    "apply_rotary_pos_emb": """
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed, k_embed
+""",
+}
+_ENABLED = [True]  # the setting of the last model built: transformers' rotary function is module-level, not per model
+
+
+class _RMSNorm(torch.autograd.Function):
+    """`weight * (x * rsqrt(mean(x^2) + eps))` over the last dimension."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        normed = x * rstd
+        ctx.save_for_backward(normed, weight, rstd)
+        return weight * normed
+
+    @staticmethod
+    def backward(ctx, grad):
+        normed, weight, rstd = ctx.saved_tensors
+        grad_weight = (grad * normed).reshape(-1, normed.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+        grad_normed = grad * weight
+        # d(x * rstd)/dx applied to grad_normed: rstd * (grad_normed - normed * mean(grad_normed * normed))
+        dot = (grad_normed * normed).mean(-1, keepdim=True)
+        grad_x = grad_normed.addcmul_(normed, dot, value=-1).mul_(rstd) if ctx.needs_input_grad[0] else None
+        return grad_x, grad_weight, None
+
+
+class _Rotary(torch.autograd.Function):
+    """`x * cos + rotate_half(x) * sin`, rotate_half(x) = (-x2, x1): each half updated in place, no `cat`."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        half = x.shape[-1] // 2
+        out = x * cos
+        out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
+        out[..., half:].addcmul_(x[..., :half], sin[..., half:])
+        ctx.save_for_backward(cos, sin)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        half = grad.shape[-1] // 2
+        grad_x = grad * cos
+        grad_x[..., :half].addcmul_(grad[..., half:], sin[..., half:])
+        grad_x[..., half:].addcmul_(grad[..., :half], sin[..., :half], value=-1)
+        return grad_x, None, None
+
+
+def _fusable(*tensors: torch.Tensor) -> bool:
+    """Plain float32 CPU tensors (not DTensors or other subclasses), outside torch.compile's tracing."""
+    return (
+        _ENABLED[0]
+        and not torch.compiler.is_compiling()
+        and all(
+            type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.dtype == torch.float32
+            for t in tensors
+        )
+    )
+
+
+def _fused_rms_norm_forward(original):
+    def forward(self, hidden_states):
+        if _fusable(hidden_states, self.weight):
+            return _RMSNorm.apply(hidden_states, self.weight, self.variance_epsilon)
+        return original(self, hidden_states)
+
+    forward.tunebook_original = original
+    return forward
+
+
+def _fused_apply_rotary_pos_emb(original):
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if _fusable(q, k, cos, sin) and not (cos.requires_grad or sin.requires_grad):
+            cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+            return _Rotary.apply(q, cos, sin), _Rotary.apply(k, cos, sin)
+        return original(q, k, cos, sin, unsqueeze_dim)
+
+    apply_rotary_pos_emb.tunebook_original = original
+    return apply_rotary_pos_emb
+
+
+def _body(source: str) -> str:
+    """The function's argument names, defaults and statements (no docstring, annotations, decorators, comments)."""
+    function = ast.parse(textwrap.dedent(source)).body[0]
+    statements = function.body
+    if statements and isinstance(statements[0], ast.Expr) and isinstance(statements[0].value, ast.Constant):
+        statements = statements[1:]  # the docstring
+    args = [a.arg for a in function.args.args] + [ast.dump(d) for d in function.args.defaults]
+    return repr(args) + "".join(ast.dump(s) for s in statements)
+
+
+def _same_code(function, reference: str) -> bool:
+    function = getattr(function, "tunebook_original", function)
+    try:
+        return _body(inspect.getsource(function)) == _body(_REFERENCE[reference])
+    except (OSError, TypeError, SyntaxError, IndexError):  # no source (a compiled or built-in function)
+        return False
+
+
+def set_fused_cpu_layers(model: torch.nn.Module, enabled: bool = True) -> list[str]:
+    """Patch the Llama-identical RMSNorm classes and rotary functions of `model` (see the module docstring) and turn
+    the fused path on or off for every patched model in the process. Returns what takes the fused path, for the log."""
+    _ENABLED[0] = enabled
+    if not enabled:
+        return []
+    fused = set()
+    for cls in {type(m) for m in model.modules()}:
+        forward = vars(cls).get("forward")
+        if cls.__name__.endswith("RMSNorm") and forward is not None and _same_code(forward, "rms_norm"):
+            if not hasattr(forward, "tunebook_original"):
+                cls.forward = _fused_rms_norm_forward(forward)
+            fused.add(cls.__name__)
+        module = sys.modules.get(cls.__module__)
+        rotary = getattr(module, "apply_rotary_pos_emb", None)
+        if (
+            rotary is not None
+            and _same_code(rotary, "apply_rotary_pos_emb")
+            and _same_code(getattr(module, "rotate_half", None), "rotate_half")
+        ):
+            if not hasattr(rotary, "tunebook_original"):
+                module.apply_rotary_pos_emb = _fused_apply_rotary_pos_emb(rotary)
+            fused.add(f"{module.__name__.rsplit('.', 1)[-1]}.apply_rotary_pos_emb")
+    return sorted(fused)
