@@ -5,7 +5,8 @@ training step. `linear_cross_entropy` keeps only a `CHUNK_ELEMENTS`-sized slice 
 row's loss, and the backward recomputes a chunk's logits, turns them into the gradient (softmax minus one-hot) and
 folds that into the gradients of the hidden states, the weight and the bias (the recompute style of Liger and
 torchtune; store-the-gradient-in-forward needs the upstream gradient in advance, which per-token losses, as DPO
-sums them per sequence, do not give).
+sums them per sequence, do not give). Rows that fit in one chunk keep that chunk's softmax from the forward instead:
+the same memory as the unfused loss's log-softmax, and no recompute (small vocabularies, short batches).
 
 Why not torch's own `F.linear_cross_entropy(..., reduction="none", options=LinearCrossEntropyOptions(...))`
 (torch >= 2.13), the same algorithm: on bf16 weights it returns the per-token losses in bf16 (0.3% off, where
