@@ -191,9 +191,8 @@ def main():
     runs = []
     for precision in args.precisions.split(","):
         for repeat in range(args.repeats):
-            # Which system goes first alternates between repeats: with a fixed order, one system's cold runs always
-            # followed the other's, and the machine's state then favoured one of them (the Trainer's cold loop ran
-            # 10-15% faster than its warm one in every repeat; back to back, the two did not differ).
+            # Which system goes first alternates between repeats, so that neither always runs right after the other
+            # (the machine's speed drifts within minutes).
             order = systems if repeat % 2 == 0 else systems[::-1]
             # Cold and warm caches for the headline precision; warm only for the second table.
             for cold in (True, False) if precision == "fp32" else (False,):

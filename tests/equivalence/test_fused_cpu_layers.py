@@ -134,3 +134,17 @@ def test_recipes_build_with_the_setting(tiny_tokenizer, tiny_model_config):
     assert fused_cpu._ENABLED[0] and hasattr(type(model.model.norm).forward, "tunebook_original")
     build_causal_lm(tiny_tokenizer, model_config=tiny_model_config, fused_cpu_layers=False)
     assert not fused_cpu._ENABLED[0]
+
+
+def test_rotary_tables_that_would_widen_q_take_transformers_path():
+    import transformers.models.llama.modeling_llama as modeling_llama
+
+    fused_cpu.set_fused_cpu_layers(_model("llama"))
+    q = torch.randn(1, 4, 6, 16, requires_grad=True)  # one row of queries, tables for two rows
+    cos, sin = torch.randn(2, 6, 16), torch.randn(2, 6, 16)
+    out, _ = modeling_llama.apply_rotary_pos_emb(q, q, cos, sin)
+    expected, _ = modeling_llama.apply_rotary_pos_emb.tunebook_original(q, q, cos, sin)
+    assert out.shape == (2, 4, 6, 16)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    out.sum().backward()
+    assert q.grad.shape == q.shape

@@ -126,8 +126,13 @@ def _fused_rms_norm_forward(original):
 def _fused_apply_rotary_pos_emb(original):
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         if _fusable(q, k, cos, sin) and not (cos.requires_grad or sin.requires_grad):
-            cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-            return _Rotary.apply(q, cos, sin), _Rotary.apply(k, cos, sin)
+            c, s = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+            # The backward returns a gradient of the output's shape: the tables may broadcast to q and k, not widen them.
+            if (
+                torch.broadcast_shapes(q.shape, c.shape) == q.shape
+                and torch.broadcast_shapes(k.shape, c.shape) == k.shape
+            ):
+                return _Rotary.apply(q, c, s), _Rotary.apply(k, c, s)
         return original(q, k, cos, sin, unsqueeze_dim)
 
     apply_rotary_pos_emb.tunebook_original = original
