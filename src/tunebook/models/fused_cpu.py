@@ -19,16 +19,14 @@ torch.compile traces (inductor fuses these itself).
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
-import logging
 import sys
 import textwrap
 
 import torch
 
 __all__ = ["set_fused_cpu_layers"]
-
-logger = logging.getLogger("tunebook")
 
 # The bodies the fused functions reproduce (transformers 5.x, models/llama/modeling_llama.py), docstrings aside.
 _REFERENCE = {
@@ -101,7 +99,7 @@ class _Rotary(torch.autograd.Function):
         return grad_x, None, None
 
 
-def _fusable(*tensors: torch.Tensor) -> bool:
+def _takes_fused_path(*tensors: torch.Tensor) -> bool:
     """Plain float32 CPU tensors (not DTensors or other subclasses), outside torch.compile's tracing."""
     return (
         _ENABLED[0]
@@ -115,7 +113,7 @@ def _fusable(*tensors: torch.Tensor) -> bool:
 
 def _fused_rms_norm_forward(original):
     def forward(self, hidden_states):
-        if _fusable(hidden_states, self.weight):
+        if _takes_fused_path(hidden_states, self.weight):
             return _RMSNorm.apply(hidden_states, self.weight, self.variance_epsilon)
         return original(self, hidden_states)
 
@@ -125,7 +123,7 @@ def _fused_rms_norm_forward(original):
 
 def _fused_apply_rotary_pos_emb(original):
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if _fusable(q, k, cos, sin) and not (cos.requires_grad or sin.requires_grad):
+        if _takes_fused_path(q, k, cos, sin) and not (cos.requires_grad or sin.requires_grad):
             c, s = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
             # The backward returns a gradient of the output's shape: the tables may broadcast to q and k, not widen them.
             if (
@@ -149,10 +147,15 @@ def _body(source: str) -> str:
     return repr(args) + "".join(ast.dump(s) for s in statements)
 
 
+@functools.cache
+def _reference_body(reference: str) -> str:
+    return _body(_REFERENCE[reference])
+
+
 def _same_code(function, reference: str) -> bool:
     function = getattr(function, "tunebook_original", function)
     try:
-        return _body(inspect.getsource(function)) == _body(_REFERENCE[reference])
+        return _body(inspect.getsource(function)) == _reference_body(reference)
     except (OSError, TypeError, SyntaxError, IndexError):  # no source (a compiled or built-in function)
         return False
 
@@ -164,13 +167,14 @@ def set_fused_cpu_layers(model: torch.nn.Module, enabled: bool = True) -> list[s
     if not enabled:
         return []
     fused = set()
-    for cls in {type(m) for m in model.modules()}:
+    classes = {type(m) for m in model.modules()}
+    for cls in classes:
         forward = vars(cls).get("forward")
         if cls.__name__.endswith("RMSNorm") and forward is not None and _same_code(forward, "rms_norm"):
             if not hasattr(forward, "tunebook_original"):
                 cls.forward = _fused_rms_norm_forward(forward)
             fused.add(cls.__name__)
-        module = sys.modules.get(cls.__module__)
+    for module in {sys.modules.get(cls.__module__) for cls in classes}:  # each modeling module once
         rotary = getattr(module, "apply_rotary_pos_emb", None)
         if (
             rotary is not None
