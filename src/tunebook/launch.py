@@ -15,12 +15,15 @@ from calling `accelerate launch recipes/sft.py` directly, and why:
   `--no_python`, mpirun, `--gpu_ids` or other device selection, which must precede the device runtime's start), the
   recipe runs as a child in a session of its own and the launcher forwards those signals to it (accelerate's own
   single-process launcher does not, and a terminal's Ctrl-C would reach the recipe twice if it shared the launcher's
-  process group).
+  process group);
+- in that case, Python's cyclic garbage collector is paused while the recipe imports its libraries, and the objects
+  made by then are frozen out of its collections (`pause_collector`: about 1 s of every run).
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import os
 import runpy
@@ -32,7 +35,7 @@ from pathlib import Path
 
 from .errors import ConfigError
 
-__all__ = ["launch_time", "train"]
+__all__ = ["launch_time", "pause_collector", "resume_collector", "train"]
 
 # When the user's command began (epoch seconds), set by `tunebook train` for the recipe's processes.
 LAUNCH_TIME_VARIABLE = "TUNEBOOK_LAUNCH_TIME"
@@ -84,6 +87,35 @@ def train(argv: list[str], whole_process: bool = False) -> None:
         raise
 
 
+# Whether `pause_collector` paused the collector and `resume_collector` has not yet resumed it.
+_COLLECTOR_PAUSED = [False]
+
+
+def pause_collector() -> None:
+    """Pause Python's cyclic garbage collector while a run that owns its process starts: `resume_collector` (the
+    recipe's `start_run`) freezes what exists then and resumes collection for what comes after.
+
+    Importing torch, transformers, datasets and accelerate creates ~400,000 objects that live as long as the process,
+    and the collector scanned them again and again as they came: every run's start-up made seven full collections,
+    0.5 s, that freed almost nothing (0 to 40 objects each). Frozen, they are not scanned by the collections that
+    follow either: those at a run's end (matplotlib's import for report.png, the model's release) took 0.58 s before
+    and take 0.04 s. This is the pattern Python's documentation gives for `gc.freeze`, which also spares the
+    DataLoader's forked workers from copying the pages that the collector would otherwise write to.
+    """
+    gc.disable()
+    _COLLECTOR_PAUSED[0] = True
+
+
+def resume_collector(freeze: bool = False) -> None:
+    """End `pause_collector`'s pause, if there is one; with `freeze`, what exists now is moved out of the collector's
+    sight for good (modules, classes, functions: as good as all of it lives as long as the process)."""
+    if _COLLECTOR_PAUSED[0]:
+        _COLLECTOR_PAUSED[0] = False
+        if freeze:
+            gc.freeze()
+        gc.enable()
+
+
 def _quiet_torchrun() -> None:
     """torchrun's agent logs each worker's failure and each signal it passes on; the recipe reports those itself.
     Its loggers set their own levels when their modules load, so they are quietened one by one once loaded."""
@@ -106,7 +138,12 @@ def _simple_launcher(args, whole_process: bool) -> None:
             torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
         sys.argv = cmd[1:]
         sys.path.insert(0, str(Path(cmd[1]).resolve().parent))  # as `python recipes/sft.py` would
-        runpy.run_path(cmd[1], run_name="__main__")
+        if whole_process:  # the process ends with the run, so what is frozen at its start is no caller's to free
+            pause_collector()
+        try:
+            runpy.run_path(cmd[1], run_name="__main__")
+        finally:
+            resume_collector()  # a recipe that ended before its `start_run`, or a script that has none
         if whole_process:
             _exit_without_teardown()
         raise SystemExit(0)

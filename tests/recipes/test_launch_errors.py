@@ -186,3 +186,33 @@ def test_a_run_in_the_launchers_interpreter_ends_as_python_would(tmp_path):
     assert (tmp_path / "atexit").read_text() == "ran"
     assert (tmp_path / "thread").read_text() == "joined"
     assert (tmp_path / "pool").read_text() == "ran"
+
+
+@pytest.mark.parametrize("starts_a_run", [True, False])
+def test_a_run_in_the_launchers_interpreter_pauses_the_collector_until_its_start(tmp_path, starts_a_run):
+    """Collection is paused while the recipe imports its libraries; `start_run` freezes what was made and resumes it.
+    A script that never starts a run gets the collector back, unfrozen, when it ends."""
+    report = tmp_path / "gc.json"
+    start = (
+        "from tunebook.config import load_config\n"
+        "from tunebook.recipe_configs import SFTConfig\n"
+        "from tunebook.training import start_run\n"
+        f"start_run(load_config(SFTConfig, ['--output_dir', {str(tmp_path / 'out')!r}]), 'sft')\n"
+        "seen['after_start'] = [gc.isenabled(), gc.get_freeze_count()]\n"
+    )
+    script = tmp_path / "collects.py"
+    script.write_text(
+        "import atexit, gc, json, sys\n"
+        "seen = {'at_import': [gc.isenabled(), gc.get_freeze_count()]}\n"
+        + (start if starts_a_run else "")
+        + "atexit.register(lambda: json.dump({**seen, 'at_exit': gc.isenabled()}, open(sys.argv[1], 'w')))\n"
+    )
+    result = subprocess.run([sys.executable, "-m", "tunebook.cli", "train", "--config_file", "accelerate_configs/cpu.yaml",
+                             str(script), str(report)], capture_output=True, text=True, cwd=ROOT, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(report.read_text())
+    assert seen["at_import"] == [False, 0]
+    assert seen["at_exit"] is True
+    if starts_a_run:
+        enabled, frozen = seen["after_start"]
+        assert enabled and frozen > 100_000  # torch, transformers and accelerate's objects

@@ -12,6 +12,7 @@ from accelerate.utils import DataLoaderConfiguration, DistributedType, InitProce
 from ..errors import ConfigError
 from ..hub import check_hub_access
 from ..models.lora import register_adapter_checkpoints
+from ..models.wrappers import look_for_deepspeed_only_once_imported
 from ..trackers import resolve_report_to, trackers_dir
 
 __all__ = ["build_accelerator", "check_deepspeed", "check_engine", "has_accelerator_device", "recipe_accelerator"]
@@ -51,10 +52,11 @@ def build_accelerator(
     cpu_only = not has_accelerator_device()
     cpu_deepspeed = {"backend": "gloo"} if deepspeed and cpu_only else {}
     if cpu_only:
-        # Accelerate imports DeepSpeed, where installed, whenever it unwraps a model, and DeepSpeed's device detection
-        # then warns in every CPU run, DeepSpeed or not, that it "was unable to detect" a GPU. Naming its CPU
-        # accelerator, the one it would pick here, keeps that line out of the run's log.
+        # Wherever DeepSpeed gets imported (a DeepSpeed launch, a library that checks for it), its device detection
+        # warns that it "was unable to detect" a GPU. Naming its CPU accelerator, the one it would pick here, keeps
+        # that line out of the run's log.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    look_for_deepspeed_only_once_imported()
     log_with = resolve_report_to(report_to)
     if log_with and output_dir is None:
         raise ValueError("build_accelerator: trackers need output_dir")

@@ -103,11 +103,13 @@ def start_run(config, recipe: str) -> Run:
     from accelerate.utils import set_seed
 
     from ..config import save_config
+    from ..launch import resume_collector
     from ..logging import log_run_start, setup_logging
     from ..record import RunTimer
     from .accelerator import recipe_accelerator
     from .resumption import prepare_output_dir
 
+    resume_collector(freeze=True)  # paused by `tunebook train` while the recipe imported its libraries
     timer = RunTimer()
     accelerator = recipe_accelerator(config)  # engine, trackers, timeouts from the config and the launcher
     log = setup_logging(accelerator.is_main_process, config.log_level, config.disable_tqdm)
