@@ -16,8 +16,9 @@ from calling `accelerate launch recipes/sft.py` directly, and why:
   recipe runs as a child in a session of its own and the launcher forwards those signals to it (accelerate's own
   single-process launcher does not, and a terminal's Ctrl-C would reach the recipe twice if it shared the launcher's
   process group);
-- in that case, Python's cyclic garbage collector is paused while the recipe imports its libraries, and the objects
-  made by then are frozen out of its collections (`pause_collector`: about 1 s of every run).
+- in that case, Python's cyclic garbage collector is paused while one of our recipes imports its libraries, and the
+  objects made by then are frozen out of its collections (`pause_collector`: about 1 s of every run). A script of
+  one's own runs with the collector as Python sets it: nothing guarantees that it ends the pause.
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ def train(argv: list[str], whole_process: bool = False) -> None:
     os.environ.setdefault(LAUNCH_TIME_VARIABLE, repr(launch_time()))
     args = accelerate_launch.launch_command_parser().parse_args([*launcher_args, script, *recipe_args])
     # One process: our launcher instead of accelerate's (see the module docstring); the rest is accelerate's.
-    accelerate_launch.simple_launcher = functools.partial(_simple_launcher, whole_process=whole_process)
+    # Only our recipes pause the collector: each calls `start_run`, which resumes it, before anything else.
+    pause = whole_process and recipe in RECIPES
+    accelerate_launch.simple_launcher = functools.partial(_simple_launcher, whole_process=whole_process, pause=pause)
     _quiet_torchrun()
     try:
         accelerate_launch.launch_command(args)
@@ -126,7 +129,7 @@ def _quiet_torchrun() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def _simple_launcher(args, whole_process: bool) -> None:
+def _simple_launcher(args, whole_process: bool, pause: bool = False) -> None:
     from accelerate.utils import prepare_simple_launcher_cmd_env
 
     cmd, env = prepare_simple_launcher_cmd_env(args)
@@ -138,12 +141,12 @@ def _simple_launcher(args, whole_process: bool) -> None:
             torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
         sys.argv = cmd[1:]
         sys.path.insert(0, str(Path(cmd[1]).resolve().parent))  # as `python recipes/sft.py` would
-        if whole_process:  # the process ends with the run, so what is frozen at its start is no caller's to free
+        if pause:  # the process ends with the run, so what is frozen at its start is no caller's to free
             pause_collector()
         try:
             runpy.run_path(cmd[1], run_name="__main__")
         finally:
-            resume_collector()  # a recipe that ended before its `start_run`, or a script that has none
+            resume_collector()  # a recipe that ended before its `start_run`
         if whole_process:
             _exit_without_teardown()
         raise SystemExit(0)
