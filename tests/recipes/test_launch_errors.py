@@ -199,7 +199,7 @@ def test_a_recipe_in_the_launchers_interpreter_pauses_the_collector_until_its_st
         " open(os.environ['GC_REPORT'], 'w')))\n"
     )
     script = tmp_path / "own.py"
-    script.write_text("import gc, sys\nassert gc.isenabled(), 'paused for a script of its own'\n")
+    script.write_text("import gc\nassert gc.isenabled(), 'paused for a script of its own'\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
     seen = {}
     sft = ["sft", *TINY, "--max_steps", "2", "--output_dir", str(tmp_path / "out")]

@@ -17,7 +17,7 @@ _LAZY = {
         "register_adapter_checkpoints", "save_adapter",
     ],
     "tunebook.models.tiny": ["TINY_BERT", "TINY_LLAMA"],
-    "tunebook.models.wrappers": ["look_for_deepspeed_only_once_imported", "unwrap"],
+    "tunebook.models.wrappers": ["unwrap"],
     "tunebook.data.tokenizer": [
         "CHATML_TEMPLATE", "load_or_train_tokenizer", "load_tokenizer", "setup_chat_template", "train_chat_tokenizer",
         "train_encoder_tokenizer",
