@@ -55,11 +55,12 @@ def step(self, *args, **kwargs):
 
 accelerate.Accelerator.prepare, accelerate.Accelerator.backward = prepare, backward
 accelerate.optimizer.AcceleratedOptimizer.step = step
-spec = importlib.util.spec_from_file_location("sft_recipe", ROOT / "recipes" / "sft.py")
-recipe = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(recipe)
-config = recipe.load_config(recipe.SFTConfig, sys.argv[1:])
-rank = int(os.environ["RANK"])
-recipe.main(config)
-record = {"backward_passes": backward_passes, "allreduce_at": allreduce_at, "step_at": step_at}
-(Path(config.output_dir) / f"allreduces-rank{rank}.json").write_text(json.dumps(record))
+if __name__ == "__main__":  # DataLoader workers import this script too (they come from a fork server)
+    spec = importlib.util.spec_from_file_location("sft_recipe", ROOT / "recipes" / "sft.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    config = recipe.load_config(recipe.SFTConfig, sys.argv[1:])
+    rank = int(os.environ["RANK"])
+    recipe.main(config)
+    record = {"backward_passes": backward_passes, "allreduce_at": allreduce_at, "step_at": step_at}
+    (Path(config.output_dir) / f"allreduces-rank{rank}.json").write_text(json.dumps(record))

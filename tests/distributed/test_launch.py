@@ -122,6 +122,18 @@ def test_fsdp_config_on_a_cpu_stops_instead_of_training_with_another_engine(tmp_
     assert not (out / "model.safetensors").exists()
 
 
+def test_a_script_that_starts_its_run_at_import_stops_with_how_to_guard_it(tmp_path):
+    """Each DataLoader worker of a multi-process run, from the fork server, imports the launched script: without the
+    guard it would train again in every worker."""
+    out = tmp_path / "out"
+    result = launch("tests/distributed/run_at_import.py", [*COMMON, "--output_dir", str(out)],
+                    accelerate_config="multi_cpu.yaml")  # fmt: skip
+    assert result.returncode != 0
+    assert "run_at_import.py starts its run when it is imported" in result.stdout + result.stderr
+    assert 'put its run under `if __name__ == "__main__":`' in result.stdout + result.stderr
+    assert not (out / "model.safetensors").exists()
+
+
 def test_ddp_all_reduces_gradients_only_on_the_last_micro_batch_of_each_step(tmp_path):
     """Also in an epoch's last window, fetched whole while the loader already reports its end (Accelerate's own
     accumulate() synced every micro-batch there; under DeepSpeed that stepped the engine each time)."""

@@ -103,6 +103,7 @@ def start_run(config, recipe: str) -> Run:
     from accelerate.utils import set_seed
 
     from ..config import save_config
+    from ..data.loaders import start_worker_server
     from ..launch import resume_collector
     from ..logging import log_run_start, setup_logging
     from ..record import RunTimer
@@ -112,6 +113,7 @@ def start_run(config, recipe: str) -> Run:
     resume_collector(freeze=True)  # paused by `tunebook train` while the recipe imported its libraries
     timer = RunTimer()
     accelerator = recipe_accelerator(config)  # engine, trackers, timeouts from the config and the launcher
+    start_worker_server(config.dataloader_num_workers)  # several processes: workers come from a fork server
     log = setup_logging(accelerator.is_main_process, config.log_level, config.disable_tqdm)
     set_seed(config.seed)
     output_dir = Path(config.output_dir)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from tunebook.data.loaders import LengthGroupedSampler, build_loader
 
@@ -37,3 +38,57 @@ def test_loader_uses_the_length_grouped_sampler_only_when_shuffling_with_lengths
     loader = build_loader(data, 2, lambda b: b, shuffle=True, seed=0, lengths=np.arange(10), group_size=4)
     assert isinstance(loader.sampler, LengthGroupedSampler) and loader.sampler.batch_size == 4
     assert not isinstance(build_loader(data, 2, lambda b: b, shuffle=True, seed=0).sampler, LengthGroupedSampler)
+
+
+def _whose_worker(batch):
+    """Collate: the worker's pid, its parent's pid and the parent's command line."""
+    import os
+
+    with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+        parent = f.read().replace(b"\0", b" ").decode()
+    return {"pid": os.getpid(), "parent": os.getppid(), "parent_command": parent, "batch": batch}
+
+
+def _rank_loader(rank, init_file, result_dir):
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    from tunebook.data.loaders import build_loader, start_worker_server
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    start_worker_server(2)
+    loader = build_loader(list(range(8)), 2, _whose_worker, shuffle=False, seed=0, num_workers=2)
+    batches = list(loader)
+    with open(f"{result_dir}/rank{rank}.json", "w") as f:
+        json.dump({"pid": os.getpid(), "batches": batches}, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_workers_of_a_process_in_a_group_are_forked_by_a_fork_server_that_imported_tunebook(tmp_path):
+    """Forked from a training process whose gloo/NCCL threads run collectives, a worker can start with a lock held
+    that no thread will release, and hang (seen in ~1 of 40 GRPO runs under ZeRO-3). In a process group of several
+    processes, workers come from a fork server (one per process), which imported the process's Tunebook modules."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_rank_loader, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method="spawn")
+    for rank in range(2):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert [b["batch"] for b in result["batches"]] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+        servers = {b["parent"] for b in result["batches"]}
+        assert len({b["pid"] for b in result["batches"]}) == 2 and len(servers) == 1 and result["pid"] not in servers
+        command = result["batches"][0]["parent_command"]
+        assert "multiprocessing.forkserver" in command and "'tunebook.data.loaders'" in command
+
+
+def test_workers_of_a_single_process_are_forked_from_it():
+    import os
+
+    batches = list(build_loader(list(range(4)), 2, _whose_worker, shuffle=False, seed=0, num_workers=2))
+    assert [b["batch"] for b in batches] == [[0, 1], [2, 3]]
+    assert {b["parent"] for b in batches} == {os.getpid()}
