@@ -95,9 +95,10 @@ def worker_start_method() -> str | None:
     A fork copies the training process's locks in whatever state its other threads hold them. Under gloo, NCCL or
     DeepSpeed such threads run the collectives around the first batch, and a worker forked while one of them held
     a lock that the fork does not reset waits for it forever, and its rank for the worker's batch while the other
-    ranks wait in their next collective: seen ~1 run in 40 of GRPO under ZeRO-3 on 2 CPU processes, the worker
+    ranks wait in their next collective: seen in 4 of 141 runs of GRPO under ZeRO-3 on 2 CPU processes, the worker
     stuck inside `os.fork` (pytorch#75147, #130610). The fork server is a fresh single-threaded interpreter that
-    imports the launched script once (in the background, from `start_worker_server`) and forks every worker.
+    imports the process's Tunebook modules once (in the background, from `start_worker_server`) and forks every
+    worker.
     """
     import torch.distributed as dist
 
