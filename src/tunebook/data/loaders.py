@@ -156,6 +156,14 @@ def start_worker_server(num_workers: int) -> None:
         forkserver.ensure_running()
 
 
+def worker_options(num_workers: int, prefetch_factor: int | None) -> dict:
+    """The DataLoader arguments that only apply with workers: how they start, what they ignore, how far ahead."""
+    if num_workers == 0:
+        return {"multiprocessing_context": None, "prefetch_factor": None, "worker_init_fn": None}
+    return {"multiprocessing_context": worker_start_method(), "prefetch_factor": prefetch_factor,
+            "worker_init_fn": ignore_stop_signals}  # fmt: skip
+
+
 def build_loader(
     dataset: Dataset,
     batch_size: int,
@@ -191,10 +199,8 @@ def build_loader(
         num_workers=num_workers,
         pin_memory=pin_memory and torch.cuda.is_available(),
         persistent_workers=num_workers > 0,
-        multiprocessing_context=worker_start_method() if num_workers > 0 else None,
-        prefetch_factor=prefetch_factor if num_workers > 0 else None,
-        worker_init_fn=ignore_stop_signals if num_workers > 0 else None,
         drop_last=False,
+        **worker_options(num_workers, prefetch_factor),
     )
 
 

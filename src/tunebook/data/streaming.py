@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from ..errors import ConfigError, DataError, TunebookError, first_line
 from .formats import detect_format, to_conversations
-from .loaders import ignore_stop_signals, worker_start_method
+from .loaders import worker_options
 from .packing import best_fit_decreasing, concatenate_examples
 from .sources import DataSource, _load, _quiet_datasets, _resolve
 from .tokenize import tokenize_conversations
@@ -399,10 +399,8 @@ class StreamLoader:
         self.stream.positions, self.stream.offset = dict(self.positions), self.taken
         workers = self.num_workers
         loader = DataLoader(self.stream, batch_size=None, collate_fn=_as_is, num_workers=workers,
-                            multiprocessing_context=worker_start_method() if workers else None,
-                            prefetch_factor=self.prefetch_factor if workers else None,
                             pin_memory=self.pin_memory and torch.cuda.is_available(),
-                            worker_init_fn=ignore_stop_signals if workers else None)  # fmt: skip
+                            **worker_options(workers, self.prefetch_factor))  # fmt: skip
         for batch in loader:
             info = batch.pop(STATE)
             if "error" in info:
