@@ -36,10 +36,12 @@ def test_default_learns_the_topic_task_and_the_pipeline_prints_label_names(tmp_p
 
 def test_two_process_evaluation_equals_one_process(tmp_path):
     # max_steps 0: evaluation only, of the same seeded initial model; 37 eval examples do not divide into 2 x 8.
+    # With 2 workers a process, from the fork server of a multi-process run.
     runs = {}
+    workers = [*SMALL[:-2], "--dataloader_num_workers", "2"]
     for name, cfg in (("one", "cpu.yaml"), ("two", "multi_cpu.yaml")):
         out = tmp_path / name
-        result = launch("recipes/classify.py", [*SMALL, "--max_steps", "0", "--output_dir", str(out)], cfg)
+        result = launch("recipes/classify.py", [*workers, "--max_steps", "0", "--output_dir", str(out)], cfg)
         assert result.returncode == 0, result.stderr[-3000:]
         runs[name] = _summary(out)["eval"]
     one, two = runs["one"], runs["two"]

@@ -106,7 +106,7 @@ def test_evaluation_on_two_processes_equals_one(tmp_path):
     """23 held-out pairs split over 2 processes (one duplicated to even out the last batch): the same figures."""
     args = ["--model_config", json.dumps(TINY_TEST_MODEL),
             *"""--disable_tqdm true --synthetic_train_size 64 --synthetic_eval_size 23 --max_steps 0
-            --per_device_eval_batch_size 4 --dataloader_num_workers 0""".split(),
+            --per_device_eval_batch_size 4 --dataloader_num_workers 2""".split(),  # the fork server's workers
             "--cache_dir", str(tmp_path / "cache")]  # fmt: skip
     one, _ = _run(tmp_path / "one", args)
     two, _ = _run(tmp_path / "two", args, accelerate_config="multi_cpu.yaml")
