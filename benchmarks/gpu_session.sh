@@ -11,8 +11,8 @@
 #     bash benchmarks/gpu_session.sh packed                  # point 3: dense mask vs flex vs varlen
 #     bash benchmarks/gpu_session.sh tests                   # point 8 and the CUDA equivalence tests
 #   (not yet timed on a GPU: gpu_vs_peers.py estimates 20-25 minutes for everything on an H100, so split a part
-#   that nears the limit, e.g. `peers Llama-3.2-1B --seq_lens 2048`; a machine idle for 30 s goes back bare, and
-#   each part installs the wheels again, ~20 s)
+#   that nears the limit, e.g. `peers Llama-3.2-1B --seq_lens 2048`; a machine idle for 30 s goes back bare; the
+#   wheels install once per machine, ~20 s, so several parts in one command share it)
 #   here, after:  python benchmarks/gpu_vs_peers.py --record <files_at>/runs.jsonl ...   # the section of RESULTS.md
 #
 # Every part writes its log and tables to $OUT (what comes back), or to ./gpu-out without one.
@@ -82,8 +82,14 @@ install() {  # there: the carried wheels over the machine's packages, this check
     local site=/tmp/site
     [[ -d .whl && -d .whl-qlora ]] || { echo "no .whl/ or .whl-qlora/: run 'bash benchmarks/gpu_session.sh prepare'" \
         "here and carry them"; exit 2; }
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
-        .whl/*.whl .whl-qlora/*.whl
+    # Once per machine: the parts of one command (or of calls on a warm machine) share the install (~20 s each).
+    local wheels
+    wheels=$(cd "$ROOT" && ls .whl/*.whl .whl-qlora/*.whl)
+    if [[ $(cat "$site/.tunebook-wheels" 2>/dev/null) != "$wheels" ]]; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+            .whl/*.whl .whl-qlora/*.whl
+        echo "$wheels" >"$site/.tunebook-wheels"
+    fi
     export PYTHONPATH="$ROOT/src:$site${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
     "$PY" - <<'EOF'
 import importlib.metadata as m, platform, torch
