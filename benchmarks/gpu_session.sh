@@ -10,9 +10,11 @@
 #     bash benchmarks/gpu_session.sh peers SmolLM2-135M      # point 7; then Llama-3.2-1B
 #     bash benchmarks/gpu_session.sh packed                  # point 3: dense mask vs flex vs varlen
 #     bash benchmarks/gpu_session.sh tests                   # point 8 and the CUDA equivalence tests
-#   (not yet timed on a GPU: gpu_vs_peers.py estimates 20-25 minutes for everything on an H100, so split a part
-#   that nears the limit, e.g. `peers Llama-3.2-1B --seq_lens 2048`; a machine idle for 30 s goes back bare; the
-#   wheels install once per machine, ~20 s, so several parts in one command share it)
+#     bash benchmarks/gpu_session.sh lease                   # the next lease's questions, in under 10 minutes
+#   (on an H100, 2026-11-26: a Llama-3.2-1B run ~60 s, a first one ~25 s more to build the model; `peers
+#   Llama-3.2-1B --seq_lens 2048` ~4.5 min; `packed` at 2048 ~2 min a shape with flex compiling; `tests -n 6` ~2.6 min.
+#   A lease is 15 minutes of device time, the machine's start included, and a machine idle for 30 s goes back bare;
+#   the wheels install once per machine, ~20 s, so several parts in one command, or calls in a row, share it)
 #   here, after:  python benchmarks/gpu_vs_peers.py --record <files_at>/runs.jsonl ...   # the section of RESULTS.md
 #
 # Every part writes its log and tables to $OUT (what comes back), or to ./gpu-out without one.
@@ -113,16 +115,39 @@ prepare) prepare "$@" ;;
 peers)  # point 7: gpu_vs_peers.py for the shapes named (comma-separated), each run's figures kept as it ends
     install
     "$PY" benchmarks/gpu_vs_peers.py --train_data "$DATA" --out "$OUT" --shapes "${1:?a shape, e.g. SmolLM2-135M}" \
-        "${@:2}" 2>&1 | tee "$OUT/peers.log"
+        "${@:2}" 2>&1 | tee -a "$OUT/peers.log"
     ;;
 packed)  # point 3: one training step per packed-attention backend, SmolLM2-135M and Llama-3.2-1B shapes
     install
-    "$PY" benchmarks/packed_attention.py --train_data "$DATA" --out "$OUT" "$@" 2>&1 | tee "$OUT/packed.log"
+    "$PY" benchmarks/packed_attention.py --train_data "$DATA" --out "$OUT" "$@" 2>&1 | tee -a "$OUT/packed.log"
     ;;
-tests)  # point 8 (QLoRA included) and the CUDA cases of the equivalence tests; the ZeRO resume drift is an xfail
+tests)  # point 8 (QLoRA included) and the CUDA cases of the equivalence tests; `-n 6` (pytest-xdist) takes ~2.5 min
     install
     "$PY" -m pytest -m gpu tests/gpu tests/equivalence -p no:cacheprovider -rA --junitxml "$OUT/gpu-tests.xml" "$@" \
         2>&1 | tee "$OUT/tests.log"
+    ;;
+lease)  # what one 15-minute lease should run first, in one command of under 10 minutes: each part is cut at its
+    # own limit (a part's finished runs stay in $OUT), the last gets what is left. The open question of the first H100
+    # run (RESULTS.md, 2026-11-26): the 1B shape's MFU (22%, goal 45%) and regional compile's slowdown.
+    install
+    end=$(($(date +%s) + ${LEASE_SECONDS:-560}))
+    part() { # seconds, then the part's arguments
+        local s=$1 left=$((end - $(date +%s)))
+        shift
+        ((left > 30)) || { echo "lease: no time left for: $*"; return 0; }
+        timeout -k 5 $((s < left ? s : left)) bash "$ROOT/benchmarks/gpu_session.sh" "$@" || echo "lease: part ended ($?): $*"
+    }
+    # 1. where the 1B step's time goes (a profiled step per backend) and FlexAttention against the dense mask
+    part 90 packed --shapes Llama-3.2-1B --seq_lens 2048 --backends sdpa,flex_attention --steps 8
+    # 2. the recipe on the 1B shape with each lever (the first builds the model, ~25 s); runs.jsonl gathers them
+    part 150 peers Llama-3.2-1B --seq_lens 2048 --systems tunebook --work_dir /tmp/gvp \
+        --tunebook_args "--attn_implementation flex_attention"
+    part 100 peers Llama-3.2-1B --seq_lens 2048 --systems tunebook --work_dir /tmp/gvp \
+        --tunebook_args "--use_liger_kernel true"
+    part 110 peers Llama-3.2-1B --seq_lens 2048 --systems tunebook --work_dir /tmp/gvp \
+        --tunebook_args "--torch_compile true"
+    # 3. SmolLM2-135M against the peers, in what is left
+    part 600 peers SmolLM2-135M --seq_lens 2048 --work_dir /tmp/gvp
     ;;
 check)  # here, after `prepare --python 3.11`: the carried set installs and every part's code path runs on the CPU
     install

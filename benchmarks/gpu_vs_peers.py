@@ -217,6 +217,16 @@ def plan_run(name: str, shape: Shape, seq_len: int, stats: dict) -> dict:
             "flops_per_token": flops_per_token(shape.config, stats, shape.lora)}  # fmt: skip
 
 
+def halve(system: str, run: dict) -> dict | None:
+    """`run` with half the micro-batch of `system` and twice the accumulation (the same tokens per step), or None
+    where its micro-batch is already one row or one example."""
+    size, steps = {"trainer_pad": ("pad_examples", "pad_accumulation"),
+                   "trainer_flat": ("micro_examples", "accumulation")}.get(system, ("rows", "accumulation"))  # fmt: skip
+    if run[size] < 2:
+        return None
+    return {**run, size: run[size] // 2, steps: run[steps] * 2}
+
+
 def system_command(system: str, run: dict, args, paths: dict, out: Path, result: Path) -> list[str]:
     cuda, seq_len, rows = not args.smoke, run["seq_len"], run["rows"]
     if system == "tunebook":
@@ -296,7 +306,10 @@ def tunebook_figures(out: Path, warmup: int) -> dict:
     peak = summary.get("peak_device_memory_mb") or summary["peak_rss_mb"]
     return {"tokens_per_second": (tokens - at_warmup) / seconds, "peak_memory_mb": peak,
             "tokens_per_step": summary["train_tokens"] / summary["train_steps"],
-            "final_loss": summary["final_train_loss"]}  # fmt: skip
+            "final_loss": summary["final_train_loss"],
+            # kept to tell a slow run's cause later: windows' speeds, recompiles, the loader's waits
+            "windows_tokens_per_second": [w["tokens_per_second"] for w in windows],
+            **{k: v for k, v in summary.items() if k.startswith(("torch_compile_", "first_batch_wait", "data_wait", "time_to_first_step"))}}  # fmt: skip
 
 
 def peak_flops(device: str) -> float | None:
@@ -307,7 +320,8 @@ def peak_flops(device: str) -> float | None:
 
 # --- the table
 def table(records: list[dict]) -> str:
-    latest = {(r["shape"], r["seq_len"], r["system"]): r for r in records}  # a repeated run: its last record
+    # A repeated run: its last record; Tunebook runs with other overrides are rows of their own.
+    latest = {(r["shape"], r["seq_len"], system_key(r)): r for r in records}
     first = next(iter(latest.values()))
     peak = peak_flops(first["device"])
     lines = [
@@ -325,36 +339,51 @@ def table(records: list[dict]) -> str:
         + " with the FLOPs of tunebook.training.flops (LM head for loss-bearing tokens only, LoRA without frozen "
         "weight gradients); peak memory is `torch.cuda.max_memory_allocated` of each process.",
     ]
-    extra = {f"Tunebook overrides `{r['tunebook_args']}`" for r in latest.values() if r["tunebook_args"]}
-    extra |= {f"peer TrainingArguments `{r['peer_training_args']}`" for r in latest.values()
+    extra = {f"peer TrainingArguments `{r['peer_training_args']}`" for r in latest.values()
               if r["peer_training_args"] != "{}"}  # fmt: skip
     if extra:
         lines.append("- Extra settings: " + "; ".join(sorted(extra)) + ".")
     groups = dict.fromkeys((r["shape"], r["seq_len"]) for r in latest.values())
     for shape, seq_len in groups:
-        rows = {s: latest[(shape, seq_len, s)] for s in SYSTEMS if (shape, seq_len, s) in latest}
+        rows = {k: r for (sh, n, k), r in sorted(latest.items(), key=lambda i: list(SYSTEMS).index(i[1]["system"]))
+                if (sh, n) == (shape, seq_len)}  # fmt: skip
         lines += ["", f"### {shape}, rows of {seq_len}", "",
                   "| system | micro-batch x steps | tokens/step | tokens/s | MFU | peak memory (GiB) | final loss | wall (s) |",
                   "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
-        for system, r in rows.items():
+        for key, r in rows.items():
+            label = SYSTEMS[r["system"]] + (f" + `{r['tunebook_args']}`" if key != r["system"] else "")
             if r["status"] != "ok":
                 failure = "out of memory" if r["status"] == "oom" else "failed"
-                lines.append(f"| {SYSTEMS[system]} | {r['micro_batches']} | {failure} | – | – | – | – "
+                lines.append(f"| {label} | {r['micro_batches']} | {failure} | – | – | – | – "
                              f"| {r['wall_seconds']:.0f} |")  # fmt: skip
                 continue
             mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "–"
             loss = f"{r['final_loss']:.3f}" if r["final_loss"] is not None else "–"
-            lines.append(f"| {SYSTEMS[system]} | {r['micro_batches']} | {r['tokens_per_step']:,.0f} | {r['tokens_per_second']:,.0f} | {mfu} "
+            lines.append(f"| {label} | {r['micro_batches']} | {r['tokens_per_step']:,.0f} | {r['tokens_per_second']:,.0f} | {mfu} "
                          f"| {r['peak_memory_mb'] / 1024:.2f} | {loss} | {r['wall_seconds']:.0f} |")  # fmt: skip
         lines += ["", goals(shape, rows)]
     return "\n".join(lines)
 
 
+def system_key(record: dict) -> str:
+    """The table row of a run: its system, and for Tunebook the overrides it ran with."""
+    args = record.get("tunebook_args") if record["system"] == "tunebook" else ""
+    return f"tunebook {args}" if args else record["system"]
+
+
 def goals(shape: str, rows: dict) -> str:
-    """Tunebook against the faster of the two Trainer runs (and TRL), and the MFU goal for the 1B shape."""
-    ours = rows.get("tunebook")
-    if not ours or ours["status"] != "ok":
-        return "Goals: not measured (the Tunebook run did not finish)."
+    """Tunebook (each of its rows) against the faster of the two Trainer runs (and TRL), and the MFU goal for the 1B
+    shape."""
+    ours = [r for r in rows.values() if r["system"] == "tunebook"]
+    if not ours:
+        return "Goals: not measured (no Tunebook run)."
+    return "\n\n".join(tunebook_goals(shape, r, rows) for r in ours)
+
+
+def tunebook_goals(shape: str, ours: dict, rows: dict) -> str:
+    name = "Tunebook" + (f" + `{ours['tunebook_args']}`" if ours["tunebook_args"] else "")
+    if ours["status"] != "ok":
+        return f"{name}: not measured (the run did not finish)."
     trainers = [rows[s] for s in ("trainer_pad", "trainer_flat") if s in rows and rows[s]["status"] == "ok"]
     parts = []
     if trainers:
@@ -372,7 +401,7 @@ def goals(shape: str, rows: dict) -> str:
     if ours["mfu"] is not None:
         goal = f" (goal >= {GOAL_MFU:.0%}: {'met' if ours['mfu'] >= GOAL_MFU else 'not met'})" if "1B" in shape else ""
         parts.append(f"MFU {100 * ours['mfu']:.1f}%{goal}")
-    return "Tunebook: " + "; ".join(parts) + "."
+    return f"{name}: " + "; ".join(parts) + "."
 
 
 # --- main: what to run, preparation, the runs (skipping those already in runs.jsonl), the table
@@ -435,13 +464,14 @@ def main():
     data, tokenizer_dir = prepare_data(work, Path(args.train_data), args.examples, args.tokenizer,
                                        args.tokenizer_vocab_size)  # fmt: skip
     paths = {"work": work, "data": data, **found, "tunebook_args": tunebook_overrides(args.tunebook_args)}
+    overrides = shlex.join(paths["tunebook_args"])
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
            **({"OMP_NUM_THREADS": "1"} if args.smoke else {})}  # fmt: skip
 
     done = [json.loads(line) for line in (work / "runs.jsonl").read_text().splitlines()] if (
         work / "runs.jsonl").is_file() else []  # fmt: skip
-    have = {(r["shape"], r["seq_len"], r["system"]) for r in done if r["status"] != "failed"}  # an OOM stays one
+    have = {(r["shape"], r["seq_len"], system_key(r)) for r in done if r["status"] != "failed"}  # an OOM stays one
     seq_lens = [int(n) for n in args.seq_lens.split(",")]
     stats = {n: data_shape(data, tokenizer_dir, n) for n in seq_lens}
     for shape_name in chosen:
@@ -454,9 +484,16 @@ def main():
         for seq_len in seq_lens[:1] if shape.lora else seq_lens:
             run = plan_run(shape_name, shape, seq_len, stats[seq_len])
             for system in (s for s in SYSTEMS if s in systems):
-                if (shape_name, seq_len, system) in have:
+                if (shape_name, seq_len, system_key({"system": system, "tunebook_args": overrides})) in have:
                     continue
                 record = run_one(system, run, args, {**paths, "model": model}, env)
+                halved, tried = run, []
+                while record["status"] == "oom" and (halved := halve(system, halved)):  # as a user would: smaller
+                    tried.append(record["micro_batches"])
+                    print(f"{system}: out of memory at {tried[-1]}; again with half the micro-batch and twice the "
+                          "accumulation", flush=True)  # fmt: skip
+                    record = run_one(system, halved, args, {**paths, "model": model}, env)
+                    record["micro_batches"] += f" (out of memory at {', '.join(tried)})"
                 done.append(record)
                 with open(work / "runs.jsonl", "a") as f:
                     f.write(json.dumps(record) + "\n")

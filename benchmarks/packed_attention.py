@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from results import header, write_section
+from results import command, machine, versions, write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_BACKENDS = ("sdpa", "eager", "tunebook_segment_sdpa")
@@ -105,7 +105,9 @@ def packed_batch(lengths: list[int], seq_len: int, rows: int, attn: str, vocab: 
     return PackedCollator(0, 8, attn)(features)
 
 
-def measure(config_values: dict, attn: str, batch: dict, steps: int, warmup: int, device: str) -> dict:
+def measure(
+    config_values: dict, attn: str, batch: dict, steps: int, warmup: int, device: str, profile_top: int = 0
+) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -150,13 +152,44 @@ def measure(config_values: dict, attn: str, batch: dict, steps: int, warmup: int
             times.append(time.perf_counter() - start)
         losses.append(loss.item())
     step_s = statistics.median(times)
-    return {
+    figures = {
         "step_ms": step_s * 1000,
         "step_ms_range": (min(times) * 1000, max(times) * 1000),
         "tokens_per_second": tokens / step_s,
         "peak_memory_mb": torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None,
         "loss": losses[0],
     }
+    if profile_top:
+
+        def one_step():
+            with autocast:
+                inputs = attention_inputs(batch, model.config._attn_implementation, torch.float32)
+                causal_lm_token_losses(model, inputs, batch)[0].mean().backward()
+            model.zero_grad(set_to_none=True)
+            sync()
+
+        figures["profile"] = step_profile(one_step, device, profile_top)
+    return figures
+
+
+def step_profile(step, device: str, top: int) -> dict:
+    """Where one step's time goes: the operators that take most of it, by the device time of the kernels each
+    launches itself (CUDA) or by their own CPU time, with the step's total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+    ops = [e for e in prof.key_averages() if e.device_type.name == "CPU"]  # operators; their kernels count in them
+
+    def own_us(e) -> float:
+        if device != "cuda":
+            return e.self_cpu_time_total
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+
+    ops.sort(key=own_us, reverse=True)
+    return {"total_ms": sum(own_us(e) for e in ops) / 1000,
+            "ops": [[e.key, own_us(e) / 1000, e.count] for e in ops[:top]]}  # fmt: skip
 
 
 def mask_timings(batch: dict, device: str, repeats: int = 5) -> dict:
@@ -197,6 +230,43 @@ def mask_timings(batch: dict, device: str, repeats: int = 5) -> dict:
     }
 
 
+def table(records: list[dict]) -> str:
+    """The section: a row per backend measured, the block mask's build times, and where each step's time went."""
+    first = records[0]
+    lines = [
+        "## Packed attention backends: one training step on the same packed batch (benchmarks/packed_attention.py)",
+        "",
+        f"- Machine: {first['machine']}",
+        f"- Versions: {first['versions']}",
+        *[f"- Command: `{c}`" for c in dict.fromkeys(r["command"] for r in records)],
+        f"- Setup: {first['setup']}",
+        "",
+        "| shape | row length | rows | examples per row | backend | ms per step (min-max) | tokens/s | peak memory (MB) | loss |",
+        "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
+    ]  # fmt: skip
+    steps = [r for r in records if "mask" not in r]
+    for r in steps:
+        memory = f"{r['peak_memory_mb']:.0f}" if r["peak_memory_mb"] is not None else "–"
+        low, high = r["step_ms_range"]
+        lines.append(
+            f"| {r['shape']} | {r['seq_len']} | {r['rows']} | {r['examples_per_row']:.1f} | {r['attn']} | "
+            f"{r['step_ms']:.1f} ({low:.1f}-{high:.1f}) | {r['tokens_per_second']:,.0f} | {memory} | {r['loss']:.5f} |"
+        )
+    lines += ["", "Building the block mask for one batch (best of 5, ms):", ""]
+    for m in (r for r in records if "mask" in r):
+        lines.append(f"- {m['shape']}, {m['rows']} x {m['seq_len']}: " + ", ".join(
+            f"{k.removesuffix('_ms').replace('_', ' ')} {v:.2f}" for k, v in m["mask"].items()))  # fmt: skip
+    profiled = [r for r in steps if r.get("profile")]
+    if profiled:
+        lines += ["", "Where one profiled step's time went (operators by the time of their own kernels on CUDA, "
+                  "their own time on a CPU; ms, share of the step's total):", ""]  # fmt: skip
+        for r in profiled:
+            total = r["profile"]["total_ms"]
+            ops = "; ".join(f"{name} {ms:.1f} ({100 * ms / total:.0f}%)" for name, ms, _ in r["profile"]["ops"])
+            lines.append(f"- {r['shape']}, {r['rows']} x {r['seq_len']}, {r['attn']} ({total:.0f} ms): {ops}")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=None, help="comma-separated; default: tiny-llama on a CPU, SmolLM2-135M "
@@ -209,13 +279,22 @@ def main():
     parser.add_argument("--train_data", default=None, help="the Code Alpaca JSON (default: ../shared/data/...)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--profile_top", type=int, default=8, help="operators listed from a profiled step (0: none)")
     parser.add_argument("--work_dir", default="/tmp/tunebook-vs-peers", help="shared with vs_peers.py's assets")
     parser.add_argument("--smoke", action="store_true", help="tiny model, 2 steps, no RESULTS.md")
-    parser.add_argument("--out", default=None, help="write the table to DIR/packed_attention.md, not RESULTS.md")
+    parser.add_argument("--out", default=None, help="write packed_attention.jsonl (as each backend finishes) and "
+                        "packed_attention.md to DIR, not RESULTS.md")  # fmt: skip
     parser.add_argument("--no_write", action="store_true")
+    parser.add_argument("--record", nargs="+", default=None, help="write the section from these .jsonl files")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.path.insert(0, str(ROOT / "src"))
+    if args.record:
+        records = [json.loads(line) for f in args.record for line in Path(f).read_text().splitlines() if line]
+        text = table(records)
+        print(text)
+        write_section(f"packed_attention_{records[0]['device']}", text)
+        return
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -243,55 +322,47 @@ def main():
         args.examples = min(args.examples, 200)
 
     lengths = example_lengths(Path(args.work_dir), args.examples, args.train_data)
+    # Every record carries what its section needs, so one cut off at a time limit still makes a table (--record).
+    context = {
+        "device": device, "machine": machine(), "versions": versions(), "command": command(),
+        "setup": f"{device}{', bf16 autocast over float32 weights' if cuda else ', float32'}; real example lengths "
+                 f"(Code Alpaca, first {args.examples}, chat template of vs_peers' tokenizer) packed best-fit-decreasing;"
+                 f" one step = forward + fused loss + backward, no optimizer; median of {steps} steps after {warmup} "
+                 "of warm-up. Loss: the first step's, which must agree between backends.",
+    }  # fmt: skip
+    out = Path(args.out) if args.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "packed_attention.jsonl").unlink(missing_ok=True)
     results = []
+
+    def keep(record: dict) -> None:
+        record = {**context, **record}
+        print(json.dumps(record), flush=True)
+        results.append(record)
+        if out:
+            with open(out / "packed_attention.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+
     for shape in chosen:
         values = known[shape]
         for seq_len in seq_lens:
             rows = max(1, row_tokens // seq_len)
             for attn in backends:
                 batch = packed_batch(lengths, seq_len, rows, attn, values["vocab_size"])
-                figures = measure(values, attn, batch, steps, warmup, device)
-                figures.update(shape=shape, seq_len=seq_len, rows=rows, attn=attn,
-                               examples_per_row=float(((batch["seq_ids"] * batch["attention_mask"]).amax(1) + 1).float().mean()),
-                               fill=float(batch["attention_mask"].float().mean()))  # fmt: skip
-                print(json.dumps(figures), flush=True)
-                results.append(figures)
+                figures = measure(values, attn, batch, steps, warmup, device, args.profile_top)
+                keep({**figures, "shape": shape, "seq_len": seq_len, "rows": rows, "attn": attn,
+                      "examples_per_row": float(((batch["seq_ids"] * batch["attention_mask"]).amax(1) + 1).float().mean()),
+                      "fill": float(batch["attention_mask"].float().mean())})  # fmt: skip
                 if cuda:
                     torch.cuda.empty_cache()
             timings = mask_timings(packed_batch(lengths, seq_len, rows, "sdpa", 2048), device)
-            print(json.dumps({"shape": shape, "seq_len": seq_len, **timings}), flush=True)
-            results.append({"shape": shape, "seq_len": seq_len, "rows": rows, "mask": timings})
+            keep({"shape": shape, "seq_len": seq_len, "rows": rows, "mask": timings})
 
-    lines = [
-        *header("Packed attention backends: one training step on the same packed batch (benchmarks/packed_attention.py)"),
-        f"- Setup: {device}{', bf16 autocast over float32 weights' if cuda else ', float32'}; real example lengths "
-        f"(Code Alpaca, first {args.examples}, chat template of vs_peers' tokenizer) packed best-fit-decreasing; one "
-        f"step = forward + fused loss + backward, no optimizer; median of {steps} steps after {warmup} of warm-up. "
-        "Loss: the first step's, which must agree between backends.",
-        "",
-        "| shape | row length | rows | examples per row | backend | ms per step (min-max) | tokens/s | peak memory (MB) | loss |",
-        "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
-    ]  # fmt: skip
-    masks = []
-    for r in results:
-        if "mask" in r:
-            masks.append(r)
-            continue
-        memory = f"{r['peak_memory_mb']:.0f}" if r["peak_memory_mb"] is not None else "–"
-        low, high = r["step_ms_range"]
-        lines.append(
-            f"| {r['shape']} | {r['seq_len']} | {r['rows']} | {r['examples_per_row']:.1f} | {r['attn']} | "
-            f"{r['step_ms']:.1f} ({low:.1f}-{high:.1f}) | {r['tokens_per_second']:,.0f} | {memory} | {r['loss']:.5f} |"
-        )
-    lines += ["", "Building the block mask for one batch (best of 5, ms):", ""]
-    for m in masks:
-        lines.append(f"- {m['shape']}, {m['rows']} x {m['seq_len']}: " + ", ".join(
-            f"{k.removesuffix('_ms').replace('_', ' ')} {v:.2f}" for k, v in m["mask"].items()))  # fmt: skip
-    text = "\n".join(lines)
+    text = table(results)
     print(text)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "packed_attention.md").write_text(text + "\n")
+    if out:
+        (out / "packed_attention.md").write_text(text + "\n")
     elif not (args.smoke or args.no_write):
         write_section(f"packed_attention_{device}", text)
 
