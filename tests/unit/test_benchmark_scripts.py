@@ -1,6 +1,6 @@
-"""benchmarks/gpu_vs_peers.py's bookkeeping, without a GPU: the steady-state clock read from Tunebook's logging
-windows, the micro-batch plan, the override filter, and the table's goal verdicts. (The end-to-end check is
-`python benchmarks/gpu_vs_peers.py --smoke`, a few minutes on the CPU.)"""
+"""The GPU benchmarks' bookkeeping, without a GPU: gpu_vs_peers.py's steady-state clock read from Tunebook's logging
+windows, micro-batch plan, override filter, out-of-memory retry and the table's goal verdicts; packed_attention.py's
+table rebuilt from its records. (The end-to-end checks are the scripts' `--smoke` runs, minutes on the CPU.)"""
 
 from __future__ import annotations
 
@@ -72,3 +72,41 @@ def test_goals_compare_with_the_faster_trainer_and_memory(bench):
     assert "| TRL SFTTrainer, packing (bfd, padding-free) | 4 rows x 2 | out of memory |" in text
     more_memory = bench.table([_record("tunebook", 30000, 26000), _record("trainer_flat", 19000, 25000)])
     assert "equal or lower memory: not met" in more_memory
+
+
+def test_tunebook_runs_with_overrides_are_rows_of_their_own_with_their_own_verdicts(bench):
+    compiled = {**_record("tunebook", 20000, 18000, mfu=0.3), "tunebook_args": "--torch_compile true"}
+    text = bench.table([_record("tunebook", 30000, 20000), compiled, _record("trainer_flat", 19000, 25000)])
+    assert "| Tunebook SFT, packing | 4 rows x 2 | 16,000 | 30,000 |" in text
+    assert "| Tunebook SFT, packing + `--torch_compile true` | 4 rows x 2 | 16,000 | 20,000 |" in text
+    assert "Tunebook: 1.58x" in text and "Tunebook + `--torch_compile true`: 1.05x" in text
+    assert "MFU 30.0% (goal >= 45%: not met)" in text
+
+
+def test_an_out_of_memory_run_is_retried_with_half_the_micro_batch_and_twice_the_accumulation(bench):
+    run = {"rows": 4, "accumulation": 2, "micro_examples": 87, "pad_examples": 41, "pad_accumulation": 4}
+    assert bench.halve("trainer_pad", run) == {**run, "pad_examples": 20, "pad_accumulation": 8}
+    assert bench.halve("trainer_flat", run) == {**run, "micro_examples": 43, "accumulation": 4}
+    assert bench.halve("tunebook", run) == {**run, "rows": 2, "accumulation": 4}
+    assert bench.halve("trl", {**run, "rows": 1}) is None  # one row is as small as it gets
+
+
+def test_packed_attention_table_is_rebuilt_from_its_records_with_the_profiles():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        packed = importlib.import_module("packed_attention")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    context = {"device": "cuda", "machine": "H100 box", "versions": "torch 2.11", "command": "python3 x.py",
+               "setup": "cuda, bf16"}  # fmt: skip
+    step = {**context, "shape": "Llama-3.2-1B", "seq_len": 2048, "rows": 8, "attn": "sdpa", "examples_per_row": 12.75,
+            "step_ms": 526.2, "step_ms_range": [525.0, 527.0], "tokens_per_second": 31108.0,
+            "peak_memory_mb": 44107.0, "loss": 12.17144,
+            "profile": {"total_ms": 500.0, "ops": [["aten::mm", 250.0, 300], ["aten::mul", 50.0, 900]]}}  # fmt: skip
+    mask = {**context, "shape": "Llama-3.2-1B", "seq_len": 2048, "rows": 8,
+            "mask": {"tiles_from_boundaries_cpu_ms": 0.2, "create_block_mask_cuda_ms": 5.5}}  # fmt: skip
+    text = packed.table([step, mask])
+    assert "- Machine: H100 box" in text and "- Command: `python3 x.py`" in text
+    assert "| Llama-3.2-1B | 2048 | 8 | 12.8 | sdpa | 526.2 (525.0-527.0) | 31,108 | 44107 | 12.17144 |" in text
+    assert "- Llama-3.2-1B, 8 x 2048: tiles from boundaries cpu 0.20, create block mask cuda 5.50" in text
+    assert "- Llama-3.2-1B, 8 x 2048, sdpa (500 ms): aten::mm 250.0 (50%); aten::mul 50.0 (10%)" in text
