@@ -168,27 +168,32 @@ def measure(
             model.zero_grad(set_to_none=True)
             sync()
 
-        figures["profile"] = step_profile(one_step, device, profile_top)
+        figures["profile"] = step_profile(one_step, device, profile_top, config.vocab_size)
     return figures
 
 
-def step_profile(step, device: str, top: int) -> dict:
+def step_profile(step, device: str, top: int, vocab: int) -> dict:
     """Where one step's time goes: the operators that take most of it, by the device time of the kernels each
-    launches itself (CUDA) or by their own CPU time, with the step's total."""
+    launches itself (CUDA) or by their own CPU time, with the step's total, and the share of the operators with a
+    vocabulary-sized input (the embedding, the LM head and its loss)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         step()
-    ops = [e for e in prof.key_averages() if e.device_type.name == "CPU"]  # operators; their kernels count in them
 
     def own_us(e) -> float:
         if device != "cuda":
             return e.self_cpu_time_total
         return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
 
-    ops.sort(key=own_us, reverse=True)
-    return {"total_ms": sum(own_us(e) for e in ops) / 1000,
+    def operators(events):  # operators, not kernels: a kernel's time counts in the operator that launched it
+        return [e for e in events if e.device_type.name == "CPU"]
+
+    ops = sorted(operators(prof.key_averages()), key=own_us, reverse=True)
+    by_shape = operators(prof.key_averages(group_by_input_shape=True))
+    head = sum(own_us(e) for e in by_shape if any(vocab in shape for shape in (e.input_shapes or [])))
+    return {"total_ms": sum(own_us(e) for e in ops) / 1000, "lm_head_ms": head / 1000,
             "ops": [[e.key, own_us(e) / 1000, e.count] for e in ops[:top]]}  # fmt: skip
 
 
@@ -259,11 +264,16 @@ def table(records: list[dict]) -> str:
     profiled = [r for r in steps if r.get("profile")]
     if profiled:
         lines += ["", "Where one profiled step's time went (operators by the time of their own kernels on CUDA, "
-                  "their own time on a CPU; ms, share of the step's total):", ""]  # fmt: skip
+                  "their own time on a CPU; ms, share of the step's total; 'with the vocabulary': operators with a "
+                  "vocabulary-sized input: the embedding, the LM head and its loss):", ""]  # fmt: skip
         for r in profiled:
             total = r["profile"]["total_ms"]
             ops = "; ".join(f"{name} {ms:.1f} ({100 * ms / total:.0f}%)" for name, ms, _ in r["profile"]["ops"])
-            lines.append(f"- {r['shape']}, {r['rows']} x {r['seq_len']}, {r['attn']} ({total:.0f} ms): {ops}")
+            head = r["profile"].get("lm_head_ms")
+            head = (
+                f", of which {head:.0f} ms ({100 * head / total:.0f}%) with the vocabulary" if head is not None else ""
+            )
+            lines.append(f"- {r['shape']}, {r['rows']} x {r['seq_len']}, {r['attn']} ({total:.0f} ms{head}): {ops}")
     return "\n".join(lines)
 
 

@@ -102,11 +102,15 @@ def test_packed_attention_table_is_rebuilt_from_its_records_with_the_profiles():
     step = {**context, "shape": "Llama-3.2-1B", "seq_len": 2048, "rows": 8, "attn": "sdpa", "examples_per_row": 12.75,
             "step_ms": 526.2, "step_ms_range": [525.0, 527.0], "tokens_per_second": 31108.0,
             "peak_memory_mb": 44107.0, "loss": 12.17144,
-            "profile": {"total_ms": 500.0, "ops": [["aten::mm", 250.0, 300], ["aten::mul", 50.0, 900]]}}  # fmt: skip
+            "profile": {"total_ms": 500.0, "lm_head_ms": 100.0,
+                        "ops": [["aten::mm", 250.0, 300], ["aten::mul", 50.0, 900]]}}  # fmt: skip
     mask = {**context, "shape": "Llama-3.2-1B", "seq_len": 2048, "rows": 8,
             "mask": {"tiles_from_boundaries_cpu_ms": 0.2, "create_block_mask_cuda_ms": 5.5}}  # fmt: skip
     text = packed.table([step, mask])
     assert "- Machine: H100 box" in text and "- Command: `python3 x.py`" in text
     assert "| Llama-3.2-1B | 2048 | 8 | 12.8 | sdpa | 526.2 (525.0-527.0) | 31,108 | 44107 | 12.17144 |" in text
     assert "- Llama-3.2-1B, 8 x 2048: tiles from boundaries cpu 0.20, create block mask cuda 5.50" in text
-    assert "- Llama-3.2-1B, 8 x 2048, sdpa (500 ms): aten::mm 250.0 (50%); aten::mul 50.0 (10%)" in text
+    assert (
+        "- Llama-3.2-1B, 8 x 2048, sdpa (500 ms, of which 100 ms (20%) with the vocabulary): aten::mm 250.0 "
+        "(50%); aten::mul 50.0 (10%)"
+    ) in text
