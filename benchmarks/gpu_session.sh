@@ -139,6 +139,8 @@ lease)  # what one 15-minute lease should run first, in one command of under 10 
     }
     # 1. where the 1B step's time goes (a profiled step per backend) and FlexAttention against the dense mask
     part 90 packed --shapes Llama-3.2-1B --seq_lens 2048 --backends sdpa,flex_attention --steps 8
+    #    and the fused loss in chunks 4x as large (its default was chosen on a CPU)
+    part 40 packed --shapes Llama-3.2-1B --seq_lens 2048 --backends sdpa --steps 8 --chunk_elements 134217728
     # 2. the recipe on the 1B shape with each lever (the first builds the model, ~25 s); runs.jsonl gathers them
     part 150 peers Llama-3.2-1B --seq_lens 2048 --systems tunebook --work_dir /tmp/gvp \
         --tunebook_args "--attn_implementation flex_attention"

@@ -235,6 +235,15 @@ def mask_timings(batch: dict, device: str, repeats: int = 5) -> dict:
     }
 
 
+def labelled(record: dict) -> dict:
+    """A step's record whose backend names its LM-head chunks where they are not the library's."""
+    chunk = record.get("chunk_elements")
+    if chunk is None or chunk == record.get("default_chunk_elements"):
+        return record
+    size = f"2^{chunk.bit_length() - 1}" if chunk & (chunk - 1) == 0 else f"{chunk:,}"
+    return {**record, "attn": f"{record['attn']}, LM-head chunks of {size} logits"}
+
+
 def table(records: list[dict]) -> str:
     """The section: a row per backend measured, the block mask's build times, and where each step's time went."""
     first = records[0]
@@ -249,7 +258,7 @@ def table(records: list[dict]) -> str:
         "| shape | row length | rows | examples per row | backend | ms per step (min-max) | tokens/s | peak memory (MB) | loss |",
         "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
     ]  # fmt: skip
-    steps = [r for r in records if "mask" not in r]
+    steps = [labelled(r) for r in records if "mask" not in r]
     for r in steps:
         memory = f"{r['peak_memory_mb']:.0f}" if r["peak_memory_mb"] is not None else "–"
         low, high = r["step_ms_range"]
@@ -289,11 +298,13 @@ def main():
     parser.add_argument("--train_data", default=None, help="the Code Alpaca JSON (default: ../shared/data/...)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--chunk_elements", type=int, default=None, help="logits per chunk of the fused LM-head "
+                        "loss (default: tunebook.training.linear_ce.CHUNK_ELEMENTS)")  # fmt: skip
     parser.add_argument("--profile_top", type=int, default=8, help="operators listed from a profiled step (0: none)")
     parser.add_argument("--work_dir", default="/tmp/tunebook-vs-peers", help="shared with vs_peers.py's assets")
     parser.add_argument("--smoke", action="store_true", help="tiny model, 2 steps, no RESULTS.md")
-    parser.add_argument("--out", default=None, help="write packed_attention.jsonl (as each backend finishes) and "
-                        "packed_attention.md to DIR, not RESULTS.md")  # fmt: skip
+    parser.add_argument("--out", default=None, help="add to DIR/packed_attention.jsonl as each backend finishes, and "
+                        "write DIR/packed_attention.md from all its records, not RESULTS.md")  # fmt: skip
     parser.add_argument("--no_write", action="store_true")
     parser.add_argument("--record", nargs="+", default=None, help="write the section from these .jsonl files")
     args = parser.parse_args()
@@ -331,10 +342,16 @@ def main():
     if args.smoke:
         args.examples = min(args.examples, 200)
 
+    from tunebook.training import linear_ce
+
+    default_chunk = linear_ce.CHUNK_ELEMENTS
+    if args.chunk_elements:  # the fused loss's logits per chunk, for every step measured here
+        linear_ce.CHUNK_ELEMENTS = args.chunk_elements
     lengths = example_lengths(Path(args.work_dir), args.examples, args.train_data)
     # Every record carries what its section needs, so one cut off at a time limit still makes a table (--record).
     context = {
         "device": device, "machine": machine(), "versions": versions(), "command": command(),
+        "default_chunk_elements": default_chunk,
         "setup": f"{device}{', bf16 autocast over float32 weights' if cuda else ', float32'}; real example lengths "
                  f"(Code Alpaca, first {args.examples}, chat template of vs_peers' tokenizer) packed best-fit-decreasing;"
                  f" one step = forward + fused loss + backward, no optimizer; median of {steps} steps after {warmup} "
@@ -343,7 +360,6 @@ def main():
     out = Path(args.out) if args.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "packed_attention.jsonl").unlink(missing_ok=True)
     results = []
 
     def keep(record: dict) -> None:
@@ -362,6 +378,7 @@ def main():
                 batch = packed_batch(lengths, seq_len, rows, attn, values["vocab_size"])
                 figures = measure(values, attn, batch, steps, warmup, device, args.profile_top)
                 keep({**figures, "shape": shape, "seq_len": seq_len, "rows": rows, "attn": attn,
+                      "chunk_elements": linear_ce.CHUNK_ELEMENTS,
                       "examples_per_row": float(((batch["seq_ids"] * batch["attention_mask"]).amax(1) + 1).float().mean()),
                       "fill": float(batch["attention_mask"].float().mean())})  # fmt: skip
                 if cuda:
@@ -371,8 +388,9 @@ def main():
 
     text = table(results)
     print(text)
-    if out:
-        (out / "packed_attention.md").write_text(text + "\n")
+    if out:  # the table of every record there: several calls with one --out make one table
+        records = [json.loads(line) for line in (out / "packed_attention.jsonl").read_text().splitlines() if line]
+        (out / "packed_attention.md").write_text(table(records) + "\n")
     elif not (args.smoke or args.no_write):
         write_section(f"packed_attention_{device}", text)
 
