@@ -309,7 +309,10 @@ def tunebook_figures(out: Path, warmup: int) -> dict:
             "final_loss": summary["final_train_loss"],
             # kept to tell a slow run's cause later: windows' speeds, recompiles, the loader's waits
             "windows_tokens_per_second": [w["tokens_per_second"] for w in windows],
-            **{k: v for k, v in summary.items() if k.startswith(("torch_compile_", "first_batch_wait", "data_wait", "time_to_first_step"))}}  # fmt: skip
+            **{k: v for k, v in summary.items() if k.startswith(DIAGNOSTICS)}}  # fmt: skip
+
+
+DIAGNOSTICS = ("torch_compile_", "first_batch_wait", "data_wait", "time_to_first_step")  # summary.json keys kept
 
 
 def peak_flops(device: str) -> float | None:

@@ -137,17 +137,21 @@ def measure(
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     tokens = int(batch["attention_mask"].sum())
+
+    def one_step() -> torch.Tensor:
+        with autocast:
+            inputs = attention_inputs(batch, model.config._attn_implementation, torch.float32)
+            loss = causal_lm_token_losses(model, inputs, batch)[0].mean()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        sync()
+        return loss
+
     times, losses = [], []
     for step in range(warmup + steps):
         sync()
         start = time.perf_counter()
-        with autocast:
-            inputs = attention_inputs(batch, model.config._attn_implementation, torch.float32)
-            token_losses, _ = causal_lm_token_losses(model, inputs, batch)
-            loss = token_losses.mean()
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        sync()
+        loss = one_step()
         if step >= warmup:
             times.append(time.perf_counter() - start)
         losses.append(loss.item())
@@ -160,14 +164,6 @@ def measure(
         "loss": losses[0],
     }
     if profile_top:
-
-        def one_step():
-            with autocast:
-                inputs = attention_inputs(batch, model.config._attn_implementation, torch.float32)
-                causal_lm_token_losses(model, inputs, batch)[0].mean().backward()
-            model.zero_grad(set_to_none=True)
-            sync()
-
         figures["profile"] = step_profile(one_step, device, profile_top, config.vocab_size)
     return figures
 

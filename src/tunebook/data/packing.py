@@ -349,10 +349,11 @@ def use_packed_attention(
     if attn == "flex_attention" and torch.device(device).type == "cpu":
         raise ConfigError("attn_implementation flex_attention: PyTorch's FlexAttention has no backward pass on a CPU; "
                           "use sdpa (per-example attention on a CPU)")  # fmt: skip
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-    if attn == "flex_attention" and head_dim < 16:  # else inductor stops in the first forward with a page of IR
-        raise ConfigError(f"attn_implementation flex_attention: FlexAttention's kernels need a head dimension of at "
-                          f"least 16 and {type(model).__name__} has {head_dim}; use sdpa")  # fmt: skip
+    if attn == "flex_attention":  # heads under 16: inductor stops in flex's first forward with a page of its IR
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        if head_dim < 16:
+            raise ConfigError(f"attn_implementation flex_attention: FlexAttention's kernels need a head dimension of "
+                              f"at least 16 and {type(model).__name__} has {head_dim}; use sdpa")  # fmt: skip
     packing_mechanism(attn)  # a clear error now for a backend packing cannot isolate
     return attn
 
