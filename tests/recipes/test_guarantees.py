@@ -322,9 +322,21 @@ def test_torch_compile_trains_as_eager_does(name, tmp_path):
     )
     # Graphs compiled by an earlier test of this process serve the same block class again: no count of them here.
     assert compiled["torch_compile_blocks"] == 2 and compiled["torch_compile_recompiles"] == 0
+    # Packed rows (pretrain's) are padded to max_seq_length, so their graphs stay static; padded batches' are dynamic.
+    assert compiled["torch_compile_shapes"] == ("static" if name == "pretrain" else "dynamic")
     assert "torch_compile_blocks" not in eager
     metric = f"eval_{EVAL_METRIC.get(name, 'loss')}"
     assert compiled["eval"][metric] == pytest.approx(eager["eval"][metric], abs=1e-4)
+
+
+@pytest.mark.parametrize("name", ["sft", "dpo"])
+def test_flex_attention_without_packing_on_a_cpu_stops_with_one_line(name, tmp_path):
+    """Unpacked runs too: the check is the loop's, not packing's (FlexAttention has no backward pass on a CPU)."""
+    from tunebook.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="FlexAttention has no backward pass on a CPU; use sdpa"):
+        _run(name, tmp_path / "out", tmp_path / "cache", attn_implementation="flex_attention", max_steps=1)
+    assert not (tmp_path / "out" / "step-1").exists()
 
 
 def test_the_recipes_differ_only_where_their_task_differs():

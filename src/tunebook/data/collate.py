@@ -60,24 +60,42 @@ class PadCollator:
 
 
 class PackedCollator:
-    """Batch packed rows: pad to the longest row (rounded up to a multiple), restart positions per example.
+    """Batch packed rows: pad to the longest row (rounded up to a multiple), or to `row_length` when given, and
+    restart positions per example.
 
     Returns `input_ids`, `labels`, `position_ids` and `seq_ids` (the example index of every token within its row;
     the padding tail is a segment of its own, so no row of an attention mask is ever empty). `attention_inputs`
     turns these into what the model's attention backend needs. Given `attn_implementation="flex_attention"`, it
     also adds the tiles of FlexAttention's block mask (`document_kv_blocks`), so they are computed in the loader's
     worker and reach the device with the batch's other tensors.
+
+    `row_length` and `rows` (max_seq_length and the micro-batch size, under torch_compile) give every batch of a run
+    one shape, so compiled blocks keep one static graph and never recompile: packed rows are nearly full, so padding
+    them to `row_length` adds a few tokens a batch, and the last, smaller batch of an epoch gets rows of padding
+    alone, which carry no label, count as no token or sample, and so change neither the loss nor its gradient.
     """
 
     def __init__(
-        self, pad_token_id: int, pad_to_multiple_of: int | None = None, attn_implementation: str | None = None
+        self,
+        pad_token_id: int,
+        pad_to_multiple_of: int | None = None,
+        attn_implementation: str | None = None,
+        row_length: int | None = None,
+        rows: int | None = None,
     ):
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
         self.block_mask = attn_implementation == "flex_attention"
+        self.row_length, self.rows = row_length, rows
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        longest = padded_length(features, self.pad_to_multiple_of)
+        if self.rows is not None and len(features) < self.rows:
+            features = features + [{"input_ids": [], "labels": [], "seq_lengths": []}] * (self.rows - len(features))
+        longest = padded_length(features, None if self.row_length else self.pad_to_multiple_of)
+        if self.row_length:
+            if longest > self.row_length:
+                raise ValueError(f"a packed row of {longest} tokens is longer than row_length {self.row_length}")
+            longest = self.row_length
         shape = (len(features), longest)
         input_ids = torch.full(shape, self.pad_token_id, dtype=torch.long)
         labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)

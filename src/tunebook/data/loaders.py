@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import copy
 import multiprocessing
 import signal
 import sys
@@ -13,7 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-__all__ = ["LengthGroupedSampler", "build_loader", "train_and_eval_loaders"]
+__all__ = ["LengthGroupedSampler", "build_loader", "fixed_batch_shape", "train_and_eval_loaders"]
 
 
 class LengthGroupedSampler(Sampler[int]):
@@ -208,6 +209,10 @@ def train_and_eval_loaders(config, train: Dataset, evaluation: Dataset | None, c
     """A run's loaders with its `dataloader_*` keys: `train` shuffled by `seed` (`grouping`: `lengths` and
     `group_size` batch similar lengths together), or a `TokenStream` read in order through a `StreamLoader`;
     `evaluation` in order (None when there is no eval data)."""
+    train_collate = collate_fn
+    if config.torch_compile and hasattr(collate_fn, "row_length"):  # packed rows: one shape for the compiled blocks
+        train_collate = copy.copy(collate_fn)
+        train_collate.row_length, train_collate.rows = config.max_seq_length, config.per_device_train_batch_size
     common = {
         "collate_fn": collate_fn,
         "seed": config.seed,
@@ -218,13 +223,22 @@ def train_and_eval_loaders(config, train: Dataset, evaluation: Dataset | None, c
     if hasattr(train, "preview"):  # a TokenStream (streaming: true): rows made and collated in the workers
         from .streaming import StreamLoader
 
-        train.collate = collate_fn
+        train.collate = train_collate
         batches = config.max_steps * config.gradient_accumulation_steps
         train_loader = StreamLoader(train, batches, config.dataloader_num_workers, config.dataloader_prefetch_factor,
                                     config.dataloader_pin_memory, config.dataloader_non_blocking)  # fmt: skip
     else:
-        train_loader = build_loader(train, config.per_device_train_batch_size, shuffle=True, **grouping, **common)
+        train_loader = build_loader(train, config.per_device_train_batch_size, shuffle=True, **grouping,
+                                    **{**common, "collate_fn": train_collate})  # fmt: skip
     eval_loader = None
     if evaluation is not None:
         eval_loader = build_loader(evaluation, config.per_device_eval_batch_size, shuffle=False, **common)
     return train_loader, eval_loader
+
+
+def fixed_batch_shape(loader) -> tuple[int, int] | None:
+    """(rows, length) of every batch of `loader` (packed rows under torch_compile), or None where batches change
+    shape."""
+    collate = getattr(loader, "collate_fn", None) or getattr(getattr(loader, "stream", None), "collate", None)
+    rows, length = getattr(collate, "rows", None), getattr(collate, "row_length", None)
+    return (rows, length) if rows and length else None

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from datasets.table import InMemoryTable
 
 from ..errors import ConfigError
+from ..models.kernels import check_flex_attention
 from .tokenize import IGNORE_INDEX
 
 __all__ = [
@@ -197,17 +198,18 @@ def segment_sdpa_attention(module, query, key, value, attention_mask, scaling=No
     if key.shape[1] != heads:
         key, value = repeat_kv(key, heads // key.shape[1]), repeat_kv(value, heads // value.shape[1])
     dropout_p = dropout if module.training else 0.0
+    sizes = (cu[1:] - cu[:-1]).tolist()
+    longest = max(sizes)
     window = kwargs.get("sliding_window")
-    windowed = window is not None and kwargs["max_length_q"] > window  # some example is longer than the window
+    windowed = window is not None and longest > window  # some example is longer than the window
     varlen = query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and dropout_p == 0.0 and _cuda_varlen()
     if varlen and not windowed:
         q, k, v = (t.transpose(1, 2).reshape(batch * length, heads, -1) for t in (query, key, value))
-        out = _cuda_varlen()(q, k, v, cu, cu, kwargs["max_length_q"], kwargs["max_length_k"], scaling)
+        out = _cuda_varlen()(q, k, v, cu, cu, longest, longest, scaling)
         return out.reshape(batch, length, heads, -1), None
     q, k, v = (t.transpose(0, 1).reshape(heads, batch * length, -1)[None] for t in (query, key, value))
     # `split`, not one slice per example: the backward of a slice writes its gradient into a zero tensor of the
     # whole input, so n slices cost n full-size fills and adds (10% of a training step here); split's is one cat.
-    sizes = (cu[1:] - cu[:-1]).tolist()
     # On a CPU attend in float32 under bf16/fp16: PyTorch's CPU flash-attention backward is ~3x slower in bf16
     # than in fp32 at these sizes (measured on a Zen 4 CPU with avx512_bf16), while the matmuls gain 2x from bf16.
     dtype = q.dtype
@@ -346,14 +348,7 @@ def use_packed_attention(
         raise ConfigError(f"packing: {type(model).__name__} has sliding-window attention (window {window} < "
                           f"max_seq_length {max_length}) in its own attention code, which packing cannot give a "
                           f"window per example; set max_seq_length <= {window}, or {fix.removeprefix('set ')}")  # fmt: skip
-    if attn == "flex_attention" and torch.device(device).type == "cpu":
-        raise ConfigError("attn_implementation flex_attention: PyTorch's FlexAttention has no backward pass on a CPU; "
-                          "use sdpa (per-example attention on a CPU)")  # fmt: skip
-    if attn == "flex_attention":  # heads under 16: inductor stops in flex's first forward with a page of its IR
-        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-        if head_dim < 16:
-            raise ConfigError(f"attn_implementation flex_attention: FlexAttention's kernels need a head dimension of "
-                              f"at least 16 and {type(model).__name__} has {head_dim}; use sdpa")  # fmt: skip
+    check_flex_attention(model, device)
     packing_mechanism(attn)  # a clear error now for a backend packing cannot isolate
     return attn
 
@@ -463,8 +458,11 @@ def attention_inputs(batch: dict[str, torch.Tensor], attn_implementation: str, d
         flat = (seq + torch.arange(seq.shape[0], device=seq.device)[:, None] * (seq.max() + 1)).flatten()
         starts = torch.nonzero(flat[1:] != flat[:-1]).flatten() + 1
         cu = torch.cat([starts.new_zeros(1), starts, starts.new_tensor([flat.numel()])]).to(torch.int32)
-        longest = int((cu[1:] - cu[:-1]).max())
-        inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+        # The number of examples changes from batch to batch: compiled blocks take it as a dynamic size from the
+        # start instead of recompiling for the second batch. The longest example is left for the attention to read
+        # from `cu` (an int argument would be a constant of the graph, recompiled for each new value).
+        torch._dynamo.maybe_mark_dynamic(cu, 0)
+        inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu)
         return inputs
     length = seq.shape[1]
     if attn_implementation == "flex_attention":

@@ -1,4 +1,5 @@
-"""`use_liger_kernel: true`: Liger's Triton kernels (RMSNorm, rotary embedding, SwiGLU) patched into the model.
+"""`use_liger_kernel: true`: Liger's Triton kernels (RMSNorm, rotary embedding, SwiGLU) patched into the model; and
+the limits of FlexAttention's kernels, checked before a first forward would fail inside inductor.
 
 Only the layers are patched: Liger's fused linear cross-entropy replaces the model's loss when labels are passed,
 and the recipes never pass labels (`tunebook.training.loss` computes the loss at the loss positions only).
@@ -10,7 +11,7 @@ import torch
 
 from ..errors import ConfigError
 
-__all__ = ["apply_liger_kernel"]
+__all__ = ["apply_liger_kernel", "check_flex_attention"]
 
 
 def apply_liger_kernel(model: torch.nn.Module) -> None:
@@ -34,3 +35,20 @@ def apply_liger_kernel(model: torch.nn.Module) -> None:
     _apply_liger_kernel_to_instance(
         model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False
     )
+
+
+def check_flex_attention(model: torch.nn.Module, device: torch.device | str) -> None:
+    """Stop with one line where a model set to `attn_implementation: flex_attention` cannot train on `device`."""
+    from .wrappers import unwrap
+
+    config = unwrap(model).config
+    if getattr(config, "_attn_implementation", None) != "flex_attention":
+        return
+    if torch.device(device).type == "cpu":
+        raise ConfigError("attn_implementation flex_attention: PyTorch's FlexAttention has no backward pass on a CPU; "
+                          "use sdpa (per-example attention on a CPU)")  # fmt: skip
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    if head_dim < 16:  # inductor would stop in flex's first forward with a page of its IR (seen on an H100)
+        raise ConfigError(f"attn_implementation flex_attention: FlexAttention's kernels need a head dimension of at "
+                          f"least 16 and {type(unwrap(model)).__name__} has {head_dim}; use sdpa")  # fmt: skip

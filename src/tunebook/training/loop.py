@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
+from ..models.kernels import check_flex_attention
 from .best import BestModel
 from .counters import TrainCounters
 from .guard import StopSignals, exit_code, is_nonfinite, nonfinite_stop
@@ -133,12 +134,15 @@ def plan_training(
     schedule and loader. With `torch_compile`, the model's transformer
     blocks are compiled here, after the model is wrapped and any frozen reference copied from it."""
     config, accelerator = run.config, run.accelerator
+    check_flex_attention(model, accelerator.device)  # packed or not, before a first forward fails inside inductor
     if config.torch_compile:
+        from ..data.loaders import fixed_batch_shape
         from .compilation import compile_blocks
 
-        run.compiled = compile_blocks(model)
-        run.log.info("torch_compile: %d %s blocks, compiled in the first step", run.compiled.blocks,
-                     run.compiled.block_class)  # fmt: skip
+        static = fixed_batch_shape(train_loader) is not None
+        run.compiled = compile_blocks(model, static=static)
+        run.log.info("torch_compile: %d %s blocks, compiled in the first step (%s shapes)", run.compiled.blocks,
+                     run.compiled.block_class, run.compiled.summary()["torch_compile_shapes"])  # fmt: skip
     k = config.gradient_accumulation_steps
     run.total_steps, run.steps_per_epoch = total_optimizer_steps(
         config.max_steps, config.num_train_epochs, len(train_loader), k, updates_per_window

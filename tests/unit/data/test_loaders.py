@@ -3,7 +3,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tunebook.data.loaders import LengthGroupedSampler, build_loader
+from tunebook.data.collate import PackedCollator, PadCollator
+from tunebook.data.loaders import LengthGroupedSampler, build_loader, fixed_batch_shape, train_and_eval_loaders
+from tunebook.recipe_configs import SFTConfig
 
 
 def _lengths(n=1000, seed=0):
@@ -38,6 +40,32 @@ def test_loader_uses_the_length_grouped_sampler_only_when_shuffling_with_lengths
     loader = build_loader(data, 2, lambda b: b, shuffle=True, seed=0, lengths=np.arange(10), group_size=4)
     assert isinstance(loader.sampler, LengthGroupedSampler) and loader.sampler.batch_size == 4
     assert not isinstance(build_loader(data, 2, lambda b: b, shuffle=True, seed=0).sampler, LengthGroupedSampler)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_under_torch_compile_packed_training_batches_have_one_shape(compile):
+    """torch_compile: training batches of packed rows are micro-batch x max_seq_length (one shape, static graphs), the
+    epoch's last batch filled up with rows of padding alone that carry no label; evaluation batches and padded
+    examples keep the shape of their rows."""
+    rows = [{"input_ids": [5] * n, "labels": [5] * n, "seq_lengths": [n]} for n in (9, 20, 7, 12, 10)]
+    config = SFTConfig(packing=True, max_seq_length=32, torch_compile=compile, dataloader_num_workers=0,
+                       per_device_train_batch_size=2, per_device_eval_batch_size=2)  # fmt: skip
+    train, evaluation = train_and_eval_loaders(config, rows, rows, PackedCollator(0, pad_to_multiple_of=8))
+    batches = list(train)
+    assert sum(b["attention_mask"].sum().item() for b in batches) == 58  # every real token, once
+    assert sum((b["labels"] != -100).sum().item() for b in batches) == 58  # none in the rows of padding
+    real_rows = [row.any().item() for b in batches for row in b["attention_mask"]]
+    if compile:
+        assert {tuple(b["input_ids"].shape) for b in batches} == {(2, 32)}
+        assert real_rows.count(False) == 1  # the last batch's second row: padding alone
+    else:
+        assert sorted(b["input_ids"].shape[0] for b in batches) == [1, 2, 2] and all(real_rows)
+    assert fixed_batch_shape(train) == ((2, 32) if compile else None) and fixed_batch_shape(evaluation) is None
+    assert {tuple(b["input_ids"].shape) for b in evaluation} == {(2, 24), (2, 16), (1, 16)}
+    padded, _ = train_and_eval_loaders(config, rows, None, PadCollator(0, pad_to_multiple_of=8))
+    assert fixed_batch_shape(padded) is None
+    with pytest.raises(ValueError, match="a packed row of 20 tokens is longer than row_length 16"):
+        PackedCollator(0, row_length=16)(rows[:2])
 
 
 def _whose_worker(batch):

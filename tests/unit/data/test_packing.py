@@ -104,7 +104,7 @@ def test_segment_attention_gets_example_boundaries_and_matches_masked_sdpa():
     )  # fmt: skip
     inputs = attention_inputs(batch, SEGMENT_SDPA, torch.float32)
     assert inputs["cu_seq_lens_q"].tolist() == [0, 3, 7, 12, 14] and "attention_mask" not in inputs
-    assert inputs["max_length_q"] == 5
+    assert "max_length_q" not in inputs  # a graph constant under torch_compile: the attention reads it from cu
 
     class Attn(torch.nn.Module):  # what transformers passes as `module`
         training = False

@@ -8,6 +8,8 @@ import copy
 import pytest
 import torch
 
+from tunebook.data.collate import PackedCollator
+from tunebook.data.packing import attention_inputs, use_packed_attention
 from tunebook.errors import ConfigError
 from tunebook.models import apply_lora, build_causal_lm
 from tunebook.recipe_configs import SFTConfig
@@ -54,6 +56,39 @@ def test_compiled_blocks_give_eager_loss_and_gradients(tiny_tokenizer, tiny_mode
     with torch.no_grad(), eager():  # inference would compile graphs of its own
         compiled.eval()(**batch)
     assert blocks.graphs == before
+
+
+def test_packed_batches_of_one_shape_keep_one_static_graph(tiny_tokenizer, tiny_model_config):
+    """Packed batches of one shape (what torch_compile's runs get) compile static graphs once: batches holding another
+    number of examples, or fewer rows (filled up with padding), do not recompile; the loss equals eager's on the
+    rows as they came."""
+    torch.manual_seed(0)
+    model = build_causal_lm(tiny_tokenizer, model_config=tiny_model_config)
+    attn = use_packed_attention(model, "cpu", max_length=32)  # per-example attention, given the example boundaries
+    model.train()
+    compiled = copy.deepcopy(model)
+    blocks = compile_blocks(compiled, static=True)
+    plain = PackedCollator(tiny_tokenizer.pad_token_id, pad_to_multiple_of=8, attn_implementation=attn)
+    fixed = PackedCollator(tiny_tokenizer.pad_token_id, pad_to_multiple_of=8, attn_implementation=attn,
+                           row_length=32, rows=2)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    for example_lengths in ([[10, 12], [30]], [[5, 6, 7], [8, 9, 3, 4]], [[20, 9]]):
+        rows = []
+        for lengths in example_lengths:
+            ids = torch.randint(3, 300, (sum(lengths),), generator=g).tolist()
+            rows.append({"input_ids": ids, "labels": ids, "seq_lengths": lengths})
+        batch = fixed(rows)
+        assert batch["input_ids"].shape == (2, 32)  # not the longest row rounded up, nor fewer rows
+        inputs = {**attention_inputs(batch, attn, torch.float32), "labels": batch["labels"]}
+        as_they_came = plain(rows)
+        expected = _loss(
+            model, {**attention_inputs(as_they_came, attn, torch.float32), "labels": as_they_came["labels"]}
+        )
+        got = _loss(compiled, inputs)
+        assert got.item() == pytest.approx(expected.item(), abs=1e-5)
+        got.backward()
+        blocks.step_done()
+    assert blocks.recompiles == 0
 
 
 def test_a_model_without_repeated_blocks_is_refused():
