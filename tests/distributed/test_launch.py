@@ -111,6 +111,24 @@ def test_nodes_with_different_configs_stop_at_the_preflight_check(tmp_path):
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
+def test_compiled_blocks_under_ddp_train_like_one_eager_process(tmp_path):
+    """torch_compile under DDP (2 gloo processes, packed rows: static graphs) ends with the weights of one eager
+    process with the combined batch (1e-4: compiled kernels round differently from eager's)."""
+    args = [*COMMON, "--packing", "true", "--max_seq_length", "64"]
+    two, one = tmp_path / "two", tmp_path / "one"
+    compiled = launch("recipes/sft.py", [*args, "--per_device_train_batch_size", "2", "--torch_compile", "true",
+                                         "--output_dir", str(two)], accelerate_config="multi_cpu.yaml")  # fmt: skip
+    assert compiled.returncode == 0, compiled.stdout[-3000:] + compiled.stderr[-3000:]
+    eager = launch("recipes/sft.py", [*args, "--per_device_train_batch_size", "4", "--output_dir", str(one)])
+    assert eager.returncode == 0, eager.stderr[-3000:]
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["num_processes"] == 2 and summary["torch_compile_shapes"] == "static"
+    assert summary["torch_compile_recompiles"] == 0
+    a, b = _model(one), _model(two)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=1e-4, rtol=1e-4, msg=f"parameter {name}")
+
+
 def test_fsdp_config_on_a_cpu_stops_instead_of_training_with_another_engine(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("FSDP runs on this machine")
