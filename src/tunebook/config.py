@@ -109,7 +109,7 @@ class TrainConfig:
     # --- speed
     torch_compile: bool = config_field(
         "Compile each transformer block with torch.compile (regional compilation: one block's compile serves all). "
-        "Pays back only over enough steps: on a CPU the first compile takes ~30 s for ~8% per step (see README).",
+        "Pays back only over enough steps: on a 2-core CPU the first step takes ~15 s more for 6-10% per step (README).",
         False,
     )
     use_liger_kernel: bool = config_field(
