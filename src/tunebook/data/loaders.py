@@ -214,7 +214,6 @@ def train_and_eval_loaders(config, train: Dataset, evaluation: Dataset | None, c
         train_collate = copy.copy(collate_fn)
         train_collate.row_length, train_collate.rows = config.max_seq_length, config.per_device_train_batch_size
     common = {
-        "collate_fn": collate_fn,
         "seed": config.seed,
         "num_workers": config.dataloader_num_workers,
         "pin_memory": config.dataloader_pin_memory,
@@ -228,11 +227,11 @@ def train_and_eval_loaders(config, train: Dataset, evaluation: Dataset | None, c
         train_loader = StreamLoader(train, batches, config.dataloader_num_workers, config.dataloader_prefetch_factor,
                                     config.dataloader_pin_memory, config.dataloader_non_blocking)  # fmt: skip
     else:
-        train_loader = build_loader(train, config.per_device_train_batch_size, shuffle=True, **grouping,
-                                    **{**common, "collate_fn": train_collate})  # fmt: skip
+        train_loader = build_loader(train, config.per_device_train_batch_size, train_collate, shuffle=True, **grouping,
+                                    **common)  # fmt: skip
     eval_loader = None
     if evaluation is not None:
-        eval_loader = build_loader(evaluation, config.per_device_eval_batch_size, shuffle=False, **common)
+        eval_loader = build_loader(evaluation, config.per_device_eval_batch_size, collate_fn, shuffle=False, **common)
     return train_loader, eval_loader
 
 

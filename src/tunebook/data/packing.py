@@ -170,6 +170,7 @@ VARLEN_BACKENDS = (
 )
 # Our own varlen attention for CPUs (see `segment_sdpa_attention`); registered with transformers on first use.
 SEGMENT_SDPA = "tunebook_segment_sdpa"
+EXAMPLE_SIZES = "_tunebook_example_sizes"  # the attribute of `cu_seq_lens_q` that holds its examples' sizes
 
 
 # Eager under torch_compile: the per-example split depends on the batch's lengths, which a graph would specialise on.
@@ -198,7 +199,7 @@ def segment_sdpa_attention(module, query, key, value, attention_mask, scaling=No
     if key.shape[1] != heads:
         key, value = repeat_kv(key, heads // key.shape[1]), repeat_kv(value, heads // value.shape[1])
     dropout_p = dropout if module.training else 0.0
-    sizes = (cu[1:] - cu[:-1]).tolist()
+    sizes = getattr(cu, EXAMPLE_SIZES, None) or (cu[1:] - cu[:-1]).tolist()
     longest = max(sizes)
     window = kwargs.get("sliding_window")
     windowed = window is not None and longest > window  # some example is longer than the window
@@ -459,9 +460,11 @@ def attention_inputs(batch: dict[str, torch.Tensor], attn_implementation: str, d
         starts = torch.nonzero(flat[1:] != flat[:-1]).flatten() + 1
         cu = torch.cat([starts.new_zeros(1), starts, starts.new_tensor([flat.numel()])]).to(torch.int32)
         # The number of examples changes from batch to batch: compiled blocks take it as a dynamic size from the
-        # start instead of recompiling for the second batch. The longest example is left for the attention to read
-        # from `cu` (an int argument would be a constant of the graph, recompiled for each new value).
+        # start instead of recompiling for the second batch. The example sizes ride on `cu` itself, read once per
+        # batch (on CUDA a host sync) rather than in every layer; as int arguments the longest would be a constant
+        # of the graph, recompiled for each new value.
         torch._dynamo.maybe_mark_dynamic(cu, 0)
+        setattr(cu, EXAMPLE_SIZES, (cu[1:] - cu[:-1]).tolist())
         inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu)
         return inputs
     length = seq.shape[1]

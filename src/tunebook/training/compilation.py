@@ -52,6 +52,10 @@ class CompiledBlocks:
                            "TORCH_LOGS=recompiles says why", self.recompiles)  # fmt: skip
 
     @property
+    def shapes(self) -> str:
+        return "static" if self.static else "dynamic"
+
+    @property
     def graphs(self) -> int:
         return _frames_compiled() - self._start
 
@@ -60,7 +64,7 @@ class CompiledBlocks:
         return 0 if self._after_first_step is None else _frames_compiled() - self._after_first_step
 
     def summary(self) -> dict:
-        return {"torch_compile_blocks": self.blocks, "torch_compile_shapes": "static" if self.static else "dynamic",
+        return {"torch_compile_blocks": self.blocks, "torch_compile_shapes": self.shapes,
                 "torch_compile_graphs": self.graphs, "torch_compile_recompiles": self.recompiles}  # fmt: skip
 
 

@@ -139,10 +139,9 @@ def plan_training(
         from ..data.loaders import fixed_batch_shape
         from .compilation import compile_blocks
 
-        static = fixed_batch_shape(train_loader) is not None
-        run.compiled = compile_blocks(model, static=static)
+        run.compiled = compile_blocks(model, static=fixed_batch_shape(train_loader) is not None)
         run.log.info("torch_compile: %d %s blocks, compiled in the first step (%s shapes)", run.compiled.blocks,
-                     run.compiled.block_class, run.compiled.summary()["torch_compile_shapes"])  # fmt: skip
+                     run.compiled.block_class, run.compiled.shapes)  # fmt: skip
     k = config.gradient_accumulation_steps
     run.total_steps, run.steps_per_epoch = total_optimizer_steps(
         config.max_steps, config.num_train_epochs, len(train_loader), k, updates_per_window
