@@ -21,13 +21,12 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from results import header, write_section
-from vs_peers import BATCH, LR, MAX_LEN, ROOT, prepare_assets
+from vs_peers import BATCH, MAX_LEN, ROOT, prepare_assets, tunebook_command
 
 LAYERS = 4
 
@@ -58,14 +57,8 @@ def run_one(compiled: bool, data: Path, model_dir: Path, work: Path, src: Path |
            "TUNEBOOK_CACHE": str(work / "cache")}  # fmt: skip
     if src is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")])
-    cmd = [str(Path(sys.executable).parent / "tunebook"), "train", "--quiet",
-           "--config_file", str(ROOT / "accelerate_configs" / "cpu.yaml"), "sft",
-           "--model_name_or_path", str(model_dir), "--train_data", str(data), "--packing", "true",
-           "--max_seq_length", str(MAX_LEN), "--num_train_epochs", "1", "--per_device_train_batch_size", str(BATCH),
-           "--learning_rate", str(LR), "--lr_scheduler_type", "linear", "--warmup_ratio", "0",
-           "--eval_on_start", "false", "--generation_eval", "false", "--logging_steps", "5",
-           "--torch_compile", str(compiled).lower(), "--disable_tqdm", "true",
-           "--cache_dir", str(work / "cache"), "--output_dir", str(out)]  # fmt: skip
+    cmd = tunebook_command(model_dir, data, out, work / "cache", "--logging_steps", "5",
+                           "--torch_compile", str(compiled).lower())  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="inductor-") as inductor_cache:
         env["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache  # the first compile, as on a fresh machine
         start = time.perf_counter()

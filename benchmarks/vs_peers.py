@@ -79,6 +79,17 @@ def prepare_assets(work: Path, examples: int, dataset: str) -> tuple[Path, Path]
     return data, model_dir
 
 
+def tunebook_command(model_dir: Path, data: Path, out: Path, cache: Path, *overrides: str, launcher=()) -> list[str]:
+    """recipes/sft.py with this benchmark's settings, launched as the README does (`tunebook train`)."""
+    return [str(Path(sys.executable).parent / "tunebook"), "train", "--quiet",
+            "--config_file", str(ROOT / "accelerate_configs" / "cpu.yaml"), *launcher, "sft",
+            "--model_name_or_path", str(model_dir), "--train_data", str(data), "--packing", "true",
+            "--max_seq_length", str(MAX_LEN), "--num_train_epochs", "1", "--per_device_train_batch_size", str(BATCH),
+            "--learning_rate", str(LR), "--lr_scheduler_type", "linear", "--warmup_ratio", "0",
+            "--eval_on_start", "false", "--generation_eval", "false", "--disable_tqdm", "true",
+            "--cache_dir", str(cache), "--output_dir", str(out), *overrides]  # fmt: skip
+
+
 def run_one(system: str, precision: str, data: Path, model_dir: Path, work: Path, cold: bool) -> dict:
     cache = work / f"cache-{system}"
     if cold:
@@ -91,14 +102,8 @@ def run_one(system: str, precision: str, data: Path, model_dir: Path, work: Path
            "HF_DATASETS_CACHE": str(cache / "hf"), "TUNEBOOK_CACHE": str(cache / "tunebook")}  # fmt: skip
     bf16 = precision == "bf16"
     if system == "tunebook":
-        cmd = [str(Path(sys.executable).parent / "tunebook"), "train", "--quiet",  # the README's launch command
-               "--config_file", str(ROOT / "accelerate_configs" / "cpu.yaml"),
-               "--mixed_precision", "bf16" if bf16 else "no", "sft",
-               "--model_name_or_path", str(model_dir), "--train_data", str(data), "--packing", "true",
-               "--max_seq_length", str(MAX_LEN), "--num_train_epochs", "1", "--per_device_train_batch_size", str(BATCH),
-               "--learning_rate", str(LR), "--lr_scheduler_type", "linear", "--warmup_ratio", "0",
-               "--eval_on_start", "false", "--generation_eval", "false", "--logging_steps", "10",
-               "--disable_tqdm", "true", "--cache_dir", str(cache / "tunebook"), "--output_dir", str(out)]  # fmt: skip
+        cmd = tunebook_command(model_dir, data, out, cache / "tunebook", "--logging_steps", "10",
+                               launcher=("--mixed_precision", "bf16" if bf16 else "no"))  # fmt: skip
     else:
         script = ROOT / "benchmarks" / "peers" / f"{system}_sft.py"
         cmd = [sys.executable, str(script), str(data), str(model_dir), str(out), str(result),
