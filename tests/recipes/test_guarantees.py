@@ -329,9 +329,10 @@ def test_torch_compile_trains_as_eager_does(name, tmp_path):
     assert compiled["eval"][metric] == pytest.approx(eager["eval"][metric], abs=1e-4)
 
 
-@pytest.mark.parametrize("name", ["sft", "dpo"])
+@pytest.mark.parametrize("name", RECIPES)
 def test_flex_attention_without_packing_on_a_cpu_stops_with_one_line(name, tmp_path):
-    """Unpacked runs too: the check is the loop's, not packing's (FlexAttention has no backward pass on a CPU)."""
+    """Every recipe, packed or not: the check is the loop's, not only packing's (FlexAttention has no backward pass
+    on a CPU)."""
     from tunebook.errors import ConfigError
 
     with pytest.raises(ConfigError, match="FlexAttention has no backward pass on a CPU; use sdpa"):
