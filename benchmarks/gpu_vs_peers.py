@@ -307,8 +307,10 @@ def tunebook_figures(out: Path, warmup: int) -> dict:
     return {"tokens_per_second": (tokens - at_warmup) / seconds, "peak_memory_mb": peak,
             "tokens_per_step": summary["train_tokens"] / summary["train_steps"],
             "final_loss": summary["final_train_loss"],
-            # kept to tell a slow run's cause later: windows' speeds, recompiles, the loader's waits
+            # kept to tell a slow run's cause later: windows' speeds, recompiles, the loader's waits; and the windows'
+            # losses, to tell where two runs' losses part (compiled and eager 1B runs ended 0.15 apart)
             "windows_tokens_per_second": [w["tokens_per_second"] for w in windows],
+            "windows_loss": [[w["step"], w.get("loss")] for w in windows],
             **{k: v for k, v in summary.items() if k.startswith(DIAGNOSTICS)}}  # fmt: skip
 
 
@@ -404,7 +406,7 @@ def tunebook_goals(shape: str, ours: dict, rows: dict) -> str:
     if ours["mfu"] is not None:
         goal = f" (goal >= {GOAL_MFU:.0%}: {'met' if ours['mfu'] >= GOAL_MFU else 'not met'})" if "1B" in shape else ""
         parts.append(f"MFU {100 * ours['mfu']:.1f}%{goal}")
-    return f"{name}: " + "; ".join(parts) + "."
+    return f"{name}: " + ("; ".join(parts) or "no peer run and no MFU (no known peak) to compare with") + "."
 
 
 # --- main: what to run, preparation, the runs (skipping those already in runs.jsonl), the table
@@ -439,7 +441,8 @@ def main():
         records = [json.loads(line) for f in args.record for line in Path(f).read_text().splitlines() if line]
         text = table(records)
         print(text)
-        write_section("gpu_vs_peers", text)
+        if not args.no_write:
+            write_section("gpu_vs_peers", text)
         return
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     chosen = args.shapes.split(",") if args.shapes else list(shapes)
