@@ -210,7 +210,10 @@ def train_and_eval_loaders(config, train: Dataset, evaluation: Dataset | None, c
     `group_size` batch similar lengths together), or a `TokenStream` read in order through a `StreamLoader`;
     `evaluation` in order (None when there is no eval data)."""
     train_collate = collate_fn
-    if config.torch_compile and hasattr(collate_fn, "row_length"):  # packed rows: one shape for the compiled blocks
+    # Packed rows get one shape for compiled blocks: under torch_compile: true, and under auto where CUDA may compile
+    # them (`should_compile` decides once the run's length is known; rows padded to max_seq_length cost little).
+    compiling = config.torch_compile is True or (config.torch_compile == "auto" and torch.cuda.is_available())
+    if compiling and hasattr(collate_fn, "row_length"):
         train_collate = copy.copy(collate_fn)
         train_collate.row_length, train_collate.rows = config.max_seq_length, config.per_device_train_batch_size
     common = {

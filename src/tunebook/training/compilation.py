@@ -1,4 +1,4 @@
-"""`torch_compile: true`: regional compilation of the transformer blocks, and a watch on recompiles.
+"""`torch_compile`: regional compilation of the transformer blocks, where it pays back, and a watch on recompiles.
 
 Compiling the whole model takes minutes and recompiles on every change of the loss code around it; compiling one
 block class lets every block reuse its graph (torchtune and torchtitan do the same: the compile time is that of one
@@ -20,7 +20,7 @@ import torch
 
 from ..models.wrappers import unwrap
 
-__all__ = ["CompiledBlocks", "compile_blocks", "eager"]
+__all__ = ["AUTO_MIN_MICRO_BATCHES", "CompiledBlocks", "compile_blocks", "eager", "should_compile"]
 
 logger = logging.getLogger("tunebook")
 
@@ -66,6 +66,50 @@ class CompiledBlocks:
     def summary(self) -> dict:
         return {"torch_compile_blocks": self.blocks, "torch_compile_shapes": self.shapes,
                 "torch_compile_graphs": self.graphs, "torch_compile_recompiles": self.recompiles}  # fmt: skip
+
+
+# `torch_compile: auto` compiles where it was measured to pay back. On an H100 the Llama-3.2-1B shape with packed rows
+# of 2048 (static graphs) ran 1.27x eager's tokens/s, for ~10 s more before the first step: even after ~100 optimizer
+# steps of 2 micro-batches (benchmarks/RESULTS.md, gpu_vs_peers). A smaller model saves less per step for about the
+# same compile, hence the margin. Where batches change shape the blocks need dynamic graphs, which ran 16% slower than
+# eager there; on a 2-core CPU the first compile costs ~15 s for 6-10% per step (section compile_cpu).
+AUTO_MIN_MICRO_BATCHES = 1000
+
+
+def should_compile(config, accelerator, static: bool, micro_batches: int) -> tuple[bool, str]:
+    """Whether this run compiles its blocks, and why (for the log). `torch_compile: true`/`false` are followed as
+    given; `auto` compiles only on CUDA, with batches of one shape (`static`), for at least
+    `AUTO_MIN_MICRO_BATCHES` micro-batches per process, and not with what compiled blocks were not tested with on a
+    GPU (DeepSpeed's hooks, Liger's Triton kernels, bitsandbytes' 4-bit layers)."""
+    if config.torch_compile != "auto":
+        return bool(config.torch_compile), f"torch_compile: {str(config.torch_compile).lower()}"
+    from accelerate.utils import DistributedType
+
+    device = accelerator.device.type
+    if device != "cuda":
+        why = f"on {device}, where the first compile pays back only on long runs: set torch_compile: true for those"
+    elif not static:
+        why = "batches change shape (padding), where dynamic graphs ran slower than eager"
+    elif accelerator.distributed_type == DistributedType.DEEPSPEED:
+        why = "compiled blocks are not tested under DeepSpeed"
+    elif getattr(config, "use_liger_kernel", False):
+        why = "Liger's kernels already fuse the blocks' layers"
+    elif getattr(config, "load_in_4bit", False):
+        why = "bitsandbytes' 4-bit layers"
+    elif not has_triton():
+        why = "no Triton for inductor's CUDA kernels"
+    elif micro_batches < AUTO_MIN_MICRO_BATCHES:
+        why = f"{micro_batches:,} micro-batches, fewer than the {AUTO_MIN_MICRO_BATCHES:,} that pay the first compile back"
+    else:
+        return True, f"torch_compile auto: on (CUDA, batches of one shape, {micro_batches:,} micro-batches)"
+    return False, f"torch_compile auto: off ({why})"
+
+
+def has_triton() -> bool:
+    """Whether inductor can build CUDA kernels here (Triton ships with torch's Linux CUDA wheels, not elsewhere)."""
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -131,21 +131,26 @@ def plan_training(
 ) -> None:
     """Total and per-epoch optimizer steps from the prepared loader (`updates_per_window` optimizer steps per
     accumulation window), and the learning-rate schedule over them; the run keeps the prepared model, optimizer,
-    schedule and loader. With `torch_compile`, the model's transformer
+    schedule and loader. With `torch_compile` (true, or auto where it pays back), the model's transformer
     blocks are compiled here, after the model is wrapped and any frozen reference copied from it."""
     config, accelerator = run.config, run.accelerator
     check_flex_attention(model, accelerator.device)  # packed or not, before a first forward fails inside inductor
-    if config.torch_compile:
-        from ..data.loaders import fixed_batch_shape
-        from .compilation import compile_blocks
-
-        run.compiled = compile_blocks(model, static=fixed_batch_shape(train_loader) is not None)
-        run.log.info("torch_compile: %d %s blocks, compiled in the first step (%s shapes)", run.compiled.blocks,
-                     run.compiled.block_class, run.compiled.shapes)  # fmt: skip
     k = config.gradient_accumulation_steps
     run.total_steps, run.steps_per_epoch = total_optimizer_steps(
         config.max_steps, config.num_train_epochs, len(train_loader), k, updates_per_window
     )
+    if config.torch_compile:  # true or auto
+        from ..data.loaders import fixed_batch_shape
+        from .compilation import compile_blocks, should_compile
+
+        static = fixed_batch_shape(train_loader) is not None
+        compiled, why = should_compile(config, accelerator, static, run.total_steps * k // updates_per_window)
+        if config.torch_compile == "auto":
+            run.log.info(why)
+        if compiled:
+            run.compiled = compile_blocks(model, static=static)
+            run.log.info("torch_compile: %d %s blocks, compiled in the first step (%s shapes)", run.compiled.blocks,
+                         run.compiled.block_class, run.compiled.shapes)  # fmt: skip
     lr_scheduler = accelerator.prepare(
         build_scheduler(config.lr_scheduler_type, optimizer, run.total_steps, config.warmup_ratio)
     )

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from tunebook.data.collate import PackedCollator, PadCollator
 from tunebook.data.loaders import LengthGroupedSampler, build_loader, fixed_batch_shape, train_and_eval_loaders
@@ -42,25 +43,29 @@ def test_loader_uses_the_length_grouped_sampler_only_when_shuffling_with_lengths
     assert not isinstance(build_loader(data, 2, lambda b: b, shuffle=True, seed=0).sampler, LengthGroupedSampler)
 
 
-@pytest.mark.parametrize("compile", [False, True])
-def test_under_torch_compile_packed_training_batches_have_one_shape(compile):
+@pytest.mark.parametrize(
+    ("compile", "cuda", "static"),
+    [(False, True, False), (True, False, True), ("auto", False, False), ("auto", True, True)],
+)
+def test_under_torch_compile_packed_training_batches_have_one_shape(compile, cuda, static, monkeypatch):
     """torch_compile: training batches of packed rows are micro-batch x max_seq_length (one shape, static graphs), the
     epoch's last batch filled up with rows of padding alone that carry no label; evaluation batches and padded
-    examples keep the shape of their rows."""
+    examples keep the shape of their rows. `auto` gives them one shape where CUDA may compile them."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     rows = [{"input_ids": [5] * n, "labels": [5] * n, "seq_lengths": [n]} for n in (9, 20, 7, 12, 10)]
     config = SFTConfig(packing=True, max_seq_length=32, torch_compile=compile, dataloader_num_workers=0,
-                       per_device_train_batch_size=2, per_device_eval_batch_size=2)  # fmt: skip
+                       dataloader_pin_memory=False, per_device_train_batch_size=2, per_device_eval_batch_size=2)  # fmt: skip
     train, evaluation = train_and_eval_loaders(config, rows, rows, PackedCollator(0, pad_to_multiple_of=8))
     batches = list(train)
     assert sum(b["attention_mask"].sum().item() for b in batches) == 58  # every real token, once
     assert sum((b["labels"] != -100).sum().item() for b in batches) == 58  # none in the rows of padding
     real_rows = [row.any().item() for b in batches for row in b["attention_mask"]]
-    if compile:
+    if static:
         assert {tuple(b["input_ids"].shape) for b in batches} == {(2, 32)}
         assert real_rows.count(False) == 1  # the last batch's second row: padding alone
     else:
         assert sorted(b["input_ids"].shape[0] for b in batches) == [1, 2, 2] and all(real_rows)
-    assert fixed_batch_shape(train) == ((2, 32) if compile else None) and fixed_batch_shape(evaluation) is None
+    assert fixed_batch_shape(train) == ((2, 32) if static else None) and fixed_batch_shape(evaluation) is None
     assert {tuple(b["input_ids"].shape) for b in evaluation} == {(2, 24), (2, 16), (1, 16)}
     padded, _ = train_and_eval_loaders(config, rows, None, PadCollator(0, pad_to_multiple_of=8))
     assert fixed_batch_shape(padded) is None

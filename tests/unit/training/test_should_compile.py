@@ -1,0 +1,76 @@
+"""`torch_compile: auto` compiles only where it was measured to pay back; true and false are followed as given."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from accelerate.utils import DistributedType
+
+from tunebook.config import ConfigError, load_config
+from tunebook.recipe_configs import SFTConfig
+from tunebook.training import compilation
+from tunebook.training.compilation import AUTO_MIN_MICRO_BATCHES, should_compile
+
+CUDA = SimpleNamespace(device=torch.device("cuda", 0), distributed_type=DistributedType.NO)
+ENOUGH = AUTO_MIN_MICRO_BATCHES
+
+
+@pytest.fixture(autouse=True)
+def _triton(monkeypatch):
+    monkeypatch.setattr(compilation, "has_triton", lambda: True)
+
+
+def test_auto_compiles_long_packed_runs_on_cuda():
+    compiled, why = should_compile(SFTConfig(), CUDA, static=True, micro_batches=ENOUGH)
+    assert SFTConfig().torch_compile == "auto"
+    assert compiled and why == f"torch_compile auto: on (CUDA, batches of one shape, {ENOUGH:,} micro-batches)"
+
+
+@pytest.mark.parametrize(
+    ("settings", "accelerator", "static", "micro_batches", "reason"),
+    [
+        ({}, SimpleNamespace(device=torch.device("cpu"), distributed_type=DistributedType.NO), True, ENOUGH,
+         "on cpu, where the first compile pays back only on long runs: set torch_compile: true for those"),
+        ({}, CUDA, False, ENOUGH, "batches change shape (padding), where dynamic graphs ran slower than eager"),
+        ({}, SimpleNamespace(device=torch.device("cuda", 0), distributed_type=DistributedType.DEEPSPEED), True,
+         ENOUGH, "compiled blocks are not tested under DeepSpeed"),
+        ({"use_liger_kernel": True}, CUDA, True, ENOUGH, "Liger's kernels already fuse the blocks' layers"),
+        ({"load_in_4bit": True}, CUDA, True, ENOUGH, "bitsandbytes' 4-bit layers"),
+        ({}, CUDA, True, ENOUGH - 1,
+         f"{ENOUGH - 1:,} micro-batches, fewer than the {ENOUGH:,} that pay the first compile back"),
+    ],
+)  # fmt: skip
+def test_auto_stays_eager_where_compiling_was_not_measured_to_pay(settings, accelerator, static, micro_batches,
+                                                                  reason):  # fmt: skip
+    config = SFTConfig()
+    for key, value in settings.items():  # set after the checks: load_in_4bit alone asks for a pretrained model
+        setattr(config, key, value)
+    assert should_compile(config, accelerator, static, micro_batches) == (False, f"torch_compile auto: off ({reason})")
+
+
+def test_auto_without_triton_stays_eager(monkeypatch):
+    monkeypatch.setattr(compilation, "has_triton", lambda: False)
+    assert should_compile(SFTConfig(), CUDA, True, ENOUGH) == (
+        False, "torch_compile auto: off (no Triton for inductor's CUDA kernels)")  # fmt: skip
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_true_and_false_are_followed_anywhere(value):
+    cpu = SimpleNamespace(device=torch.device("cpu"), distributed_type=DistributedType.NO)
+    assert should_compile(SFTConfig(torch_compile=value), cpu, static=False, micro_batches=1)[0] is value
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [([], "auto"), (["--torch_compile", "auto"], "auto"), (["--torch_compile"], True), (["--no_torch_compile"], False),
+     (["--torch_compile", "true"], True), (["--torch_compile=false"], False)],
+)  # fmt: skip
+def test_torch_compile_reads_true_false_and_auto(argv, expected):
+    assert load_config(SFTConfig, argv).torch_compile == expected
+
+
+def test_another_torch_compile_value_stops_with_one_line():
+    with pytest.raises(ConfigError, match="torch_compile.*sometimes"):
+        load_config(SFTConfig, ["--torch_compile", "sometimes"])
