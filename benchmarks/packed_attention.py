@@ -232,12 +232,15 @@ def mask_timings(batch: dict, device: str, repeats: int = 5) -> dict:
 
 
 def labelled(record: dict) -> dict:
-    """A step's record whose backend names its LM-head chunks where they are not the library's."""
-    chunk = record.get("chunk_elements")
-    if chunk is None or chunk == record.get("default_chunk_elements"):
-        return record
-    size = f"2^{chunk.bit_length() - 1}" if chunk & (chunk - 1) == 0 else f"{chunk:,}"
-    return {**record, "attn": f"{record['attn']}, LM-head chunks of {size} logits"}
+    """A step's record whose backend names its LM-head chunks where they are not the library's, and its LM-head
+    backward where it was forced."""
+    chunk, labels = record.get("chunk_elements"), []
+    if chunk is not None and chunk != record.get("default_chunk_elements"):
+        size = f"2^{chunk.bit_length() - 1}" if chunk & (chunk - 1) == 0 else f"{chunk:,}"
+        labels.append(f"LM-head chunks of {size} logits")
+    if record.get("ce_backward", "auto") != "auto":
+        labels.append(f"LM-head backward over {record['ce_backward']}")
+    return {**record, "attn": ", ".join([record["attn"], *labels])} if labels else record
 
 
 def table(records: list[dict]) -> str:
@@ -296,6 +299,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--chunk_elements", type=int, default=None, help="logits per chunk of the fused LM-head "
                         "loss (default: tunebook.training.linear_ce.CHUNK_ELEMENTS)")  # fmt: skip
+    parser.add_argument("--ce_backward", choices=("auto", "rows", "vocab"), default="auto", help="what the fused "
+                        "loss's backward chunks over (auto: the vocabulary on CUDA when it outnumbers the rows)")  # fmt: skip
     parser.add_argument("--profile_top", type=int, default=8, help="operators listed from a profiled step (0: none)")
     parser.add_argument("--work_dir", default="/tmp/tunebook-vs-peers", help="shared with vs_peers.py's assets")
     parser.add_argument("--smoke", action="store_true", help="tiny model, 2 steps, no RESULTS.md")
@@ -343,6 +348,7 @@ def main():
     default_chunk = linear_ce.CHUNK_ELEMENTS
     if args.chunk_elements:  # the fused loss's logits per chunk, for every step measured here
         linear_ce.CHUNK_ELEMENTS = args.chunk_elements
+    linear_ce.VOCAB_BACKWARD = {"auto": None, "rows": False, "vocab": True}[args.ce_backward]
     lengths = example_lengths(Path(args.work_dir), args.examples, args.train_data)
     # Every record carries what its section needs, so one cut off at a time limit still makes a table (--record).
     context = {
@@ -374,7 +380,7 @@ def main():
                 batch = packed_batch(lengths, seq_len, rows, attn, values["vocab_size"])
                 figures = measure(values, attn, batch, steps, warmup, device, args.profile_top)
                 keep({**figures, "shape": shape, "seq_len": seq_len, "rows": rows, "attn": attn,
-                      "chunk_elements": linear_ce.CHUNK_ELEMENTS,
+                      "chunk_elements": linear_ce.CHUNK_ELEMENTS, "ce_backward": args.ce_backward,
                       "examples_per_row": float(((batch["seq_ids"] * batch["attention_mask"]).amax(1) + 1).float().mean()),
                       "fill": float(batch["attention_mask"].float().mean())})  # fmt: skip
                 if cuda:

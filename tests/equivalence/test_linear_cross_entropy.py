@@ -25,6 +25,22 @@ def small_chunks(monkeypatch, tiny_tokenizer):
     monkeypatch.setattr(loss_module, "_CHANGES_LOGITS", set())
 
 
+class _Strategy(list):
+    """The vocabulary-sliced backwards run (their arguments), and the strategy asked for."""
+
+    strategy = ""
+
+
+@pytest.fixture(params=["rows", "vocab"])
+def backward(request, monkeypatch) -> _Strategy:
+    """Each backward strategy, forced (CPUs pick row chunks by themselves), and which one ran."""
+    monkeypatch.setattr(linear_ce, "VOCAB_BACKWARD", request.param == "vocab")
+    calls, vocab_backward = _Strategy(), linear_ce._vocab_backward
+    calls.strategy = request.param
+    monkeypatch.setattr(linear_ce, "_vocab_backward", lambda *args: calls.append(args) or vocab_backward(*args))
+    return calls
+
+
 def _rows(tokenizer, lengths, prompt=3):
     g = torch.Generator().manual_seed(1)
     rows = []
@@ -81,13 +97,14 @@ def _assert_equal_to_full_logits(model, batch, attn="sdpa", fused_head=True):
         torch.testing.assert_close(grads[name], grad, atol=TOL, rtol=TOL, msg=f"gradient of {name}")
 
 
-def test_chunked_function_equals_cross_entropy_of_linear(monkeypatch):
+def test_chunked_function_equals_cross_entropy_of_linear(monkeypatch, backward):
     g = torch.Generator().manual_seed(0)
-    vocab, rows = 301, 37  # neither a multiple of the 8-row chunks
+    vocab, rows = 301, 37  # neither a multiple of the 8-row chunks, nor of the vocabulary slices of 2408 // 37 = 65
     hidden = torch.randn(rows, 16, generator=g, requires_grad=True)
     weight = torch.randn(vocab, 16, generator=g, requires_grad=True)
     bias = torch.randn(vocab, generator=g, requires_grad=True)
     targets = torch.randint(0, vocab, (rows,), generator=g)
+    targets[:3] = torch.tensor([0, vocab - 1, 260])  # the first and the last slice's edges
     upstream = torch.rand(rows, generator=g)  # a different weight per token
     results = []
     for chunk_rows in (None, 8, rows):  # the plain loss; 8-row chunks; one chunk, whose softmax the backward keeps
@@ -99,6 +116,8 @@ def test_chunked_function_equals_cross_entropy_of_linear(monkeypatch):
             losses = F.cross_entropy(F.linear(hidden, weight, bias), targets, reduction="none")
         (losses * upstream).sum().backward()
         results.append([losses.detach(), hidden.grad, weight.grad, bias.grad])
+        if chunk_rows == 8:  # several chunks: the strategy asked for; one chunk keeps its softmax whatever it is
+            assert len(backward) == (backward.strategy == "vocab")
     for fused in results[1:]:
         for got, expected in zip(fused, results[0]):
             torch.testing.assert_close(got, expected, atol=TOL, rtol=TOL)
@@ -110,6 +129,82 @@ def test_chunked_function_equals_cross_entropy_of_linear(monkeypatch):
     empty = linear_cross_entropy(hidden[:0], weight, None, targets[:0])
     empty.sum().backward()
     assert empty.shape == (0,) and empty.dtype == torch.float32
+
+
+def test_vocabulary_slices_equal_cross_entropy_of_linear(monkeypatch):
+    """The vocabulary-sliced backward: several row chunks in the forward, several slices in the backward, the last
+    one partial and holding targets, a bias, per-sequence weights (as DPO's sums) with a sequence weighted 0, and
+    each subset of the gradients asked for."""
+    g = torch.Generator().manual_seed(2)
+    vocab, rows, width = 203, 29, 12
+    monkeypatch.setattr(linear_ce, "CHUNK_ELEMENTS", 6 * vocab)  # row chunks of 6; slices of 1218 // 29 = 42 columns
+    monkeypatch.setattr(linear_ce, "VOCAB_BACKWARD", True)
+    calls, vocab_backward = [], linear_ce._vocab_backward
+    monkeypatch.setattr(linear_ce, "_vocab_backward", lambda *args: calls.append(args) or vocab_backward(*args))
+    hidden, weight, bias = (
+        torch.randn(rows, width, generator=g),
+        torch.randn(vocab, width, generator=g),
+        torch.randn(vocab, generator=g),
+    )
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    targets[:4] = torch.tensor([vocab - 1, 168, vocab - 2, 41])  # 168 opens the last slice, 41 closes the first
+    sequence = torch.tensor([0] * 8 + [1] * 11 + [2] * 6 + [3] * 4)
+    upstream = torch.tensor([1.0, -0.5, 0.0, 3.0])[sequence] / 7  # weight of each token: its sequence's
+    for needed in [(True, True, True), (True, False, False), (False, True, True)]:
+        inputs = [t.clone().requires_grad_(need) for t, need in zip((hidden, weight, bias), needed)]
+        expected = F.cross_entropy(F.linear(*inputs), targets, reduction="none")
+        expected_grads = torch.autograd.grad((expected * upstream).sum(), [t for t in inputs if t.requires_grad])
+        losses = linear_cross_entropy(*inputs, targets)
+        grads = torch.autograd.grad((losses * upstream).sum(), [t for t in inputs if t.requires_grad])
+        torch.testing.assert_close(losses, expected, atol=TOL, rtol=TOL)
+        for got, want in zip(grads, expected_grads, strict=True):
+            torch.testing.assert_close(got, want, atol=TOL, rtol=TOL)
+    assert len(calls) == 3 and calls[0][4].shape == (rows,)  # run each time, with the forward's log-sum-exps
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_vocabulary_slices_in_bf16_agree_with_row_chunks(monkeypatch, autocast):
+    """bf16 weights, or float32 ones under bf16 autocast: both strategies round differently (a float32 sum of bf16
+    products per slice for the hidden states, per chunk for the weight), so they agree to bf16's precision."""
+    g = torch.Generator().manual_seed(3)
+    vocab, rows, width = 203, 29, 16
+    monkeypatch.setattr(linear_ce, "CHUNK_ELEMENTS", 6 * vocab)
+    dtype = torch.float32 if autocast else torch.bfloat16
+    tensors = [
+        torch.randn(rows, width, generator=g),
+        torch.randn(vocab, width, generator=g) / 4,
+        torch.randn(vocab, generator=g),
+    ]
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    targets[0] = vocab - 1
+    upstream = torch.rand(rows, generator=g)
+    calls, vocab_backward = [], linear_ce._vocab_backward
+    monkeypatch.setattr(linear_ce, "_vocab_backward", lambda *args: calls.append(args) or vocab_backward(*args))
+    results = {}
+    for strategy in (False, True):
+        monkeypatch.setattr(linear_ce, "VOCAB_BACKWARD", strategy)
+        inputs = [t.to(dtype, copy=True).requires_grad_() for t in tensors]  # fresh leaves, fresh grads
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            losses = linear_cross_entropy(*inputs, targets)
+        (losses * upstream).sum().backward()
+        assert losses.dtype == torch.float32 and all(t.grad.dtype == dtype for t in inputs)
+        results[strategy] = [losses.detach(), *(t.grad.float() for t in inputs)]
+    assert len(calls) == 1
+    torch.testing.assert_close(results[True][0], results[False][0], atol=0, rtol=0)  # one forward for both
+    for got, want in zip(results[True][1:], results[False][1:]):  # gradients up to about 3: bf16's step there is 1/64
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=1e-2)
+
+
+def test_the_vocabulary_backward_is_automatic_on_cuda_only(monkeypatch):
+    """None: vocabulary slices on CUDA where the vocabulary outnumbers the rows; CPUs keep row chunks."""
+    assert linear_ce.VOCAB_BACKWARD is None
+    assert linear_ce._slices_vocabulary("cuda", rows=16384, vocab=128256)
+    assert not linear_ce._slices_vocabulary("cuda", rows=16384, vocab=2048)
+    assert not linear_ce._slices_vocabulary("cpu", rows=16384, vocab=128256)
+    monkeypatch.setattr(linear_ce, "VOCAB_BACKWARD", True)
+    assert linear_ce._slices_vocabulary("cpu", rows=16384, vocab=2048)
+    monkeypatch.setattr(linear_ce, "VOCAB_BACKWARD", False)
+    assert not linear_ce._slices_vocabulary("cuda", rows=16384, vocab=128256)
 
 
 def test_bf16_weights_and_autocast_keep_float32_losses():
@@ -137,13 +232,14 @@ def test_bf16_weights_and_autocast_keep_float32_losses():
 
 @pytest.mark.parametrize("kind", ["padded", "packed"])
 @pytest.mark.parametrize("tied", [False, True])
-def test_fused_loss_equals_full_logits(tiny_tokenizer, tiny_model_config, kind, tied):
+def test_fused_loss_equals_full_logits(tiny_tokenizer, tiny_model_config, kind, tied, backward):
     torch.manual_seed(0)
     model = build_causal_lm(tiny_tokenizer, model_config={**tiny_model_config, "tie_word_embeddings": tied}).train()
     batch = _batch(tiny_tokenizer, kind)
     assert batch["loss_positions"].numel() % CHUNK_ROWS
     attn = use_packed_attention(model, "cpu") if kind == "packed" else "sdpa"
     _assert_equal_to_full_logits(model, batch, attn)
+    assert len(backward) == (backward.strategy == "vocab")
 
 
 @pytest.mark.parametrize(
@@ -155,7 +251,7 @@ def test_fused_loss_equals_full_logits(tiny_tokenizer, tiny_model_config, kind, 
         {"new_tokens": True, "tied": True},
     ],
 )
-def test_fused_loss_equals_full_logits_with_lora(tiny_tokenizer, tiny_model_config, lora):
+def test_fused_loss_equals_full_logits_with_lora(tiny_tokenizer, tiny_model_config, lora, backward):
     torch.manual_seed(0)
     config = {**tiny_model_config, "tie_word_embeddings": lora.get("tied", False)}
     model = build_causal_lm(tiny_tokenizer, model_config=config)
@@ -171,6 +267,7 @@ def test_fused_loss_equals_full_logits_with_lora(tiny_tokenizer, tiny_model_conf
                 param.data.add_(torch.randn_like(param) * 0.1)
     batch = _batch(tiny_tokenizer, "padded")
     _assert_equal_to_full_logits(model, batch)
+    assert len(backward) == (backward.strategy == "vocab")
     with torch.no_grad(), model.disable_adapter():  # DPO's reference: the frozen original head
         full = per_example_token_loss(model(**attention_inputs(batch, "sdpa", torch.float32)).logits, batch["labels"])
         losses, positions = causal_lm_token_losses(model, attention_inputs(batch, "sdpa", torch.float32), batch)

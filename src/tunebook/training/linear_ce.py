@@ -20,6 +20,19 @@ peak resident-set growth:
 
 torch's default chunking (float32 on a CPU falls back to chunks whose logits are half the input's size) picks
 8-row chunks at 32,768 (25-38 s) and 2-row chunks at 131,072 (stopped after ten minutes).
+
+The backward can also chunk over the vocabulary (`VOCAB_BACKWARD`; by default on CUDA when the vocabulary is larger
+than the rows). Row chunks add each chunk's share into the whole weight gradient. On an H100 at the Llama-3.2-1B
+shape (bf16 autocast, 16,384 rows, vocabulary 128,256, hidden 2,048) that is a 128,256 x 2,048 float32 gradient,
+1 GB, read and written by each of 63 chunks, plus a 0.5 GB bf16 product per chunk: an estimated 65 ms (at 3 TB/s)
+of a 526 ms step whose profile put 188 ms in the LM head, against about 40 ms of matmuls. A slice of the vocabulary, with all rows, finishes its rows of the weight gradient
+in one matmul. That lands straight in a gradient of the weight's dtype, with no float32 accumulator, and rounds
+once, as the unfused F.linear's backward does. What accumulates instead is the (rows, hidden) gradient of the
+hidden states: vocabulary / rows times less traffic. The forward keeps its row chunks and saves each row's
+log-sum-exp for this path. Not yet measured on a GPU; the next GPU lease measures it
+(benchmarks/packed_attention.py --ce_backward). CPUs keep row chunks: their accumulation is cheap there, and on
+2-core CPUs vocabulary slices gained nothing (a prototype 1-10% slower; this code level with row chunks at 2048 rows x
+hidden 256 x vocabulary 131,072, float32, 2.1 s each on a Xeon).
 """
 
 from __future__ import annotations
@@ -28,11 +41,15 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CHUNK_ELEMENTS", "LinearLosses", "linear_cross_entropy"]
+__all__ = ["CHUNK_ELEMENTS", "VOCAB_BACKWARD", "LinearLosses", "linear_cross_entropy"]
 
 # Logits per chunk: 128 MiB in float32, 256 rows of a 131,072-token vocabulary. Smaller chunks cost time on CPU
 # (128 rows: about 12 s instead of 10 s in the table above), as each re-reads the whole weight for a thinner matmul.
 CHUNK_ELEMENTS = 2**25
+
+# How the backward chunks: True over the vocabulary, False over rows, None by the device (see the module's docstring):
+# vocabulary slices on CUDA when the vocabulary is larger than the rows. Set by tests and benchmarks.
+VOCAB_BACKWARD: bool | None = None
 
 
 def linear_cross_entropy(
@@ -47,35 +64,55 @@ def linear_cross_entropy(
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
     rows = max(1, CHUNK_ELEMENTS // weight.shape[0])
+    vocab = _slices_vocabulary(device, hidden.shape[0], weight.shape[0])
     with torch.autocast(device, enabled=False):  # the backward runs without autocast: both must see one dtype
         bias = None if bias is None else bias.to(dtype)
-        return _LinearCrossEntropy.apply(hidden.to(dtype), weight.to(dtype), bias, targets, rows)
+        return _LinearCrossEntropy.apply(hidden.to(dtype), weight.to(dtype), bias, targets, rows, vocab)
+
+
+def _slices_vocabulary(device: str, rows: int, vocab: int) -> bool:
+    if VOCAB_BACKWARD is not None:
+        return VOCAB_BACKWARD
+    return device == "cuda" and vocab > rows
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, rows):
+    def forward(ctx, hidden, weight, bias, targets, rows, vocab):
+        one_chunk = 0 < hidden.shape[0] <= rows
         losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        # Vocabulary slices never see a row's whole logits, so they need its log-sum-exp from here. Only then: the
+        # row chunks get it back as loss + target logit, which they recompute anyway.
+        lse = torch.empty_like(losses) if vocab and not one_chunk else None
         buffer = _logits_buffer(hidden, weight, rows)
         for start in range(0, hidden.shape[0], rows):
             logits = _chunk_logits(hidden[start : start + rows], weight, bias, buffer)
-            logits.sub_(logits.amax(dim=1, keepdim=True))  # exp cannot overflow
+            maxes = logits.amax(dim=1, keepdim=True)
+            logits.sub_(maxes)  # exp cannot overflow
             target_logits = logits.gather(1, targets[start : start + rows, None]).squeeze(1)
             sums = logits.exp_().sum(dim=1)
-            torch.sub(sums.log(), target_logits, out=losses[start : start + rows])
+            log_sums = sums.log()
+            torch.sub(log_sums, target_logits, out=losses[start : start + rows])
+            if lse is not None:
+                torch.add(maxes.squeeze(1), log_sums, out=lse[start : start + rows])
         # One chunk: its softmax is kept for the backward, which then has no logits to recompute (the memory of the
         # unfused loss's log-softmax, at most one chunk; 1.2-1.5x faster than F.cross_entropy's forward and backward
         # on the vs_peers model's 2048-token vocabulary, with no (rows, vocab) zero tensor for nll_loss's gradient).
-        softmax = buffer.div_(sums[:, None]) if 0 < hidden.shape[0] <= rows else None
-        ctx.save_for_backward(hidden, weight, bias, targets, losses, softmax)
+        softmax = buffer.div_(sums[:, None]) if one_chunk else None
+        ctx.save_for_backward(hidden, weight, bias, targets, losses, softmax, lse)
         ctx.rows = rows
         return losses
 
     @staticmethod
     def backward(ctx, grad_losses):
-        hidden, weight, bias, targets, losses, softmax = ctx.saved_tensors
+        hidden, weight, bias, targets, losses, softmax, lse = ctx.saved_tensors
         rows = ctx.rows
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        if lse is not None:
+            grads = _vocab_backward(
+                hidden, weight, bias, targets, lse, grad_losses, need_hidden, need_weight, need_bias
+            )
+            return *grads, None, None, None
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         # Summed over chunks in float32, whatever the weight's dtype: bf16 partial sums would round once per chunk.
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
@@ -103,7 +140,42 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_weight += grad_logits.t() @ chunk
         grad_weight = grad_weight.to(weight.dtype) if need_weight else None
         grad_bias = grad_bias.to(bias.dtype) if need_bias else None
-        return grad_hidden, grad_weight, grad_bias, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+def _vocab_backward(hidden, weight, bias, targets, lse, grad_losses, need_hidden, need_weight, need_bias):
+    """The backward a slice of the vocabulary at a time, all rows at once (see the module's docstring)."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    cols = min(vocab, max(1, CHUNK_ELEMENTS // max(1, n)))
+    # Every slice is finished by one matmul over all rows: no float32 copy of the weight's or the bias's gradient.
+    grad_weight = torch.empty_like(weight) if need_weight else None
+    grad_bias = torch.empty_like(bias) if need_bias else None
+    # What accumulates here is the hidden states' gradient, in float32: a bf16 sum would round once per slice.
+    grad_hidden = torch.zeros_like(hidden, dtype=torch.float32) if need_hidden else None
+    buffer = torch.empty(n * cols, dtype=torch.float32, device=hidden.device)  # reused, as `_logits_buffer`
+    for v0 in range(0, vocab, cols):
+        v1 = min(v0 + cols, vocab)
+        slice_weight, slice_bias = weight[v0:v1], None if bias is None else bias[v0:v1]
+        logits = _chunk_logits(hidden, slice_weight, slice_bias, buffer[: n * (v1 - v0)].view(n, v1 - v0))
+        grad_logits = logits.sub_(lse[:, None]).exp_()  # softmax ...
+        # ... - one-hot, for the rows whose target is in this slice; the others add 0 (no mask to count: no sync).
+        local = targets - v0
+        inside = (local >= 0) & (local < v1 - v0)
+        grad_logits.scatter_add_(1, local.clamp(0, v1 - v0 - 1)[:, None], inside[:, None].to(torch.float32).neg())
+        grad_logits.mul_(grad_losses[:, None])
+        if need_bias:
+            grad_bias[v0:v1] = grad_logits.sum(dim=0)
+        grad_logits = grad_logits.to(weight.dtype)
+        if need_hidden and grad_hidden.dtype == weight.dtype:
+            grad_hidden.addmm_(grad_logits, slice_weight)
+        elif need_hidden:
+            grad_hidden += grad_logits @ slice_weight
+        if need_weight and grad_weight.dtype == hidden.dtype:
+            torch.mm(grad_logits.t(), hidden, out=grad_weight[v0:v1])
+        elif need_weight:
+            grad_weight[v0:v1] = grad_logits.t() @ hidden
+    grad_hidden = grad_hidden.to(hidden.dtype) if need_hidden else None
+    return grad_hidden, grad_weight, grad_bias
 
 
 def _logits_buffer(hidden: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:
