@@ -148,7 +148,7 @@ def plan_training(
         if config.torch_compile == "auto":
             run.log.info(why)
         if compiled:
-            run.compiled = compile_blocks(model, static=static)
+            run.compiled = compile_blocks(model, static=static, fallback=config.torch_compile == "auto")
             run.log.info("torch_compile: %d %s blocks, compiled in the first step (%s shapes)", run.compiled.blocks,
                          run.compiled.block_class, run.compiled.shapes)  # fmt: skip
     lr_scheduler = accelerator.prepare(

@@ -74,3 +74,38 @@ def test_torch_compile_reads_true_false_and_auto(argv, expected):
 def test_another_torch_compile_value_stops_with_one_line():
     with pytest.raises(ConfigError, match="torch_compile.*sometimes"):
         load_config(SFTConfig, ["--torch_compile", "sometimes"])
+
+
+@pytest.mark.parametrize("fallback", [True, False])
+def test_under_auto_blocks_that_fail_to_compile_run_eagerly(tiny_tokenizer, tiny_model_config, monkeypatch, caplog,
+                                                            request, fallback):  # fmt: skip
+    """auto (`fallback`): a block whose compile fails runs its eager forward, with a warning, where the run would
+    otherwise stop; `torch_compile: true` stops with the compiler's error."""
+    import torch._dynamo
+
+    from tunebook.models import build_causal_lm
+    from tunebook.training.compilation import compile_blocks
+
+    def failing_backend(graph, example_inputs):
+        raise RuntimeError("no kernels for this block")
+
+    torch._dynamo.reset()
+    request.addfinalizer(torch._dynamo.reset)  # the failed code is marked to skip: later tests compile it afresh
+    monkeypatch.setattr(compilation, "BACKEND", failing_backend)
+    torch.manual_seed(0)
+    model = build_causal_lm(tiny_tokenizer, model_config=tiny_model_config).train()
+    batch = dict(tiny_tokenizer(["hello world, two plus two"], return_tensors="pt"))
+    batch["labels"] = batch["input_ids"]
+    expected = model(**batch).loss
+    with torch._dynamo.config.patch(suppress_errors=False):  # compile_blocks sets it for the process: undone here
+        blocks = compile_blocks(model, static=True, fallback=fallback)
+        if not fallback:
+            with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="no kernels for this block"):
+                model(**batch)
+            return
+        loss = model(**batch).loss
+        loss.backward()
+    with caplog.at_level("WARNING", logger="tunebook"):
+        blocks.step_done()
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-6) and blocks.failures > 0
+    assert "torch_compile auto: LlamaDecoderLayer code failed to compile" in caplog.text
