@@ -196,9 +196,11 @@ def test_vocabulary_slices_in_bf16_agree_with_row_chunks(monkeypatch, autocast):
 
 
 def test_the_vocabulary_backward_is_automatic_on_cuda_only(monkeypatch):
-    """None: vocabulary slices on CUDA where the vocabulary outnumbers the rows; CPUs keep row chunks."""
+    """None: vocabulary slices on CUDA where the vocabulary outnumbers the rows and the head is trained; CPUs and
+    frozen heads (LoRA: no weight gradient to accumulate) keep row chunks."""
     assert linear_ce.VOCAB_BACKWARD is None
     assert linear_ce._slices_vocabulary("cuda", rows=16384, vocab=128256)
+    assert not linear_ce._slices_vocabulary("cuda", rows=16384, vocab=128256, weight_grad=False)
     assert not linear_ce._slices_vocabulary("cuda", rows=16384, vocab=2048)
     assert not linear_ce._slices_vocabulary("cpu", rows=16384, vocab=128256)
     monkeypatch.setattr(linear_ce, "VOCAB_BACKWARD", True)

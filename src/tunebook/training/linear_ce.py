@@ -22,17 +22,17 @@ torch's default chunking (float32 on a CPU falls back to chunks whose logits are
 8-row chunks at 32,768 (25-38 s) and 2-row chunks at 131,072 (stopped after ten minutes).
 
 The backward can also chunk over the vocabulary (`VOCAB_BACKWARD`; by default on CUDA when the vocabulary is larger
-than the rows). Row chunks add each chunk's share into the whole weight gradient. On an H100 at the Llama-3.2-1B
-shape (bf16 autocast, 16,384 rows, vocabulary 128,256, hidden 2,048) that is a 128,256 x 2,048 float32 gradient,
-1 GB, read and written by each of 63 chunks, plus a 0.5 GB bf16 product per chunk: an estimated 65 ms (at 3 TB/s)
-of a 526 ms step whose profile put 188 ms in the LM head, against about 40 ms of matmuls. A slice of the vocabulary, with all rows, finishes its rows of the weight gradient
-in one matmul. That lands straight in a gradient of the weight's dtype, with no float32 accumulator, and rounds
-once, as the unfused F.linear's backward does. What accumulates instead is the (rows, hidden) gradient of the
-hidden states: vocabulary / rows times less traffic. The forward keeps its row chunks and saves each row's
-log-sum-exp for this path. Not yet measured on a GPU; the next GPU lease measures it
-(benchmarks/packed_attention.py --ce_backward). CPUs keep row chunks: their accumulation is cheap there, and on
-2-core CPUs vocabulary slices gained nothing (a prototype 1-10% slower; this code level with row chunks at 2048 rows x
-hidden 256 x vocabulary 131,072, float32, 2.1 s each on a Xeon).
+than the rows and the head is trained). Row chunks add each chunk's share into the whole weight gradient. On an H100
+at the Llama-3.2-1B shape (bf16 autocast, 16,384 rows, vocabulary 128,256, hidden 2,048) that is a 128,256 x 2,048
+float32 gradient, 1 GB, read and written by each of 63 chunks, plus a 0.5 GB bf16 product per chunk: an estimated 65
+ms (at 3 TB/s) of a 526 ms step whose profile put 188 ms in the LM head, against about 40 ms of matmuls. A slice of
+the vocabulary, with all rows, finishes its rows of the weight gradient in one matmul. That lands straight in a
+gradient of the weight's dtype, with no float32 accumulator, and rounds once, as the unfused F.linear's backward
+does. What accumulates instead is the (rows, hidden) gradient of the hidden states: vocabulary / rows times less
+traffic. The forward keeps its row chunks and saves each row's log-sum-exp for this path. Not yet measured on a GPU;
+the next GPU lease measures it (benchmarks/packed_attention.py --ce_backward). CPUs keep row chunks: their
+accumulation is cheap there, and on 2-core CPUs vocabulary slices gained nothing (a prototype 1-10% slower; this
+code level with row chunks at 2048 rows x hidden 256 x vocabulary 131,072, float32, 2.1 s each on a Xeon).
 """
 
 from __future__ import annotations
@@ -64,16 +64,17 @@ def linear_cross_entropy(
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
     rows = max(1, CHUNK_ELEMENTS // weight.shape[0])
-    vocab = _slices_vocabulary(device, hidden.shape[0], weight.shape[0])
+    vocab = _slices_vocabulary(device, hidden.shape[0], weight.shape[0], weight.requires_grad)
     with torch.autocast(device, enabled=False):  # the backward runs without autocast: both must see one dtype
         bias = None if bias is None else bias.to(dtype)
         return _LinearCrossEntropy.apply(hidden.to(dtype), weight.to(dtype), bias, targets, rows, vocab)
 
 
-def _slices_vocabulary(device: str, rows: int, vocab: int) -> bool:
+def _slices_vocabulary(device: str, rows: int, vocab: int, weight_grad: bool = True) -> bool:
     if VOCAB_BACKWARD is not None:
         return VOCAB_BACKWARD
-    return device == "cuda" and vocab > rows
+    # A frozen head (LoRA) has no weight gradient to write per row chunk; its row chunks accumulate nothing.
+    return device == "cuda" and vocab > rows and weight_grad
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
