@@ -3,12 +3,13 @@
 from a checkpoint continues it exactly.
 
 From the same saved model, each DeepSpeed run logs the losses of the plain run (DDP over as many processes, or one
-process) to 1e-5 and ends with its weights to 1e-5; the run resumed from its step-3 checkpoint logs the same losses
-and ends with the same weights, bit for bit. Each of these failed before the fixes they came with: a resumed run
-restarted its learning-rate schedule (Accelerate left the scheduler out of DeepSpeed checkpoints), ZeRO-3 models
-started from uninitialised embeddings and DPO's warm-up and reference ran on partitioned (empty) weights, and an
-epoch's last window stepped the engine after every micro-batch. Under ZeRO-3, DPO's and GRPO's frozen reference is
-partitioned over the processes too (GRPO is only resumed: its sampled completions differ from DDP's by ~5e-5 in loss).
+process) to 1e-5 and moves every parameter as it does (to 1e-3 of the update's norm: `_assert_same_updates`); the run
+resumed from its step-3 checkpoint logs the same losses and ends with the same weights, bit for bit. Each of these
+failed before the fixes they came with: a resumed run restarted its learning-rate schedule (Accelerate left the
+scheduler out of DeepSpeed checkpoints), ZeRO-3 models started from uninitialised embeddings and DPO's warm-up and
+reference ran on partitioned (empty) weights, and an epoch's last window stepped the engine after every micro-batch.
+Under ZeRO-3, DPO's and GRPO's frozen reference is partitioned over the processes too (GRPO is only resumed: its
+sampled completions differ from DDP's by ~5e-5 in loss).
 """
 
 from __future__ import annotations
@@ -87,6 +88,23 @@ def _losses(out) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
+def _assert_same_updates(start, plain, other) -> None:
+    """Every parameter of run `other` moved from `start` as in run `plain`: the two updates agree to 1e-3 of the update's
+    norm.
+
+    Not element by element: DeepSpeed sums gradients in another order than DDP (~1e-7 apart), and Adam divides each
+    element by its own running size. An element whose gradient cancels down to that rounding (DPO's chosen and
+    rejected terms, early on) then steps by a share of the learning rate either way. In 2 of 10 random start models one
+    DPO weight in thousands ended ~2e-5 apart under ZeRO-3 (5 steps at lr 1e-3), where the update norms agreed to
+    9e-5; a real fault (a lost gradient share, a restarted schedule) moves whole updates."""
+    first, a, b = _weights(start), _weights(plain), _weights(other)
+    assert a.keys() == b.keys() == first.keys()
+    for name in a:
+        expected, got = a[name] - first[name], b[name] - first[name]
+        gap, size = float((got - expected).norm()), float(expected.norm())
+        assert gap <= 1e-3 * size + 1e-8, f"parameter {name}: update {size:.3e}, off by {gap:.3e}"
+
+
 def _weights(out) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -108,10 +126,7 @@ def test_deepspeed_trains_as_plain_training_and_resumes_exactly(tmp_path, start,
     reference = _losses(plain)
     assert sorted(_losses(full)) == list(range(1, 7))
     assert [_losses(full)[s] for s in range(1, 7)] == pytest.approx([reference[s] for s in range(1, 7)], rel=1e-5)
-    a, b = _weights(plain), _weights(full)  # the final model gathered from the shards
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-5, msg=f"parameter {name}")
+    _assert_same_updates(start, plain, full)  # the final model gathered from the shards
 
     _resume_matches(recipe, config, processes, start, full, resumed)
 
