@@ -48,7 +48,8 @@ __all__ = ["CHUNK_ELEMENTS", "VOCAB_BACKWARD", "LinearLosses", "linear_cross_ent
 CHUNK_ELEMENTS = 2**25
 
 # How the backward chunks: True over the vocabulary, False over rows, None by the device (see the module's docstring):
-# vocabulary slices on CUDA when the vocabulary is larger than the rows. Set by tests and benchmarks.
+# vocabulary slices on CUDA when the vocabulary is larger than the rows and the head is trained. Set by tests and
+# benchmarks.
 VOCAB_BACKWARD: bool | None = None
 
 
