@@ -7,6 +7,8 @@ batch) lets examples attend across their boundaries and fails it by orders of ma
 
 from __future__ import annotations
 
+import contextlib
+
 import datasets
 import pytest
 import torch
@@ -89,6 +91,86 @@ def test_packed_token_losses_equal_losses_alone(attn, device, mode, tiny_tokeniz
     with torch.no_grad():
         for in_row, alone in _packed_and_alone(model, tiny_tokenizer, attn, device):
             torch.testing.assert_close(in_row, alone, atol=tol, rtol=tol)
+
+
+# Gradients, in the precision training runs in. The forward test above runs CUDA in float32, where SDPA with a mask
+# takes the memory-efficient kernel; bf16 training on an H100 takes cuDNN's (picked first there since PyTorch 2.5),
+# whose backward with an explicit mask has had silent-wrong-gradient bugs (pytorch#196678: NaN dQ for rows of
+# 64 mod 128; pytorch#191612: a float mask read as bf16). Examples of 40 to 200 tokens in rows of 320 (64 mod 128),
+# heads of 64 as in the 1B-8B Llamas.
+GRAD_LENGTHS = [150, 40, 90, 200, 70, 130, 60, 110]
+GRAD_MODEL = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1}
+
+
+def _gradient_backends():
+    """(attn_implementation, SDPA kernel the packed rows must use or None for PyTorch's choice, device)."""
+    cuda = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+    backends = [(a, None, "cpu") for a in ("sdpa", "eager", SEGMENT_SDPA)]
+    backends += [pytest.param("sdpa", k, "cuda", marks=cuda)
+                 for k in (None, "CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "MATH")]  # fmt: skip
+    backends += [pytest.param(a, None, "cuda", marks=cuda) for a in ("eager", SEGMENT_SDPA, "flex_attention")]
+    return backends
+
+
+def _summed_loss_gradients(model, batch, attn, bf16: bool, kernel: str | None = None):
+    """Parameter gradients of the summed token loss of the packed `batch` (attn given) or of its examples one by one,
+    each example alone (attn None), in float32 or under bf16 autocast."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model.zero_grad(set_to_none=True)
+    device = batch["input_ids"].device.type
+    restrict = sdpa_kernel([getattr(SDPBackend, kernel)]) if kernel else contextlib.nullcontext()
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16), restrict:
+        if attn is not None:
+            logits = model(**attention_inputs(batch, attn, torch.float32)).logits
+            F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
+                            reduction="sum").backward()  # fmt: skip
+        else:
+            for row, lengths in enumerate(batch["seq_lengths"]):
+                start = 0
+                for n in lengths:
+                    ids = batch["input_ids"][row : row + 1, start : start + n]
+                    _token_losses(model(input_ids=ids, use_cache=False).logits, ids).sum().backward()
+                    start += n
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _relative_errors(grads, reference):
+    return {n: ((g.float() - reference[n]).norm() / reference[n].norm()).item() for n, g in grads.items()}
+
+
+@pytest.mark.parametrize("attn, kernel, device", _gradient_backends())
+def test_packed_gradients_under_bf16_autocast_are_as_exact_as_gradients_alone(attn, kernel, device, tiny_tokenizer,
+                                                                            tiny_model_config):  # fmt: skip
+    """Training's gradients through packed rows, per backend (on CUDA SDPA per kernel), against float32 SDPA run on
+    each example alone: in float32 they are equal (1e-5 on a CPU, 1e-4 on CUDA); under bf16 autocast each parameter's
+    gradient is off by no more than twice the error of the examples run alone under autocast (plus 2e-3), so a kernel
+    that is wrong only with a mask, or only in its backward, fails while rounding does not."""
+    torch.manual_seed(0)
+    model = build_causal_lm(tiny_tokenizer, model_config={**tiny_model_config, **GRAD_MODEL},
+                            attn_implementation="sdpa").to(device)  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(10, len(tiny_tokenizer), (n,), generator=g).tolist() for n in GRAD_LENGTHS]
+    packed, _ = pack_dataset(datasets.Dataset.from_dict({"input_ids": ids, "labels": ids}), 320, seed=0)
+    batch = {k: v.to(device) for k, v in PackedCollator(tiny_tokenizer.pad_token_id, 8, attn)(list(packed)).items()}
+    batch["seq_lengths"] = [row["seq_lengths"] for row in packed]
+    assert batch["input_ids"].shape[1] % 128 == 64 and max(map(len, batch["seq_lengths"])) >= 3
+    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
+        reference = _summed_loss_gradients(model, batch, None, bf16=False)
+    alone_bf16 = _relative_errors(_summed_loss_gradients(model, batch, None, bf16=True), reference)
+    if attn == SEGMENT_SDPA:
+        use_packed_attention(model, "cpu")  # registers it; on CUDA packing picks it for sliding windows only
+    model.set_attn_implementation(attn)
+    float32 = _relative_errors(_summed_loss_gradients(model, batch, attn, bf16=False), reference)
+    assert max(float32.values()) < (1e-5 if device == "cpu" else 1e-4), float32
+    try:
+        packed_bf16 = _relative_errors(_summed_loss_gradients(model, batch, attn, True, kernel), reference)
+    except RuntimeError as e:
+        if "No available kernel" not in str(e):
+            raise
+        pytest.skip(f"{kernel} does not take these inputs here: {str(e).splitlines()[0]}")
+    worse = {n: (e, alone_bf16[n]) for n, e in packed_bf16.items() if not e <= 2 * alone_bf16[n] + 2e-3}
+    assert not worse, f"packed gradients' relative error vs alone's (parameter: (packed, alone)): {worse}"
 
 
 def test_a_plain_2d_mask_lets_packed_examples_attend_to_each_other(tiny_tokenizer, tiny_model_config):
