@@ -123,13 +123,13 @@ packed)  # point 3: one training step per packed-attention backend, SmolLM2-135M
     ;;
 tests)  # point 8 (QLoRA included) and the CUDA cases of the equivalence tests; `-n 6` (pytest-xdist) takes ~2.5 min
     install
-    "$PY" -m pytest -m gpu tests/gpu tests/equivalence -p no:cacheprovider -rA --junitxml "$OUT/gpu-tests.xml" "$@" \
-        2>&1 | tee "$OUT/tests.log"
+    # appended, as the lease runs this part twice; pytest's -rA summary names every test's outcome
+    "$PY" -m pytest -m gpu tests/gpu tests/equivalence -p no:cacheprovider -rA "$@" 2>&1 | tee -a "$OUT/tests.log"
     ;;
 lease)  # what one 15-minute lease should run first, in one command of under 10 minutes: each part is cut at its
     # own limit (a part's finished runs stay in $OUT), the last gets what is left; 8 files come back, no more.
-    # The open question of the second H100 lease (RESULTS.md, 2026-11-26): the 1B shape's MFU (28% compiled, goal
-    # 45%), 35% of whose step is the LM head.
+    # The open questions of the second H100 lease (RESULTS.md, 2026-11-26): why the compiled 1B run ended 0.15 lower
+    # in loss than eager, and the 1B shape's MFU (28% compiled, goal 45%), 35% of whose step is the LM head.
     install
     end=$(($(date +%s) + ${LEASE_SECONDS:-560}))
     part() { # seconds, then the part's arguments
@@ -138,19 +138,22 @@ lease)  # what one 15-minute lease should run first, in one command of under 10 
         ((left > 30)) || { echo "lease: no time left for: $*"; return 0; }
         timeout -k 5 $((s < left ? s : left)) bash "$ROOT/benchmarks/gpu_session.sh" "$@" || echo "lease: part ended ($?): $*"
     }
-    # 1. the fused loss's backward on CUDA: slices of the vocabulary (its default there now) against row chunks,
-    #    first its equivalence to the unfused loss, then one profiled 1B step each
-    part 60 tests -q -p no:benchmark tests/gpu/test_linear_ce.py
-    part 60 packed --shapes Llama-3.2-1B --seq_lens 2048 --backends sdpa --steps 8 --ce_backward vocab
-    part 60 packed --shapes Llama-3.2-1B --seq_lens 2048 --backends sdpa --steps 8 --ce_backward rows
-    # 2. the recipe on the 1B shape, default and compiled, on one machine (the first builds the model, ~25 s);
-    #    runs.jsonl gathers them with each window's loss (the compiled run ended 0.15 lower in the last lease)
+    # 1. gradients through packed rows in bf16 per SDPA kernel (cuDNN's, which eager takes with a mask, the others,
+    #    compiled blocks), and the fused loss's backward by vocabulary slices, each against the plain computation
+    part 90 tests -q -p no:benchmark -k "fused_loss_on_cuda or bf16_autocast_are"
+    # 2. the recipe on the 1B shape: default, default without cuDNN's attention, compiled, on one machine (the first
+    #    builds the model, ~25 s); runs.jsonl keeps each window's loss, to see where the losses part
     part 110 peers Llama-3.2-1B --seq_lens 2048 --systems tunebook --work_dir /tmp/gvp
+    part 80 peers Llama-3.2-1B --seq_lens 2048 --systems tunebook --work_dir /tmp/gvp --no_cudnn_attention
     part 80 peers Llama-3.2-1B --seq_lens 2048 --systems tunebook --work_dir /tmp/gvp \
         --tunebook_args "--torch_compile true"
-    # 3. every CUDA test (~2.6 min with -n 6)
+    # 3. the fused loss's backward on CUDA: slices of the vocabulary (its default there now) against row chunks, one
+    #    profiled 1B step each
+    part 60 packed --shapes Llama-3.2-1B --seq_lens 2048 --backends sdpa --steps 8 --ce_backward vocab
+    part 60 packed --shapes Llama-3.2-1B --seq_lens 2048 --backends sdpa --steps 8 --ce_backward rows
+    # 4. every CUDA test (~2.6 min with -n 6), then FlexAttention in the recipe (compiling flex takes over a minute)
+    #    and SmolLM2-135M against the peers: a second command's, where the first leaves too little
     part 180 tests -n 6 -q --tb=short -rfE -p no:benchmark
-    # 4. FlexAttention in the recipe (compiling flex takes over a minute), then SmolLM2-135M against the peers
     part 150 peers Llama-3.2-1B --seq_lens 2048 --systems tunebook --work_dir /tmp/gvp \
         --tunebook_args "--attn_implementation flex_attention"
     part 600 peers SmolLM2-135M --seq_lens 2048 --work_dir /tmp/gvp

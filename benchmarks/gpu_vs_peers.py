@@ -34,6 +34,10 @@ faster Trainer's tokens/s at equal or lower peak memory.
 Every run appends to WORK_DIR/runs.jsonl, and a later call skips the runs found there (--fresh starts over). Where
 one command may only run for minutes, run a part per command (--shapes) with --out DIR, which gets runs.jsonl and
 the table instead of RESULTS.md; `--record FILE ...` then writes the section from runs.jsonl files brought back.
+
+`--no_cudnn_attention` runs every system's processes with PyTorch's cuDNN attention kernel turned off (through a
+`sitecustomize` on their path; rows of their own): on an H100 SDPA with a mask takes cuDNN's kernel first, the one
+whose results the compiled blocks' different loss (RESULTS.md) may come from.
 """
 
 from __future__ import annotations
@@ -276,7 +280,8 @@ def run_one(system: str, run: dict, args, paths: dict, env: dict) -> dict:
     record = {**{k: run[k] for k in ("shape", "seq_len", "lora", "flops_per_token")}, "system": system,
               "micro_batches": per_step, "wall_seconds": wall, "device": paths["device"], "machine": paths["machine"],
               "versions": paths["versions"], "command": command(),
-              "tunebook_args": shlex.join(paths["tunebook_args"]), "peer_training_args": args.peer_training_args}  # fmt: skip
+              "tunebook_args": shlex.join(paths["tunebook_args"]), "peer_training_args": args.peer_training_args,
+              **({"sdpa": NO_CUDNN} if args.no_cudnn_attention else {})}  # fmt: skip
     if done.returncode != 0:
         oom = "out of memory" in done.stdout.lower()
         print(f"{name}: {'out of memory' if oom else 'FAILED'} (log: {log})\n{done.stdout[-3000:]}", flush=True)
@@ -356,7 +361,7 @@ def table(records: list[dict]) -> str:
                   "| system | micro-batch x steps | tokens/step | tokens/s | MFU | peak memory (GiB) | final loss | wall (s) |",
                   "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
         for key, r in rows.items():
-            label = SYSTEMS[r["system"]] + (f" + `{r['tunebook_args']}`" if key != r["system"] else "")
+            label = system_label(r)
             if r["status"] != "ok":
                 failure = "out of memory" if r["status"] == "oom" else "failed"
                 lines.append(f"| {label} | {r['micro_batches']} | {failure} | – | – | – | – "
@@ -370,10 +375,20 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+NO_CUDNN = "no cuDNN attention"  # the `sdpa` of runs with --no_cudnn_attention
+
+
 def system_key(record: dict) -> str:
-    """The table row of a run: its system, and for Tunebook the overrides it ran with."""
+    """The table row of a run: its system, for Tunebook the overrides it ran with, and the SDPA kernels left out."""
     args = record.get("tunebook_args") if record["system"] == "tunebook" else ""
-    return f"tunebook {args}" if args else record["system"]
+    key = f"tunebook {args}" if args else record["system"]
+    return f"{key} ({record['sdpa']})" if record.get("sdpa") else key
+
+
+def system_label(record: dict) -> str:
+    args = record.get("tunebook_args") if record["system"] == "tunebook" else ""
+    return SYSTEMS[record["system"]] + (f" + `{args}`" if args else "") + (
+        f", {record['sdpa']}" if record.get("sdpa") else "")  # fmt: skip
 
 
 def goals(shape: str, rows: dict) -> str:
@@ -386,7 +401,7 @@ def goals(shape: str, rows: dict) -> str:
 
 
 def tunebook_goals(shape: str, ours: dict, rows: dict) -> str:
-    name = "Tunebook" + (f" + `{ours['tunebook_args']}`" if ours["tunebook_args"] else "")
+    name = system_label(ours).replace(SYSTEMS["tunebook"], "Tunebook")
     if ours["status"] != "ok":
         return f"{name}: not measured (the run did not finish)."
     trainers = [rows[s] for s in ("trainer_pad", "trainer_flat") if s in rows and rows[s]["status"] == "ok"]
@@ -429,6 +444,7 @@ def main():
     parser.add_argument("--tokenizer_vocab_size", type=int, default=8192)
     parser.add_argument("--tunebook_args", default="", help='extra recipe overrides, e.g. "--torch_compile true"')
     parser.add_argument("--peer_training_args", default="{}", help="JSON of extra TrainingArguments for the peers")
+    parser.add_argument("--no_cudnn_attention", action="store_true", help="turn off PyTorch's cuDNN SDPA kernel")
     parser.add_argument("--peak_flops", type=float, default=None, help="override the data-sheet peak FLOP/s")
     parser.add_argument("--work_dir", default=None, help="default /tmp/tunebook-gpu-vs-peers[-smoke]")
     parser.add_argument("--fresh", action="store_true", help="ignore the runs already in WORK_DIR/runs.jsonl")
@@ -471,8 +487,14 @@ def main():
                                        args.tokenizer_vocab_size)  # fmt: skip
     paths = {"work": work, "data": data, **found, "tunebook_args": tunebook_overrides(args.tunebook_args)}
     overrides = shlex.join(paths["tunebook_args"])
+    paths_first = [str(ROOT / "src")]
+    if args.no_cudnn_attention:  # every process a system starts (accelerate launch's too) reads it as it starts
+        site = work / "no_cudnn_attention"
+        site.mkdir(exist_ok=True)
+        (site / "sitecustomize.py").write_text("import torch\n\ntorch.backends.cuda.enable_cudnn_sdp(False)\n")
+        paths_first.append(str(site))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+           "PYTHONPATH": os.pathsep.join([*paths_first, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
            **({"OMP_NUM_THREADS": "1"} if args.smoke else {})}  # fmt: skip
 
     done = [json.loads(line) for line in (work / "runs.jsonl").read_text().splitlines()] if (
@@ -490,7 +512,9 @@ def main():
         for seq_len in seq_lens[:1] if shape.lora else seq_lens:
             run = plan_run(shape_name, shape, seq_len, stats[seq_len])
             for system in (s for s in SYSTEMS if s in systems):
-                if (shape_name, seq_len, system_key({"system": system, "tunebook_args": overrides})) in have:
+                planned = {"system": system, "tunebook_args": overrides,
+                           **({"sdpa": NO_CUDNN} if args.no_cudnn_attention else {})}  # fmt: skip
+                if (shape_name, seq_len, system_key(planned)) in have:
                     continue
                 record = run_one(system, run, args, {**paths, "model": model}, env)
                 halved, tried = run, []
