@@ -404,6 +404,11 @@ def tunebook_goals(shape: str, ours: dict, rows: dict) -> str:
     name = system_label(ours).replace(SYSTEMS["tunebook"], "Tunebook")
     if ours["status"] != "ok":
         return f"{name}: not measured (the run did not finish)."
+    # each peer as it ran with the same SDPA kernels as this row where it did, else as it ran by default
+    peers = {r["system"]: r for r in rows.values() if r["system"] != "tunebook" and not r.get("sdpa")}
+    peers.update({r["system"]: r for r in rows.values()
+                  if r["system"] != "tunebook" and r.get("sdpa") and r.get("sdpa") == ours.get("sdpa")})  # fmt: skip
+    rows = peers
     trainers = [rows[s] for s in ("trainer_pad", "trainer_flat") if s in rows and rows[s]["status"] == "ok"]
     parts = []
     if trainers:

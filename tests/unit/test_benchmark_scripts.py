@@ -83,6 +83,21 @@ def test_tunebook_runs_with_overrides_are_rows_of_their_own_with_their_own_verdi
     assert "MFU 30.0% (goal >= 45%: not met)" in text
 
 
+def test_runs_without_cudnn_attention_are_rows_of_their_own(bench):
+    plain = _record("tunebook", 30000, 20000)
+    no_cudnn = {**_record("tunebook", 25000, 20000), "sdpa": bench.NO_CUDNN}
+    compiled = {**no_cudnn, "tunebook_args": "--torch_compile true"}
+    peer = _record("trainer_flat", 19000, 25000)
+    text = bench.table([plain, no_cudnn, compiled, {**peer, "sdpa": bench.NO_CUDNN, "tokens_per_second": 18000}])
+    assert "| Tunebook SFT, packing | 4 rows x 2 | 16,000 | 30,000 |" in text
+    assert "| Tunebook SFT, packing, no cuDNN attention | 4 rows x 2 | 16,000 | 25,000 |" in text
+    assert "| Tunebook SFT, packing + `--torch_compile true`, no cuDNN attention | 4 rows x 2 |" in text
+    assert "| Trainer, DataCollatorWithFlattening, no cuDNN attention |" in text
+    assert "Tunebook, no cuDNN attention: 1.39x" in text  # against the Trainer's run without cuDNN's attention
+    assert "Tunebook: MFU 50.0%" in text  # like with like: no Trainer run with the default kernels here
+    assert len({bench.system_key(r) for r in (plain, no_cudnn, compiled)}) == 3
+
+
 def test_an_out_of_memory_run_is_retried_with_half_the_micro_batch_and_twice_the_accumulation(bench):
     run = {"rows": 4, "accumulation": 2, "micro_examples": 87, "pad_examples": 41, "pad_accumulation": 4}
     assert bench.halve("trainer_pad", run) == {**run, "pad_examples": 20, "pad_accumulation": 8}
