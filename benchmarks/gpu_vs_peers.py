@@ -360,7 +360,7 @@ def table(records: list[dict]) -> str:
         lines += ["", f"### {shape}, rows of {seq_len}", "",
                   "| system | micro-batch x steps | tokens/step | tokens/s | MFU | peak memory (GiB) | final loss | wall (s) |",
                   "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
-        for key, r in rows.items():
+        for r in rows.values():
             label = system_label(r)
             if r["status"] != "ok":
                 failure = "out of memory" if r["status"] == "oom" else "failed"
