@@ -167,6 +167,10 @@ def compile_blocks(model: torch.nn.Module, static: bool = False, fallback: bool 
             f"torch_compile: no transformer blocks found in {type(unwrap(model)).__name__} "
             "(its _no_split_modules names none); set torch_compile: false"
         )
+    # As in a fresh process: dynamo keeps the graphs of every earlier compile of this block class's code in the process
+    # (a notebook's earlier runs, other models) and past its recompile limit (8) runs the code eagerly, saying so only
+    # in a warning, so a run would report 0 graphs and train at eager speed.
+    torch.compiler.reset()
     if fallback:
         from torch._dynamo import config as dynamo_config
 

@@ -58,6 +58,24 @@ def test_compiled_blocks_give_eager_loss_and_gradients(tiny_tokenizer, tiny_mode
     assert blocks.graphs == before
 
 
+def test_each_run_in_a_process_compiles_its_blocks_afresh(tiny_tokenizer, tiny_model_config, monkeypatch):
+    """A notebook trains many models in one process: past dynamo's recompile limit (8 graphs of one code object) a
+    block would run eagerly, and the run report 0 graphs. Nine models whose shapes differ each get their own graph."""
+    from torch._dynamo import config as dynamo_config
+
+    from tunebook.training import compilation
+
+    monkeypatch.setattr(compilation, "BACKEND", "eager")  # dynamo's graphs without inductor's code: fast
+    ids = torch.randint(10, len(tiny_tokenizer), (1, 12), generator=torch.Generator().manual_seed(0))
+    for width in range(1, dynamo_config.recompile_limit + 2):
+        model = build_causal_lm(tiny_tokenizer, model_config={**tiny_model_config, "hidden_size": 8 * width,
+                                                              "intermediate_size": 16 * width})  # fmt: skip
+        blocks = compile_blocks(model, static=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        blocks.step_done()
+        assert blocks.graphs >= 1, f"model {width}: no graph compiled"
+
+
 def test_packed_batches_of_one_shape_keep_one_static_graph(tiny_tokenizer, tiny_model_config):
     """Packed batches of one shape (what torch_compile's runs get) compile static graphs once: batches holding another
     number of examples, or fewer rows (filled up with padding), do not recompile; the loss equals eager's on the
