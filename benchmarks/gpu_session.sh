@@ -139,8 +139,9 @@ lease)  # what one 15-minute lease should run first, in one command of under 10 
         timeout -k 5 $((s < left ? s : left)) bash "$ROOT/benchmarks/gpu_session.sh" "$@" || echo "lease: part ended ($?): $*"
     }
     # 1. gradients through packed rows in bf16 per SDPA kernel (cuDNN's, which eager takes with a mask, the others,
-    #    compiled blocks), and the fused loss's backward by vocabulary slices, each against the plain computation
-    part 90 tests -q -p no:benchmark -k "fused_loss_on_cuda or bf16_autocast_are"
+    #    compiled blocks; flex and compile take most of the time), and the fused loss's backward by vocabulary
+    #    slices, each against the plain computation; -v names each outcome as it comes, in case the part is cut
+    part 120 tests -v --tb=short -p no:benchmark -k "fused_loss_on_cuda or bf16_autocast_are"
     # 2. the recipe on the 1B shape: default, default without cuDNN's attention, compiled, on one machine (the first
     #    builds the model, ~25 s); runs.jsonl keeps each window's loss, to see where the losses part
     part 110 peers Llama-3.2-1B --seq_lens 2048 --systems tunebook --work_dir /tmp/gvp
