@@ -281,7 +281,7 @@ def run_one(system: str, run: dict, args, paths: dict, env: dict) -> dict:
               "micro_batches": per_step, "wall_seconds": wall, "device": paths["device"], "machine": paths["machine"],
               "versions": paths["versions"], "command": command(),
               "tunebook_args": shlex.join(paths["tunebook_args"]), "peer_training_args": args.peer_training_args,
-              **({"sdpa": NO_CUDNN} if args.no_cudnn_attention else {})}  # fmt: skip
+              **paths["sdpa"]}  # fmt: skip
     if done.returncode != 0:
         oom = "out of memory" in done.stdout.lower()
         print(f"{name}: {'out of memory' if oom else 'FAILED'} (log: {log})\n{done.stdout[-3000:]}", flush=True)
@@ -378,15 +378,18 @@ def table(records: list[dict]) -> str:
 NO_CUDNN = "no cuDNN attention"  # the `sdpa` of runs with --no_cudnn_attention
 
 
+def _overrides(record: dict) -> str:
+    return record.get("tunebook_args", "") if record["system"] == "tunebook" else ""
+
+
 def system_key(record: dict) -> str:
     """The table row of a run: its system, for Tunebook the overrides it ran with, and the SDPA kernels left out."""
-    args = record.get("tunebook_args") if record["system"] == "tunebook" else ""
-    key = f"tunebook {args}" if args else record["system"]
+    key = f"tunebook {_overrides(record)}" if _overrides(record) else record["system"]
     return f"{key} ({record['sdpa']})" if record.get("sdpa") else key
 
 
 def system_label(record: dict) -> str:
-    args = record.get("tunebook_args") if record["system"] == "tunebook" else ""
+    args = _overrides(record)
     return SYSTEMS[record["system"]] + (f" + `{args}`" if args else "") + (
         f", {record['sdpa']}" if record.get("sdpa") else "")  # fmt: skip
 
@@ -406,8 +409,9 @@ def tunebook_goals(shape: str, ours: dict, rows: dict) -> str:
         return f"{name}: not measured (the run did not finish)."
     # each peer as it ran with the same SDPA kernels as this row where it did, else as it ran by default
     peers = {r["system"]: r for r in rows.values() if r["system"] != "tunebook" and not r.get("sdpa")}
-    peers.update({r["system"]: r for r in rows.values()
-                  if r["system"] != "tunebook" and r.get("sdpa") and r.get("sdpa") == ours.get("sdpa")})  # fmt: skip
+    peers.update(
+        {r["system"]: r for r in rows.values() if r["system"] != "tunebook" and r.get("sdpa") == ours.get("sdpa")}
+    )
     rows = peers
     trainers = [rows[s] for s in ("trainer_pad", "trainer_flat") if s in rows and rows[s]["status"] == "ok"]
     parts = []
@@ -490,7 +494,8 @@ def main():
         sys.exit(f"missing packages: {', '.join(missing)} (pip install -e '.[bench]', or carry their wheels)")
     data, tokenizer_dir = prepare_data(work, Path(args.train_data), args.examples, args.tokenizer,
                                        args.tokenizer_vocab_size)  # fmt: skip
-    paths = {"work": work, "data": data, **found, "tunebook_args": tunebook_overrides(args.tunebook_args)}
+    paths = {"work": work, "data": data, **found, "tunebook_args": tunebook_overrides(args.tunebook_args),
+             "sdpa": {"sdpa": NO_CUDNN} if args.no_cudnn_attention else {}}  # fmt: skip
     overrides = shlex.join(paths["tunebook_args"])
     paths_first = [str(ROOT / "src")]
     if args.no_cudnn_attention:  # every process a system starts (accelerate launch's too) reads it as it starts
@@ -517,8 +522,7 @@ def main():
         for seq_len in seq_lens[:1] if shape.lora else seq_lens:
             run = plan_run(shape_name, shape, seq_len, stats[seq_len])
             for system in (s for s in SYSTEMS if s in systems):
-                planned = {"system": system, "tunebook_args": overrides,
-                           **({"sdpa": NO_CUDNN} if args.no_cudnn_attention else {})}  # fmt: skip
+                planned = {"system": system, "tunebook_args": overrides, **paths["sdpa"]}  # as its record will be
                 if (shape_name, seq_len, system_key(planned)) in have:
                     continue
                 record = run_one(system, run, args, {**paths, "model": model}, env)

@@ -172,10 +172,8 @@ def _vocab_backward(hidden, weight, bias, targets, lse, grad_losses, need_hidden
             grad_hidden.addmm_(grad_logits, slice_weight)
         elif need_hidden:
             grad_hidden += grad_logits @ slice_weight
-        if need_weight and grad_weight.dtype == hidden.dtype:
+        if need_weight:  # hidden and weight share one dtype (`linear_cross_entropy` casts both)
             torch.mm(grad_logits.t(), hidden, out=grad_weight[v0:v1])
-        elif need_weight:
-            grad_weight[v0:v1] = grad_logits.t() @ hidden
     grad_hidden = grad_hidden.to(hidden.dtype) if need_hidden else None
     return grad_hidden, grad_weight, grad_bias
 
