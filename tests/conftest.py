@@ -189,3 +189,18 @@ def base_tokenizer(eos: str = "<|endoftext|>", extra: tuple[str, ...] = ()):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
     tok.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=eos)
+
+
+_HOLD_LOCK = (
+    "import sys, time\nfrom tunebook.output_lock import lock_output_dir\n"
+    "lock = lock_output_dir(sys.argv[1], 'sft')\nprint('locked', flush=True)\ntime.sleep(600)\n"
+)
+
+
+def hold_lock(directory: Path) -> subprocess.Popen:
+    """Another process that holds `directory`'s output-dir lock, as a live sft run would, until it is killed."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(directory)], stdout=subprocess.PIPE, text=True,
+                              env=env)  # fmt: skip
+    assert holder.stdout.readline().strip() == "locked"
+    return holder

@@ -17,7 +17,7 @@ import json
 import signal
 
 import pytest
-from conftest import ROOT, TINY_TEST_MODEL
+from conftest import ROOT, TINY_TEST_MODEL, hold_lock
 
 from tunebook import load_recipe
 from tunebook.checkpoint import list_checkpoints, resolve_checkpoint
@@ -287,6 +287,27 @@ def test_one_output_dir_holds_one_run(name, tmp_path, caplog):
     summary = _run(name, out, cache, max_steps=2, overwrite_output_dir=True)
     assert summary["resumed_from"] is None and list_checkpoints(out) == []
     assert [r["step"] for r in _records(out) if "loss" in r] == [1, 2]  # nothing of the earlier run
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_a_live_run_keeps_its_output_dir_to_itself(name, tmp_path):
+    """A second run into a busy output_dir stops at start-up, before its data, naming the other run; once that run
+    is dead (kill -9: nothing cleaned up) it trains, and a finished run leaves the folder free for the next."""
+    from tunebook.errors import ConfigError
+
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    holder = hold_lock(out)
+    try:
+        with pytest.raises(
+            ConfigError, match=f"^output_dir {out} is in use by another run \\(sft run, PID {holder.pid} "
+        ):
+            _run(name, out, cache, max_steps=2)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sorted(p.name for p in out.iterdir()) == [".tunebook.lock"] and not cache.exists()
+    assert _run(name, out, cache, max_steps=2)["train_steps"] == 2
+    hold_lock(out).kill()  # released at the run's end: another process takes it at once
 
 
 @pytest.mark.parametrize("name", RECIPES)

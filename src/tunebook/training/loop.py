@@ -97,6 +97,7 @@ class Run:
     grad_norm: Any = None  # of the last step
     learning_rate: float = 0.0  # the rate the last step trained at
     stop: BaseException | None = None  # what ends the run early, raised by `finish` once the model is freed
+    output_lock: Any = None  # tunebook.output_lock.OutputDirLock, released when the run ends
 
 
 def start_run(config, recipe: str) -> Run:
@@ -107,6 +108,7 @@ def start_run(config, recipe: str) -> Run:
     from ..data.loaders import start_worker_server
     from ..launch import resume_collector
     from ..logging import log_run_start, setup_logging
+    from ..output_lock import lock_run_output_dir
     from ..record import RunTimer
     from .accelerator import recipe_accelerator
     from .resumption import prepare_output_dir
@@ -119,11 +121,13 @@ def start_run(config, recipe: str) -> Run:
     set_seed(config.seed)
     output_dir = Path(config.output_dir)
     cache_dir = Path(config.cache_dir).expanduser()  # resolved by the config when unset
+    # One run per output_dir, for the run's lifetime: a second run there stops now, naming this one's PID and host.
+    output_lock = lock_run_output_dir(accelerator, output_dir, recipe)
     prepare_output_dir(accelerator, config, log)  # another run's checkpoints there: resume, overwrite, or stop
     if accelerator.is_main_process:
         save_config(config, output_dir / "config.yaml", recipe)
     log_run_start(log, config, accelerator)
-    return Run(config, recipe, accelerator, log, timer, output_dir, cache_dir)
+    return Run(config, recipe, accelerator, log, timer, output_dir, cache_dir, output_lock=output_lock)
 
 
 def plan_training(
@@ -420,3 +424,5 @@ def _free(run: Run) -> None:
         run.model, run.optimizer, run.lr_scheduler
     )
     run.accelerator.end_training()
+    if run.output_lock is not None:
+        run.output_lock.release()
