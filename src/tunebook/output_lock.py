@@ -121,7 +121,8 @@ def _make_directory(directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
         blocker = next((p for p in [directory, *directory.parents] if p.exists() and not p.is_dir()), directory)
-        raise ConfigError(f"output_dir {directory}: {blocker} is a file, not a directory") from None
+        where = f"output_dir {directory}" if blocker == directory else f"output_dir {directory}: {blocker}"
+        raise ConfigError(f"{where} is a file, not a directory") from None
     except OSError as error:
         raise ConfigError(f"output_dir {directory} cannot be created: {_reason(error)}") from None
     if not directory.is_dir():  # mkdir(exist_ok=True) passes over an existing file on some Pythons

@@ -58,7 +58,7 @@ def test_the_same_process_takes_over_its_own_earlier_runs_lock(tmp_path):
 
 def test_an_output_dir_that_is_a_file_is_one_line(tmp_path):
     (tmp_path / "model.safetensors").write_text("not a folder")
-    with pytest.raises(ConfigError, match=r"model.safetensors is a file, not a directory$"):
+    with pytest.raises(ConfigError, match=r"^output_dir \S*model.safetensors is a file, not a directory$"):
         lock_output_dir(tmp_path / "model.safetensors")
     with pytest.raises(ConfigError, match=r"output_dir .*model.safetensors/run: .*model.safetensors is a file, not a"):
         lock_output_dir(tmp_path / "model.safetensors" / "run")
