@@ -184,6 +184,18 @@ def quantization(load_in_4bit: bool) -> dict[str, Any]:
     return {"quantization_config": config, "device_map": {"": PartialState().local_process_index}}
 
 
+def refuse_pickled_weights(model_dir: str | Path, use_safetensors: bool) -> None:
+    """Stop at a local model directory whose weights are only pickled (.bin, .pt), which can run code when loaded,
+    unless `use_safetensors` is false; `from_pretrained(use_safetensors=True)` would fail on it less clearly."""
+    path = Path(model_dir).expanduser()
+    if use_safetensors and path.is_dir() and not any(path.glob("*.safetensors")):
+        if any(path.glob("*.bin")) or any(path.glob("*.pt")):
+            raise ModelError(
+                f"{model_dir} has only pickled .bin weights, which can run code when loaded; convert them to "
+                "safetensors, or set use_safetensors: false if you trust their source"
+            )
+
+
 def _load_or_build(
     auto_class, what, tokenizer, model_name_or_path, model_config, attn_implementation, trust_remote_code,
     config_values, **load_kwargs,
@@ -196,12 +208,7 @@ def _load_or_build(
         path = Path(model_name_or_path).expanduser()
         if looks_like_local_path(model_name_or_path) and not path.exists():
             raise ModelError(f"model path not found: {model_name_or_path}")
-        if load_kwargs.get("use_safetensors") and path.is_dir() and not any(path.glob("*.safetensors")):
-            if any(path.glob("*.bin")) or any(path.glob("*.pt")):
-                raise ModelError(
-                    f"{model_name_or_path} has only pickled .bin weights, which can run code when loaded; convert them "
-                    "to safetensors, or set use_safetensors: false if you trust their source"
-                )
+        refuse_pickled_weights(model_name_or_path, load_kwargs.get("use_safetensors", True))
         try:
             return auto_class.from_pretrained(model_name_or_path, **config_values, **kwargs, **load_kwargs)
         except (OSError, ValueError) as e:

@@ -78,7 +78,12 @@ class RewardModel:
 
 
 def load_reward_model(
-    path: str | Path, device: str | torch.device | None = None, batch_size: int = 32, max_length: int | None = None
+    path: str | Path,
+    device: str | torch.device | None = None,
+    batch_size: int = 32,
+    max_length: int | None = None,
+    use_safetensors: bool = True,
+    trust_remote_code: bool = False,
 ) -> RewardModel:
     """A reward model directory (the reward recipe's output, or any `AutoModelForSequenceClassification` with one
     output and a tokenizer with a chat template) as `score(prompts, completions, **columns) -> list[float]`.
@@ -94,13 +99,19 @@ def load_reward_model(
         device: where the model runs (default: CPU).
         batch_size: rows per forward pass.
         max_length: longest prompt + response in tokens (None: no cut).
+        use_safetensors: load weights only from safetensors files (pickled weights can run code when loaded).
+        trust_remote_code: allow the directory's own Python code (a custom architecture) to run.
     """
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from ..errors import ModelError
+    from ..models.build import refuse_pickled_weights
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForSequenceClassification.from_pretrained(path)
+    refuse_pickled_weights(path, use_safetensors)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path, use_safetensors=use_safetensors, trust_remote_code=trust_remote_code
+    )
     if model.config.num_labels != 1:
         raise ModelError(f"{path}: a reward model has one output; this one has {model.config.num_labels} labels")
     if tokenizer.pad_token is None:

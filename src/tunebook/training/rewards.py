@@ -110,7 +110,8 @@ def _reward_function(spec: str, config, device) -> Callable:
     if spec == "reward_model":
         from .reward_model import load_reward_model
 
-        return load_reward_model(config.reward_model, device=device)
+        return load_reward_model(config.reward_model, device=device, use_safetensors=config.use_safetensors,
+                                 trust_remote_code=config.trust_remote_code)  # fmt: skip
     return _from_file(spec)  # GRPOConfig.validate let through only built-in names and file:function specs
 
 

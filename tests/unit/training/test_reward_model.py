@@ -102,7 +102,8 @@ def test_a_reward_model_next_to_reward_functions_under_group_scaling_is_warned_o
     _classifier(tiny_tokenizer, tiny_model_config).save_pretrained(tmp_path)
     tiny_tokenizer.save_pretrained(tmp_path)
     config = SimpleNamespace(reward_functions=["exact_match"], reward_model=str(tmp_path), reward_weights=None,
-                             scale_rewards=scale, reference_column="answer")  # fmt: skip
+                             scale_rewards=scale, reference_column="answer", use_safetensors=True,
+                             trust_remote_code=False)  # fmt: skip
     with caplog.at_level(logging.WARNING, logger="tunebook"):
         functions = load_reward_functions(config)
     assert [f.name for f in functions] == ["exact_match", "reward_model"]
@@ -114,3 +115,25 @@ def test_a_classifier_with_several_outputs_is_not_a_reward_model(tiny_tokenizer,
     tiny_tokenizer.save_pretrained(tmp_path)
     with pytest.raises(ModelError, match="a reward model has one output; this one has 2 labels"):
         load_reward_model(tmp_path)
+
+
+def test_a_reward_model_with_only_pickled_weights_is_refused_unless_allowed(
+    tiny_tokenizer, tiny_model_config, tmp_path
+):
+    """The reward model loads under the same guard as the policy: pickled weights (which run code when unpickled)
+    only with use_safetensors: false."""
+    model = _classifier(tiny_tokenizer, tiny_model_config)
+    model.save_pretrained(tmp_path)
+    tiny_tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()  # transformers 5 writes safetensors only: pickle the weights by hand
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    assert (tmp_path / "pytorch_model.bin").is_file() and not list(tmp_path.glob("*.safetensors"))
+    with pytest.raises(ModelError, match="has only pickled .bin weights, which can run code when loaded"):
+        load_reward_model(tmp_path)
+    config = SimpleNamespace(reward_functions=[], reward_model=str(tmp_path), reward_weights=None, scale_rewards="group",
+                             reference_column="answer", use_safetensors=True, trust_remote_code=False)  # fmt: skip
+    with pytest.raises(ModelError, match="has only pickled .bin weights"):
+        load_reward_functions(config)
+    config.use_safetensors = False
+    (reward,) = load_reward_functions(config)
+    assert len(reward.fn(["Reverse the digits.\n12"], ["21"])) == 1
