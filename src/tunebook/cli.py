@@ -3,7 +3,7 @@
     tunebook train [ACCELERATE LAUNCH OPTIONS] RECIPE [--config FILE.yaml] [--key value ...]
     tunebook prepare [--recipe sft|classify|pretrain|dpo|reward] --config FILE.yaml [--key value ...]
     tunebook prepare --recipe pretrain|sft --config FILE.yaml --num_shards N --output DIR
-    tunebook export CHECKPOINT OUT_DIR [--merge]
+    tunebook export CHECKPOINT OUT_DIR [--merge] [--trust_remote_code]
     tunebook convert-gguf MODEL.gguf OUT_DIR
     tunebook report RUN_DIR [RUN_DIR ...] [--output FILE.png]
 
@@ -32,7 +32,7 @@ __all__ = ["main", "prepare", "report"]
 USAGE = """usage: tunebook train [ACCELERATE LAUNCH OPTIONS] RECIPE [--config FILE.yaml] [--key value ...]
        tunebook prepare [--recipe sft|classify|pretrain|dpo|reward] --config FILE.yaml [--key value ...]
                         [--num_shards N --output DIR]
-       tunebook export CHECKPOINT OUT_DIR [--merge]
+       tunebook export CHECKPOINT OUT_DIR [--merge] [--trust_remote_code]
        tunebook convert-gguf MODEL.gguf OUT_DIR
        tunebook report RUN_DIR [RUN_DIR ...] [--output FILE.png]
 
@@ -43,7 +43,8 @@ commands:
             --output DIR (pretrain, sft) also write the training rows as N Arrow shards to stream from every node
   export    write a Hugging Face model directory (safetensors + tokenizer) from a checkpoint of any recipe
             (sft, pretrain, dpo: a causal LM; classify: a sequence classifier with its labels; reward: one output);
-            of a LoRA run: its adapter directory, or with --merge the merged model
+            of a LoRA run: its adapter directory, or with --merge the merged model; a model with its own code
+            (auto_map) needs --trust_remote_code (never taken from the checkpoint's config.yaml)
   convert-gguf  write a Hugging Face model directory (float32 safetensors + tokenizer) from a GGUF file
   report    re-render runs' report.png and print their summaries side by side
 """
@@ -167,8 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     elif command == "report":
         report(rest)
     elif command in ("export", "convert-gguf"):
-        merge = command == "export" and "--merge" in rest
-        rest = [a for a in rest if a != "--merge"] if command == "export" else rest
+        flags = set(rest) & ({"--merge", "--trust_remote_code"} if command == "export" else set())
+        rest = [a for a in rest if a not in flags]
         if len(rest) != 2:
             what = "CHECKPOINT" if command == "export" else "MODEL.gguf"
             print(f"tunebook: error: {command} takes {what} OUT_DIR, got {rest}\n{USAGE}", file=sys.stderr)
@@ -176,7 +177,10 @@ def main(argv: list[str] | None = None) -> None:
         if command == "export":
             from .export import export_checkpoint
 
-            print(f"wrote {export_checkpoint(rest[0], rest[1], merge=merge)} from {rest[0]}")
+            written = export_checkpoint(
+                rest[0], rest[1], merge="--merge" in flags, trust_remote_code="--trust_remote_code" in flags
+            )
+            print(f"wrote {written} from {rest[0]}")
         else:
             from .models.gguf import convert_gguf
 

@@ -12,7 +12,9 @@ from .errors import ConfigError, ModelError, first_line
 __all__ = ["export_checkpoint"]
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, merge: bool = False) -> Path:
+def export_checkpoint(
+    checkpoint: str | Path, out_dir: str | Path, merge: bool = False, trust_remote_code: bool = False
+) -> Path:
     """Write a Hugging Face model directory (safetensors + tokenizer) from a checkpoint of any recipe.
 
     The model is rebuilt from the checkpoint alone (no Hub, no data): its recorded architecture (`model_config/`),
@@ -28,6 +30,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, merge: bool =
         checkpoint: a checkpoint folder, `output_dir/checkpoints/step-<N>`.
         out_dir: the model directory to write (`from_pretrained` loads it).
         merge: for a LoRA checkpoint, write the merged model instead of the adapters.
+        trust_remote_code: allow the checkpoint's model (or a LoRA run's base) to run its own Python code. Only the
+            caller decides this, never the checkpoint: its `config.yaml` is a file from wherever the checkpoint
+            came from, and an export must not run code because that file says so.
     """
     from transformers import AutoTokenizer
 
@@ -39,15 +44,17 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, merge: bool =
         from .models.lora import merge_adapter_dir
 
         if merge:  # the adapter's config names its base model; a classifier's head is among its saved modules
-            merge_adapter_dir(checkpoint / "adapter", out_dir)
+            merge_adapter_dir(checkpoint / "adapter", out_dir, trust_remote_code=trust_remote_code)
         else:
             shutil.copytree(checkpoint / "adapter", out_dir, dirs_exist_ok=True)
-        AutoTokenizer.from_pretrained(checkpoint / "tokenizer").save_pretrained(out_dir)
+        AutoTokenizer.from_pretrained(checkpoint / "tokenizer", trust_remote_code=trust_remote_code).save_pretrained(
+            out_dir
+        )
         return out_dir
     if merge:
         raise ConfigError(f"--merge: {checkpoint} is not a LoRA checkpoint (no adapter/), its model is whole already")
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint / "tokenizer")
-    model = _rebuild_model(checkpoint, recipe, tokenizer)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint / "tokenizer", trust_remote_code=trust_remote_code)
+    model = _rebuild_model(checkpoint, recipe, tokenizer, trust_remote_code)
     _load_checkpoint_weights(model, checkpoint)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
@@ -80,7 +87,7 @@ def _checkpoint_recipe(checkpoint: Path) -> str | None:
     return None
 
 
-def _rebuild_model(checkpoint: Path, recipe: str | None, tokenizer):
+def _rebuild_model(checkpoint: Path, recipe: str | None, tokenizer, trust_remote_code: bool):
     """A fresh model (random weights) of the checkpoint's architecture: from `model_config/`, or for an older
     checkpoint from its `config.yaml` as the recipe built it (sft's head when the recipe is unknown)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
@@ -89,12 +96,21 @@ def _rebuild_model(checkpoint: Path, recipe: str | None, tokenizer):
 
     model_dir = checkpoint / MODEL_CONFIG_DIR
     if (model_dir / "config.json").is_file():
-        config = AutoConfig.from_pretrained(model_dir)
+        try:
+            config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        except ValueError as error:  # custom code that may not run; transformers' message is a paragraph
+            if "trust_remote_code" not in str(error):
+                raise
+            raise ModelError(
+                f"{checkpoint}: its model runs its own Python code ({model_dir / 'config.json'} has an auto_map); "
+                "export it with --trust_remote_code if you trust where the checkpoint came from"
+            ) from None
         heads = config.architectures or []
         classify = (recipe_task(recipe) or ("", ""))[1] == "text-classification" or (
             recipe is None and any(a.endswith("SequenceClassification") for a in heads)
         )
-        model = (AutoModelForSequenceClassification if classify else AutoModelForCausalLM).from_config(config)
+        auto_class = AutoModelForSequenceClassification if classify else AutoModelForCausalLM
+        model = auto_class.from_config(config, trust_remote_code=trust_remote_code)
         if (model_dir / "generation_config.json").is_file():
             model.generation_config = GenerationConfig.from_pretrained(model_dir)
         return model
@@ -109,7 +125,8 @@ def _rebuild_model(checkpoint: Path, recipe: str | None, tokenizer):
         )
     config = parse_config(recipe_config_class(recipe), config_file=checkpoint / "config.yaml")
     # Same architecture as training, built from the config: a pretrained model's own config.json, or model_config.
-    kwargs = {"attn_implementation": config.attn_implementation, "trust_remote_code": config.trust_remote_code}
+    # trust_remote_code is the caller's, not the checkpoint config's (see export_checkpoint).
+    kwargs = {"attn_implementation": config.attn_implementation, "trust_remote_code": trust_remote_code}
     if recipe == "reward":  # one output, the reward, on the recipe's tiny Llama unless the config names a model
         model_config = config.model_name_or_path or config.model_config or TINY_LLAMA
         return build_sequence_classifier(tokenizer, ["reward"], problem_type="regression", model_config=model_config,

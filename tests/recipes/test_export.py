@@ -158,3 +158,56 @@ def test_export_errors_are_one_clear_line(train, tmp_path):
     (bad / "model_config/config.json").write_text(json.dumps({**model_config, "num_hidden_layers": 1}))
     with pytest.raises(ModelError, match=r"weights do not fit the model \(missing \[\], unexpected \['model.layers.1"):
         export_checkpoint(bad, tmp_path / "x")
+
+
+CUSTOM_CONFIG = """
+from pathlib import Path
+from transformers import LlamaConfig
+
+Path(MARKER).write_text("the checkpoint's code ran")
+
+
+class CustomConfig(LlamaConfig):
+    model_type = "custom_llama"
+"""
+CUSTOM_MODEL = """
+from transformers import LlamaForCausalLM
+
+from .configuration_custom import CustomConfig
+
+
+class CustomForCausalLM(LlamaForCausalLM):
+    config_class = CustomConfig
+"""
+
+
+def test_export_runs_a_checkpoints_own_code_only_when_the_command_line_allows_it(train, tmp_path):
+    """A checkpoint whose model ships Python code (auto_map) and whose config.yaml says trust_remote_code: true:
+    `tunebook export` runs that code only with --trust_remote_code, a flag of its own command line."""
+    from transformers import AutoModelForCausalLM
+
+    from tunebook.cli import main as cli
+
+    out = train("sft", lora=False)
+    marker = tmp_path / "ran"
+    custom = shutil.copytree(out / "checkpoints/step-2", tmp_path / "custom")
+    model_dir = custom / "model_config"
+    (model_dir / "configuration_custom.py").write_text(f"MARKER = {str(marker)!r}\n{CUSTOM_CONFIG}")
+    (model_dir / "modeling_custom.py").write_text(CUSTOM_MODEL)
+    config = json.loads((model_dir / "config.json").read_text())
+    config |= {"model_type": "custom_llama", "architectures": ["CustomForCausalLM"], "auto_map": {
+        "AutoConfig": "configuration_custom.CustomConfig", "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM",
+    }}  # fmt: skip
+    (model_dir / "config.json").write_text(json.dumps(config))
+    text = (custom / "config.yaml").read_text()
+    (custom / "config.yaml").write_text(text.replace("trust_remote_code: false", "trust_remote_code: true"))
+    assert "trust_remote_code: true" in (custom / "config.yaml").read_text()
+
+    with pytest.raises(ModelError, match="runs its own Python code .* export it with --trust_remote_code if you"):
+        cli(["export", str(custom), str(tmp_path / "refused")])
+    assert not marker.exists() and not (tmp_path / "refused").exists()
+    cli(["export", str(custom), str(tmp_path / "exported"), "--trust_remote_code"])
+    assert marker.exists()
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported", trust_remote_code=True)
+    assert type(exported).__name__ == "CustomForCausalLM"
+    _assert_same_model(exported, AutoModelForCausalLM.from_pretrained(out), tmp_path / "exported", out)

@@ -246,18 +246,21 @@ def _base_model_path(peft_model, output_dir: Path) -> tuple[str, str | None]:
     return str(base_dir.resolve()), None
 
 
-def merge_adapter_dir(adapter_dir: str | Path, out_dir: str | Path) -> Path:
+def merge_adapter_dir(adapter_dir: str | Path, out_dir: str | Path, trust_remote_code: bool = False) -> Path:
     """Load an adapter directory with its base model, fold the adapters into the weights and save a plain model
-    directory (with the tokenizer, when the adapter directory has one)."""
+    directory (with the tokenizer, when the adapter directory has one). `trust_remote_code`: the base model may
+    run its own Python code."""
     from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification
 
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
     task = json.loads((adapter_dir / "adapter_config.json").read_text()).get("task_type")
     auto_class = AutoPeftModelForSequenceClassification if task == "SEQ_CLS" else AutoPeftModelForCausalLM
-    merged = auto_class.from_pretrained(adapter_dir, dtype="auto").merge_and_unload()
+    merged = auto_class.from_pretrained(
+        adapter_dir, dtype="auto", trust_remote_code=trust_remote_code
+    ).merge_and_unload()
     merged.save_pretrained(out_dir, safe_serialization=True)
     if (adapter_dir / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
 
-        AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(out_dir)
+        AutoTokenizer.from_pretrained(adapter_dir, trust_remote_code=trust_remote_code).save_pretrained(out_dir)
     return out_dir
