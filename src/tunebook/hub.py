@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,14 @@ from .models.lora import BASE_MODEL_DIR
 from .recipe import recipe_task
 from .report import format_cell
 
-__all__ = ["UPLOAD_IGNORE_PATTERNS", "check_hub_access", "push_output_dir", "write_model_card"]
+__all__ = [
+    "UPLOAD_IGNORE_PATTERNS",
+    "check_hub_access",
+    "push_output_dir",
+    "shareable_config",
+    "shareable_path",
+    "write_model_card",
+]
 
 logger = logging.getLogger("tunebook")
 
@@ -112,11 +120,10 @@ def push_output_dir(
     try:
         api = huggingface_hub.HfApi()
         url = api.create_repo(repo_id, private=config.get("hub_private_repo"), exist_ok=True, repo_type="model")
-        api.upload_folder(
-            folder_path=output_dir,
+        api.create_commit(
             repo_id=url.repo_id,  # "name" alone becomes "user/name"
             repo_type="model",
-            ignore_patterns=UPLOAD_IGNORE_PATTERNS,
+            operations=_upload_operations(output_dir, config),
             commit_message=f"Upload the outputs of a Tunebook {recipe} run",
         )
     except Exception as error:
@@ -126,6 +133,59 @@ def push_output_dir(
         return None
     log.info("Pushed to the Hub: %s", url)
     return str(url)
+
+
+def _upload_operations(output_dir: Path, config: dict[str, Any]) -> list:
+    """What `upload_folder(output_dir, ignore_patterns=UPLOAD_IGNORE_PATTERNS)` would send, in one commit, except
+    that `config.yaml` goes as `shareable_config`: the local one keeps this machine's paths, which reproduce and
+    resume the run here, but are nobody else's business."""
+    import yaml
+    from huggingface_hub import CommitOperationAdd
+    from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
+
+    files = sorted(p.relative_to(output_dir).as_posix() for p in output_dir.rglob("*") if p.is_file())
+    patterns = [*UPLOAD_IGNORE_PATTERNS, *DEFAULT_IGNORE_PATTERNS]
+    operations = []
+    for name in filter_repo_objects(files, ignore_patterns=patterns):
+        if name == "config.yaml":
+            text = yaml.safe_dump(shareable_config(config, output_dir), sort_keys=False)
+            operations.append(CommitOperationAdd(path_in_repo=name, path_or_fileobj=text.encode()))
+        else:
+            operations.append(CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(output_dir / name)))
+    return operations
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Paths as others may see them
+
+
+# An absolute path that need not exist any more (a deleted checkpoint): no newline, braces, brackets, $, ^, * or \\.
+_PATH_LIKE = re.compile(r"[\w .,+=@%~/-]+")
+
+
+def shareable_path(value: str, output_dir: str | Path) -> str:
+    """An absolute local path (or `path.py:function`) as a card or an uploaded config shows it: the Hub name of a
+    folder in the Hugging Face cache, else the path relative to the run's `output_dir` ("." for the run itself),
+    which says where it was beside the run without naming this machine's folders, users or mounts. Any other string
+    (a Hub name, a relative path as the user wrote it, Jinja, a regular expression) comes back unchanged."""
+    path, function = value, ""
+    if re.fullmatch(r".+\.py:\w+", value):  # a reward function's spec: the file's path, then its function
+        path, _, name = value.rpartition(":")
+        function = f":{name}"
+    if not path.startswith(("/", "~")) or not (_PATH_LIKE.fullmatch(path) or Path(path).expanduser().exists()):
+        return value
+    if snapshot := hub_name_of_snapshot(path):
+        return snapshot[0]
+    return os.path.relpath(Path(path).expanduser().resolve(), Path(output_dir).resolve()) + function
+
+
+def shareable_config(config: Any, output_dir: str | Path) -> Any:
+    """`config` (a dict, list or value from `config.yaml`) with every string passed through `shareable_path`."""
+    if isinstance(config, dict):
+        return {key: shareable_config(value, output_dir) for key, value in config.items()}
+    if isinstance(config, list):
+        return [shareable_config(value, output_dir) for value in config]
+    return shareable_path(config, output_dir) if isinstance(config, str) else config
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -143,6 +203,7 @@ def write_model_card(output_dir: str | Path, summary: dict[str, Any], config: di
     """
     output_dir = Path(output_dir)
     lora = bool(config.get("use_peft"))
+    config = shareable_config(config, output_dir)  # a card is for sharing: no absolute paths of this machine
     _card(output_dir, output_dir, summary, config, lora=lora).save(output_dir / "README.md")
     merged = output_dir / "merged"
     if lora and config.get("merge_adapter") and (merged / "config.json").is_file():
@@ -162,7 +223,7 @@ def _card(model_dir: Path, output_dir: Path, summary, config, *, lora: bool, mer
         tags=["tunebook", recipe],
         pipeline_tag=pipeline_tag,
     )
-    ref = config.get("hub_model_id") or str(model_dir)  # how the snippet loads it: from the Hub, or this folder
+    ref = config.get("hub_model_id") or _local_ref(model_dir, output_dir, config)  # from the Hub, or this folder
     title = f"{config.get('hub_model_id') or output_dir.name}{' (merged)' if merged else ''}"
     sections = [
         f"# {title}",
@@ -199,9 +260,7 @@ def _base_text(config) -> str:
     if name:
         hub = _hub_model(name)
         if hub:
-            return f"[{hub}](https://huggingface.co/{hub})" + (
-                "" if hub == name else f" (from the local cache `{name}`)"
-            )
+            return f"[{hub}](https://huggingface.co/{hub})"
         return f"`{name}` (a local folder)"
     model_config = config.get("model_config")
     if isinstance(model_config, dict):
@@ -243,8 +302,6 @@ def _data_text(config, train: list[DataSource], evaluation: list[DataSource]) ->
 def _source_line(source: DataSource) -> str:
     hub = _hub_dataset(source)
     line = f"- [{hub}](https://huggingface.co/datasets/{hub})" if hub else f"- `{source.path}` (local)"
-    if hub and hub != source.path:
-        line += f" (from the local cache `{source.path}`)"
     split = f"split `{source.split}`" if source.split else "its only split"
     details = [f"config `{source.name}`" if source.name else None, split]
     details += [f"revision `{source.revision}`" if source.revision else None]
@@ -336,7 +393,8 @@ def _load_text(model_dir: Path, output_dir: Path, ref: str, recipe: str, config,
     saved = Path(base) == (output_dir / BASE_MODEL_DIR).resolve()
     base_load = f'"{ref}", subfolder="{BASE_MODEL_DIR}"' if saved else f'"{base}"'
     note = ("The base model is saved beside the adapters, in `base_model/`." if saved else
-            f"The base model was the local folder `{base}`: load it from where you have it.")  # fmt: skip
+            f"The base model was the local folder `{shareable_path(base, output_dir)}` (relative to this run's "
+            "folder): load it from where you have it.")  # fmt: skip
     code = (f"from peft import PeftModel\nfrom transformers import {auto}, AutoTokenizer\n\n"
             f"base = {auto}.from_pretrained({base_load})\n"
             f'model = PeftModel.from_pretrained(base, "{ref}")\n{tokenizer}')  # fmt: skip
@@ -352,6 +410,14 @@ def _versions_text(summary) -> str:
 
 # --------------------------------------------------------------------------------------------------------------
 # Helpers
+
+
+def _local_ref(model_dir: Path, output_dir: Path, config) -> str:
+    """How a card's snippet names a model that is not on the Hub: the output_dir as the config gave it when that is
+    relative (as the user would type it again), else the folder's name; merged/ below it."""
+    given = str(config.get("output_dir") or "")
+    base = given if given and given != "." and not given.startswith(("/", "~", "..")) else output_dir.name
+    return (Path(base) / model_dir.relative_to(output_dir)).as_posix() if model_dir != output_dir else base
 
 
 def _has_model(model_dir: Path) -> bool:

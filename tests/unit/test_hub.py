@@ -1,6 +1,6 @@
 """Outputs ready to share: the model card every run writes, push_to_hub's upload and its start-up check.
 
-Nothing here reaches the Hub: `huggingface_hub`'s token lookup, `whoami`, `create_repo` and `upload_folder` are
+Nothing here reaches the Hub: `huggingface_hub`'s token lookup, `whoami`, `create_repo` and `create_commit` are
 replaced by fakes that record what a real upload would have sent.
 """
 
@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 from types import SimpleNamespace
 
 import huggingface_hub
 import pytest
+import yaml
 from conftest import TINY_TEST_MODEL
 from huggingface_hub import HfApi, ModelCard, RepoUrl
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 
 from tunebook import load_recipe
 from tunebook.errors import ConfigError
-from tunebook.hub import check_hub_access, push_output_dir, write_model_card
+from tunebook.hub import UPLOAD_IGNORE_PATTERNS, check_hub_access, push_output_dir, write_model_card
 from tunebook.record import finish_run
 
 SUMMARY = {
@@ -82,7 +84,7 @@ def test_model_card_of_a_lora_run_on_hub_and_local_data(tmp_path):
     text = path.read_text()
     for shown in [
         "split `train_sft`, weight 0.5",
-        f"`{local}` (local): its only split, 2,000 rows sampled",
+        "`../extra.jsonl` (local): its only split, 2,000 rows sampled",  # relative to the run: no machine paths
         "split `test_sft`, revision `abc123`",
         "| eval_exact_match | 0 | 0.875 |",
         "| eval_loss | 3.2109 | 0.9531 |",
@@ -140,18 +142,20 @@ def fake_hub(monkeypatch):
         calls["create_repo"] = (repo_id, kwargs)
         return RepoUrl(f"https://huggingface.co/{repo_id}")
 
-    def upload_folder(self, *, folder_path, repo_id, ignore_patterns, **kwargs):
-        # What upload_folder would send: every file under folder_path not matched by its ignore patterns.
-        files = sorted(p.relative_to(folder_path).as_posix() for p in folder_path.rglob("*") if p.is_file())
-        patterns = [*ignore_patterns, *DEFAULT_IGNORE_PATTERNS]
-        calls["uploaded"] = list(filter_repo_objects(files, ignore_patterns=patterns))
-        calls["all_files"] = files
+    def create_commit(self, *, repo_id, operations, **kwargs):
+        # What the commit would send: each file's path in the repository and its bytes.
+        calls["sent"] = {op.path_in_repo: _bytes(op.path_or_fileobj) for op in operations}
+        calls["uploaded"] = sorted(calls["sent"])
         calls["repo_id"] = repo_id
 
     monkeypatch.setattr(HfApi, "whoami", whoami)
     monkeypatch.setattr(HfApi, "create_repo", create_repo)
-    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    monkeypatch.setattr(HfApi, "create_commit", create_commit)
     return calls
+
+
+def _bytes(source) -> bytes:
+    return source if isinstance(source, bytes) else Path(source).read_bytes()
 
 
 def _tiny_sft_config(tmp_path, **overrides):
@@ -174,7 +178,11 @@ def test_a_run_with_push_to_hub_uploads_the_model_and_card_but_no_checkpoints_or
     assert fake_hub["whoami"] == "hf_fake"  # checked at start-up
     assert fake_hub["create_repo"] == ("me/tiny", {"private": None, "exist_ok": True, "repo_type": "model"})
     assert fake_hub["repo_id"] == "me/tiny"
-    uploaded, all_files = fake_hub["uploaded"], fake_hub["all_files"]
+    uploaded = fake_hub["uploaded"]
+    all_files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    # Exactly what `upload_folder` with the same ignore patterns would have sent.
+    patterns = [*UPLOAD_IGNORE_PATTERNS, *DEFAULT_IGNORE_PATTERNS]
+    assert uploaded == sorted(filter_repo_objects(all_files, ignore_patterns=patterns))
     # The run left checkpoints and tensorboard files beside the model: they are there, and stay home.
     assert any(f.startswith("checkpoints/step-2/") for f in all_files)
     assert any(f.startswith("runs/sft/") for f in all_files)
@@ -233,7 +241,7 @@ def test_a_failed_upload_or_card_is_logged_and_the_run_keeps_its_outputs(tmp_pat
     def refused(self, **kwargs):
         raise RuntimeError("403 Forbidden")
 
-    monkeypatch.setattr(HfApi, "upload_folder", refused)
+    monkeypatch.setattr(HfApi, "create_commit", refused)
     with caplog.at_level(logging.INFO, logger="tunebook"):
         assert push_output_dir(out, {"hub_model_id": "me/tiny"}) is None
     assert "push_to_hub failed (403 Forbidden)" in caplog.text and f"hf upload me/tiny {out} ." in caplog.text
@@ -267,3 +275,49 @@ def test_a_lora_base_from_the_hub_cache_is_recorded_by_its_hub_name(tmp_path, ti
     from_folder = apply_lora(AutoModelForCausalLM.from_pretrained(plain), lora)
     assert _base_model_path(from_folder, tmp_path / "out") == (str(plain.resolve()), None)
     assert not (tmp_path / "out/base_model").exists()  # neither needed a copy of the base
+
+
+def test_the_card_and_the_uploaded_config_name_no_absolute_path_of_this_machine(tmp_path, fake_hub):
+    """Local data, a base model from the Hugging Face cache, a reward file, an absolute output_dir and cache: the card
+    and the uploaded config.yaml show Hub names and paths relative to the run, which lead to the same files; the
+    local config.yaml keeps its absolute paths (it reproduces and resumes the run on this machine)."""
+    data = tmp_path / "data" / "train.jsonl"
+    data.parent.mkdir()
+    data.write_text(json.dumps({"prompt": "Reverse the digits.\n12", "completion": "21"}) + "\n")
+    snapshot = tmp_path / "hub/models--org--base/snapshots/0123abc"
+    snapshot.mkdir(parents=True)
+    out = tmp_path / "runs" / "sft-1"
+    out.mkdir(parents=True)
+    (out / "config.json").write_text("{}")
+    config = _config(use_peft=False, model_name_or_path=str(snapshot), output_dir=str(out),
+                     cache_dir=str(tmp_path / "cache"), train_data=[{"path": str(data), "weight": 1.0}],
+                     eval_data=str(data), hub_model_id="me/tiny", push_to_hub=True,
+                     chat_template="{% for m in messages %}/{{ m.content }}/{% endfor %}")  # fmt: skip
+    (out / "config.yaml").write_text(yaml.safe_dump(config))
+    card = write_model_card(out, SUMMARY, config).read_text()
+    push_output_dir(out, config)
+    shared = yaml.safe_load(fake_hub["sent"]["config.yaml"])
+    for text in (card, fake_hub["sent"]["config.yaml"].decode()):
+        assert str(tmp_path) not in text, text
+    assert "`../../data/train.jsonl` (local)" in card and "[org/base](https://huggingface.co/org/base)" in card
+    assert shared["model_name_or_path"] == "org/base" and shared["output_dir"] == "."
+    assert shared["train_data"] == [{"path": "../../data/train.jsonl", "weight": 1.0}]
+    assert (out / shared["eval_data"]).resolve() == data and (
+        out / shared["cache_dir"]
+    ).resolve() == tmp_path / "cache"
+    assert shared["chat_template"] == config["chat_template"] and shared["hub_model_id"] == "me/tiny"
+    assert yaml.safe_load((out / "config.yaml").read_text())["train_data"][0]["path"] == str(data)
+    assert fake_hub["sent"]["README.md"].decode() == card
+
+
+def test_shareable_paths(tmp_path):
+    from tunebook.hub import shareable_path
+
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def f(prompts, completions, **kw): return [0.0] * len(completions)\n")
+    out = tmp_path / "out"
+    assert shareable_path(f"{rewards}:f", out) == "../rewards.py:f"
+    assert shareable_path(str(out), out) == "."
+    assert shareable_path(str(tmp_path / "gone" / "step-3"), out) == "../gone/step-3"  # need not exist
+    for unchanged in ("exact_match", "org/name", "data/train.jsonl", "^/\\d+$", "/(\\d+)/", "{{ '/' }}\n"):
+        assert shareable_path(unchanged, out) == unchanged
