@@ -137,8 +137,8 @@ def push_output_dir(
 
 def _upload_operations(output_dir: Path, config: dict[str, Any]) -> list:
     """What `upload_folder(output_dir, ignore_patterns=UPLOAD_IGNORE_PATTERNS)` would send, in one commit, except
-    that `config.yaml` goes as `shareable_config`: the local one keeps this machine's paths, which reproduce and
-    resume the run here, but are nobody else's business."""
+    that `config.yaml` and `summary.json` go as `shareable_config`: the local ones keep this machine's paths, which
+    reproduce and resume the run here, but are nobody else's business."""
     import yaml
     from huggingface_hub import CommitOperationAdd
     from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
@@ -149,6 +149,10 @@ def _upload_operations(output_dir: Path, config: dict[str, Any]) -> list:
     for name in filter_repo_objects(files, ignore_patterns=patterns):
         if name == "config.yaml":
             text = yaml.safe_dump(shareable_config(config, output_dir), sort_keys=False)
+            operations.append(CommitOperationAdd(path_in_repo=name, path_or_fileobj=text.encode()))
+        elif name == "summary.json":
+            summary = shareable_config(json.loads((output_dir / name).read_text()), output_dir)
+            text = json.dumps(summary, indent=2)
             operations.append(CommitOperationAdd(path_in_repo=name, path_or_fileobj=text.encode()))
         else:
             operations.append(CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(output_dir / name)))

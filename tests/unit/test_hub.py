@@ -191,6 +191,10 @@ def test_a_run_with_push_to_hub_uploads_the_model_and_card_but_no_checkpoints_or
     expected = {"README.md", "model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json",
                 "config.yaml", "summary.json", "metrics.jsonl", "report.png"}  # fmt: skip
     assert expected <= set(uploaded)
+    for name, sent in fake_hub["sent"].items():  # the run's absolute paths stay home (config, summary, card...)
+        if name.endswith((".json", ".jsonl", ".yaml", ".md", ".txt", ".jinja")):
+            assert str(tmp_path) not in sent.decode(), name
+    assert json.loads((out / "summary.json").read_text())["output_dir"] == str(out)  # the local one as it was
     card = ModelCard.load(out / "README.md")
     assert card.data.tags == ["tunebook", "sft"] and card.data.base_model is None
     assert "synthetic task" in card.text and 'AutoModelForCausalLM.from_pretrained("me/tiny")' in card.text
