@@ -31,6 +31,21 @@ LOCK_NAME = ".tunebook.lock"
 _HELD: dict[Path, OutputDirLock] = {}
 
 
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker) shares its parent's lock through the inherited descriptor: it closes its
+    copy, so the lock ends with the run's process, not with its last worker, and never unlocks it (an unlock from
+    the child would release the parent's lock: they share one open file)."""
+    for lock in _HELD.values():
+        if lock._fd is not None:
+            os.close(lock._fd)
+            lock._fd = None
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 class OutputDirLock:
     """An exclusive `flock` on `output_dir/.tunebook.lock`; `release()` (idempotent) gives it up."""
 

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,35 @@ def test_two_runs_cannot_start_at_once(tmp_path):
             racer.kill()
             racer.wait()
     assert outcomes == ["got", "refused", "refused", "refused"]
+
+
+def test_a_forked_child_neither_keeps_nor_releases_the_lock(tmp_path):
+    """A DataLoader worker is a fork of the run's process: killing the run frees the folder even while the worker
+    lives on, and a worker that ends does not unlock its live parent's folder."""
+    code = (
+        "import os, sys, time\nfrom tunebook.output_lock import lock_output_dir\n"
+        "lock = lock_output_dir(sys.argv[1])\nchild = os.fork()\n"
+        "if child == 0:\n    time.sleep(float(sys.argv[2]))\n    os._exit(0)\n"
+        "print(child, flush=True)\ntime.sleep(600)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    # A worker that ends at once: its parent still holds the lock.
+    parent = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "a"), "0"], stdout=subprocess.PIPE,
+                              text=True, env=env)  # fmt: skip
+    parent.stdout.readline()
+    time.sleep(0.5)
+    with pytest.raises(ConfigError, match=f"PID {parent.pid} on host"):
+        lock_output_dir(tmp_path / "a")
+    parent.kill()
+    parent.wait()
+    # A worker that outlives its parent's kill -9: the lock is gone with the parent.
+    parent = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "b"), "600"], stdout=subprocess.PIPE,
+                              text=True, env=env)  # fmt: skip
+    child = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    try:
+        with lock_output_dir(tmp_path / "b") as lock:
+            assert lock.held
+    finally:
+        os.kill(child, signal.SIGKILL)
