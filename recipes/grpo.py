@@ -94,7 +94,8 @@ def generate_rollouts(config: GRPOConfig, run, model, reference, window, rewards
         )
         texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
         prompts, columns = reward_inputs(batch, completions, G)
-        per_function = score(rewards, prompts, texts, columns, accelerator.device)
+        when = f"at step {run.state.global_step + 1}"  # what a failing reward's error says
+        per_function = score(rewards, prompts, texts, columns, accelerator.device, when)
         figures.add_rewards(per_function)
         parts.append((prompt_ids, completions, combined(per_function, rewards), time.perf_counter() - start))
     # scale_rewards batch: the std over the whole generation batch, every process's completions included.
@@ -126,7 +127,7 @@ def generate_rollouts(config: GRPOConfig, run, model, reference, window, rewards
     return rollouts
 
 
-def evaluate(config: GRPOConfig, model, data: PromptData, rewards, accelerator, log) -> dict:
+def evaluate(config: GRPOConfig, model, data: PromptData, rewards, accelerator, log, step: int) -> dict:
     metrics, samples = evaluate_completions(
         model,
         data.tokenizer,
@@ -137,6 +138,7 @@ def evaluate(config: GRPOConfig, model, data: PromptData, rewards, accelerator, 
         max_new_tokens=config.max_new_tokens,
         reference_column=config.reference_column,
         disable_tqdm=config.disable_tqdm,
+        when=f"in the evaluation after step {step}" if step else "in the evaluation before training",
     )
     for s in samples:
         log.info("  generated %r, reference %r", s["prediction"], s["reference"])
@@ -194,7 +196,7 @@ def main(config: GRPOConfig) -> dict:
 
     # --- resume (or start), then train: the loop's bookkeeping is tunebook.training.loop, the loss is here
     def run_evaluation() -> dict:
-        return evaluate(config, model, data, rewards, accelerator, log)
+        return evaluate(config, model, data, rewards, accelerator, log, run.state.global_step)
 
     figures = GRPOStats(accelerator.device, [f.name for f in rewards])  # and the rollouts a checkpoint keeps
     resume(run, data, figures, run_evaluation if data.eval is not None else None)

@@ -10,6 +10,7 @@ from .config import TrainConfig, config_field, new_default
 from .errors import ConfigError
 from .locations import looks_like_local_path
 from .models.tiny import TINY_BERT, TINY_LLAMA
+from .user_code import load_function
 
 __all__ = [
     "ChatModelConfig",
@@ -608,6 +609,8 @@ class GRPOConfig(ChatModelConfig):
                     f"unknown reward function {spec!r}: use one of {', '.join(BUILTIN_REWARDS)}, or "
                     "path/to/file.py:function_name for your own"
                 )
+            if spec not in BUILTIN_REWARDS:  # a file that is missing or does not import stops here, before torch
+                load_function(spec, "reward function")
         rewards = len(self.reward_functions) + bool(self.reward_model)
         if self.reward_weights is not None and len(self.reward_weights) != rewards:
             raise ConfigError(
