@@ -107,12 +107,12 @@ def generate_rollouts(config: GRPOConfig, run, model, reference, window, rewards
         r = Rollouts(*rows, advantages, None, None)
         with torch.no_grad():
             if config.num_iterations > 1:  # later updates compare with the policy that sampled
-                r.old_log_probs = completion_log_probs(model, r)[0]
+                r.old_log_probs = completion_log_probs(model, r, config.temperature)[0]
             if config.beta > 0 and reference is None:  # LoRA: the reference is the policy with adapters off
                 with policy.disable_adapter():
-                    r.ref_log_probs = completion_log_probs(model, r)[0]
+                    r.ref_log_probs = completion_log_probs(model, r, config.temperature)[0]
             elif config.beta > 0:
-                r.ref_log_probs = completion_log_probs(reference, r)[0]
+                r.ref_log_probs = completion_log_probs(reference, r, config.temperature)[0]
         figures.add(
             completions=len(completions),
             reward=total.sum(),
@@ -218,7 +218,7 @@ def main(config: GRPOConfig) -> dict:
                 clipped = kl = torch.zeros((), device=device)
                 for r in rollouts:
                     with micro_batch(accelerator, model, last=r is rollouts[-1]):
-                        log_probs, rows = completion_log_probs(model, r)
+                        log_probs, rows = completion_log_probs(model, r, config.temperature)
                         old = log_probs.detach() if r.old_log_probs is None else r.old_log_probs
                         token_losses, token_clipped, token_kl = grpo_token_losses(
                             log_probs,

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import ROOT, TINY_TEST_MODEL, assert_png, launch
 
 from tunebook import load_recipe
@@ -224,6 +225,32 @@ def test_a_stop_between_the_updates_of_one_generation_batch_resumes_on_its_rollo
     assert (tmp_path / "cut" / "model.safetensors").read_bytes() == (
         tmp_path / "full" / "model.safetensors"
     ).read_bytes()
+
+
+@pytest.mark.parametrize("use_peft", [False, True])
+def test_every_log_prob_of_the_loss_is_at_the_sampling_temperature(tmp_path, monkeypatch, use_peft):
+    """The policy's in the loss, the old policy's (num_iterations 2) and the reference's (beta > 0: a frozen copy, or
+    with LoRA the adapters-off policy) all get temperature 0.7, as the completions were sampled; on the first update
+    the ratio to the old policy is then exactly 1 (the sampling model is the policy)."""
+    recipe = load_recipe("grpo")
+    seen, ratios = [], []
+    log_probs = recipe.module.completion_log_probs
+    token_losses = recipe.module.grpo_token_losses
+
+    def recording_log_probs(model, rollouts, temperature=1.0):
+        seen.append(temperature)
+        return log_probs(model, rollouts, temperature)
+
+    def recording_losses(new, old, *args):
+        ratios.append(torch.exp(new - old).detach())
+        return token_losses(new, old, *args)
+
+    monkeypatch.setattr(recipe.module, "completion_log_probs", recording_log_probs)
+    monkeypatch.setattr(recipe.module, "grpo_token_losses", recording_losses)
+    lora = {"use_peft": True, "lora_r": 4, "lora_target_modules": "all-linear"} if use_peft else {}
+    _run(tmp_path / "run", tmp_path / "cache", temperature=0.7, beta=0.1, num_iterations=2, max_steps=2, **lora)
+    assert len(seen) == 4 and set(seen) == {0.7}  # old, reference, then the policy in each of the 2 updates
+    assert torch.equal(ratios[0], torch.ones_like(ratios[0]))
 
 
 @pytest.mark.slow
