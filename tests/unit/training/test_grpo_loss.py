@@ -89,6 +89,14 @@ def test_advantages_by_group_batch_and_none():
     assert adv.tolist() == pytest.approx((centred / (2.0 + 1e-4)).tolist())
 
 
+def test_frac_reward_zero_std_counts_constant_groups_under_batch_scaling_too():
+    """By design, as the README says: under scale_rewards batch TRL logs whether the whole batch's rewards are equal
+    (here: no, 0.0); Tunebook the share of groups whose rewards are (here 1 of 2), which teach nothing either way."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])
+    _, zero = group_advantages(rewards, 4, "batch", batch_std=rewards.std())
+    assert rewards.std() > 0 and zero.tolist() == [False, True]
+
+
 def test_seeded_sampling_draws_from_the_tempered_distribution_and_respects_top_p():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(4000, 1)
     draws = SeededSampling(list(range(4000)), temperature=2.0, top_p=1.0)(None, logits).argmax(dim=-1)
