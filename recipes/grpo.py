@@ -94,7 +94,8 @@ def generate_rollouts(config: GRPOConfig, run, model, reference, window, rewards
         )
         texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
         prompts, columns = reward_inputs(batch, completions, G)
-        per_function = score(rewards, prompts, texts, columns, accelerator.device)
+        when = f"at step {run.state.global_step + 1}"  # what a failing reward's error says
+        per_function = score(rewards, prompts, texts, columns, accelerator.device, when)
         figures.add_rewards(per_function)
         parts.append((prompt_ids, completions, combined(per_function, rewards), time.perf_counter() - start))
     # scale_rewards batch: the std over the whole generation batch, every process's completions included.
@@ -106,12 +107,12 @@ def generate_rollouts(config: GRPOConfig, run, model, reference, window, rewards
         r = Rollouts(*rows, advantages, None, None)
         with torch.no_grad():
             if config.num_iterations > 1:  # later updates compare with the policy that sampled
-                r.old_log_probs = completion_log_probs(model, r)[0]
+                r.old_log_probs = completion_log_probs(model, r, config.temperature)[0]
             if config.beta > 0 and reference is None:  # LoRA: the reference is the policy with adapters off
                 with policy.disable_adapter():
-                    r.ref_log_probs = completion_log_probs(model, r)[0]
+                    r.ref_log_probs = completion_log_probs(model, r, config.temperature)[0]
             elif config.beta > 0:
-                r.ref_log_probs = completion_log_probs(reference, r)[0]
+                r.ref_log_probs = completion_log_probs(reference, r, config.temperature)[0]
         figures.add(
             completions=len(completions),
             reward=total.sum(),
@@ -126,7 +127,7 @@ def generate_rollouts(config: GRPOConfig, run, model, reference, window, rewards
     return rollouts
 
 
-def evaluate(config: GRPOConfig, model, data: PromptData, rewards, accelerator, log) -> dict:
+def evaluate(config: GRPOConfig, model, data: PromptData, rewards, accelerator, log, step: int) -> dict:
     metrics, samples = evaluate_completions(
         model,
         data.tokenizer,
@@ -137,6 +138,7 @@ def evaluate(config: GRPOConfig, model, data: PromptData, rewards, accelerator, 
         max_new_tokens=config.max_new_tokens,
         reference_column=config.reference_column,
         disable_tqdm=config.disable_tqdm,
+        when=f"in the evaluation after step {step}" if step else "in the evaluation before training",
     )
     for s in samples:
         log.info("  generated %r, reference %r", s["prediction"], s["reference"])
@@ -194,7 +196,7 @@ def main(config: GRPOConfig) -> dict:
 
     # --- resume (or start), then train: the loop's bookkeeping is tunebook.training.loop, the loss is here
     def run_evaluation() -> dict:
-        return evaluate(config, model, data, rewards, accelerator, log)
+        return evaluate(config, model, data, rewards, accelerator, log, run.state.global_step)
 
     figures = GRPOStats(accelerator.device, [f.name for f in rewards])  # and the rollouts a checkpoint keeps
     resume(run, data, figures, run_evaluation if data.eval is not None else None)
@@ -216,7 +218,7 @@ def main(config: GRPOConfig) -> dict:
                 clipped = kl = torch.zeros((), device=device)
                 for r in rollouts:
                     with micro_batch(accelerator, model, last=r is rollouts[-1]):
-                        log_probs, rows = completion_log_probs(model, r)
+                        log_probs, rows = completion_log_probs(model, r, config.temperature)
                         old = log_probs.detach() if r.old_log_probs is None else r.old_log_probs
                         token_losses, token_clipped, token_kl = grpo_token_losses(
                             log_probs,

@@ -10,6 +10,7 @@ from .config import TrainConfig, config_field, new_default
 from .errors import ConfigError
 from .locations import looks_like_local_path
 from .models.tiny import TINY_BERT, TINY_LLAMA
+from .user_code import load_function
 
 __all__ = [
     "ChatModelConfig",
@@ -221,7 +222,11 @@ class SFTConfig(ChatModelConfig):
     overlong_examples: Literal["truncate", "drop"] = config_field(
         "Truncate or drop examples longer than max_seq_length.", "truncate"
     )
-    assistant_only_loss: bool = config_field("Compute the loss on assistant/completion tokens only.", True)
+    assistant_only_loss: bool = config_field(
+        "Compute the loss on assistant turns only; in a prompt/completion row, on its completion's only (the prompt "
+        "is context, its assistant turns too: TRL's completion_only_loss).",
+        True,
+    )
     split_turns: bool = config_field(
         "One example per assistant turn: the conversation up to it, rendered as the chat template renders it when "
         "that turn is the last (as at generation). For templates that render earlier turns differently once later "
@@ -377,9 +382,10 @@ class DPOConfig(ChatModelConfig):
     )
     # --- DPO
     loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"] = config_field(
-        "The preference loss, as TRL defines it: sigmoid (DPO), ipo, hinge (SLiC), robust (rDPO), or, with no "
-        "reference model at all, simpo (SimPO, length-normalised, margin simpo_gamma) or orpo (odds ratio plus the "
-        "chosen response's NLL).",
+        "The preference loss, TRL's formulas (but see label_smoothing, rpo_alpha and orpo): sigmoid (DPO), ipo, hinge "
+        "(SLiC), robust (rDPO), or, with no reference model at all, simpo (SimPO, length-normalised, margin "
+        "simpo_gamma) or orpo (odds ratio plus the chosen response's NLL: its token mean over the response, per pair; "
+        "TRL's is one token mean over the batch's prompt and response tokens).",
         "sigmoid",
     )
     beta: float = config_field(
@@ -391,7 +397,7 @@ class DPOConfig(ChatModelConfig):
     )
     label_smoothing: float = config_field(
         "Assumed probability that a preference label is flipped, sigmoid and robust only (conservative DPO, cDPO, "
-        "and robust DPO); 0 is plain DPO.",
+        "and robust DPO); 0 is plain DPO. sigmoid's is cDPO as in TRL <= 0.19: TRL 1.16's sigmoid ignores it.",
         0.0,
     )
     simpo_gamma: float = config_field(
@@ -400,8 +406,9 @@ class DPOConfig(ChatModelConfig):
         0.5,
     )
     rpo_alpha: float | None = config_field(
-        "Add rpo_alpha x the chosen response's NLL per token to the loss (RPO; the paper uses 1.0); any loss_type "
-        "but orpo, whose NLL term is built in. null: none.",
+        "Add rpo_alpha x the chosen response's NLL per token to the loss (RPO; the paper uses 1.0): each response's "
+        "token mean, then the mean over pairs (TRL's is one token mean over the batch's chosen tokens). Any "
+        "loss_type but orpo, whose NLL term is built in. null: none.",
         None,
     )
     precompute_ref_log_probs: bool = config_field(
@@ -521,7 +528,8 @@ class GRPOConfig(ChatModelConfig):
         "Divide each advantage (reward minus its group's mean) by the group's reward std, the generation batch's, "
         "or nothing (Dr. GRPO: the group std over-weights easy and hard prompts). With a reward model next to a "
         "0/1 reward use batch: where a group's 0/1 rewards are all equal, its own std makes the reward model's "
-        "noise a full-size advantage.",
+        "noise a full-size advantage. frac_reward_zero_std counts groups of equal rewards under each (TRL's, under "
+        "batch, whether the whole batch's are).",
         "group",
     )
     epsilon: float = config_field("Lower clipping range of the probability ratio: clip at 1 - epsilon.", 0.2)
@@ -608,6 +616,8 @@ class GRPOConfig(ChatModelConfig):
                     f"unknown reward function {spec!r}: use one of {', '.join(BUILTIN_REWARDS)}, or "
                     "path/to/file.py:function_name for your own"
                 )
+            if spec not in BUILTIN_REWARDS:  # a file that is missing or does not import stops here, before torch
+                load_function(spec, "reward function")
         rewards = len(self.reward_functions) + bool(self.reward_model)
         if self.reward_weights is not None and len(self.reward_weights) != rewards:
             raise ConfigError(

@@ -1,5 +1,7 @@
 """Reward functions for the GRPO tests: what a user's file passed as `path/to/file.py:function` looks like."""
 
+import sys
+
 
 def text_length(prompts, completions, **columns):
     """Random completions differ in length, so their advantages, and the updates, are not zero."""
@@ -18,3 +20,7 @@ def raises(prompts, completions, **columns):
 
 def too_few(prompts, completions, **columns):
     return [0.0]
+
+
+def exits(prompts, completions, **columns):
+    sys.exit(3)  # SystemExit passes `except Exception`: it must not end the run with this code and no word

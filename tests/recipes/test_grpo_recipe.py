@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import signal
 import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import ROOT, TINY_TEST_MODEL, assert_png, launch
 
 from tunebook import load_recipe
@@ -112,10 +114,74 @@ def test_config_mistakes_are_one_line(tmp_path, args, message):
 
 
 @pytest.mark.parametrize(
+    "source, message",
+    [
+        (None, r"file not found: .*absent\.py"),
+        ("def f(prompts, completions:\n    return []\n", r"importing .*bad\.py failed: SyntaxError: .*line 1"),
+        ("import no_such_module_tb\n", r"failed: ModuleNotFoundError: No module named 'no_such_module_tb'"),
+        ("x = 1\nraise RuntimeError('no API key')\n", r"failed: RuntimeError: no API key \(bad\.py, line 2\)"),
+        ("import sys\nsys.exit(2)\n", r"failed: SystemExit: sys.exit\(2\) \(bad\.py, line 2\)"),
+        ("def g(prompts, completions, **columns):\n    return []\n", r"bad\.py defines no function 'f'"),
+        ("f = 3\n", r"'f' in .*bad\.py is a int, not a function"),
+    ],
+)  # fmt: skip
+def test_a_reward_file_that_does_not_load_is_found_by_the_config_check(tmp_path, source, message):
+    """Before torch, the data and the model: `tunebook train` checks the config in about a second."""
+    from tunebook.config import load_config
+    from tunebook.errors import ConfigError
+    from tunebook.recipe_configs import GRPOConfig
+
+    file = tmp_path / ("absent.py" if source is None else "bad.py")
+    if source is not None:
+        file.write_text(source)
+    spec = f"{file}:f"
+    with pytest.raises(ConfigError, match=rf"^reward function '{re.escape(spec)}': .*{message}"):
+        load_config(GRPOConfig, ["--reward_functions", f"[{spec}]", "--output_dir", str(tmp_path / "run")])
+
+
+def test_the_config_check_loads_a_reward_file_without_torch(tmp_path):
+    """The check runs the user's file, not ours: a file that imports nothing heavy is checked without torch."""
+    (tmp_path / "ok.py").write_text("def f(prompts, completions, **columns):\n    return [0.0] * len(completions)\n")
+    (tmp_path / "bad.py").write_text("import no_such_module_tb\n")
+    code = (
+        "import sys\nfrom tunebook.config import load_config\nfrom tunebook.errors import ConfigError\n"
+        "from tunebook.recipe_configs import GRPOConfig\n"
+        f"load_config(GRPOConfig, ['--reward_functions', '[{tmp_path}/ok.py:f]'])\n"
+        f"try:\n    load_config(GRPOConfig, ['--reward_functions', '[{tmp_path}/bad.py:f]'])\n"
+        "except ConfigError as error:\n    print(error)\nprint('torch' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    error, torch_loaded = result.stdout.splitlines()
+    assert "No module named 'no_such_module_tb'" in error and torch_loaded == "False"
+
+
+@pytest.mark.parametrize(
+    "function, eval_on_start, message",
+    [
+        ("exits", False, r"reward function '.*grpo_rewards\.py:exits' at step 1 raised SystemExit: sys\.exit\(3\) "
+                         r"\(grpo_rewards\.py, line 26\)$"),
+        ("raises", False, r"reward function '.*grpo_rewards\.py:raises' at step 1 raised KeyError: 'solution' "
+                          r"\(grpo_rewards\.py, line 18\)$"),
+        ("exits", True, r"reward function '.*grpo_rewards\.py:exits' in the evaluation before training raised "
+                        r"SystemExit: sys\.exit\(3\)"),
+    ],
+)  # fmt: skip
+def test_a_reward_that_raises_or_exits_is_one_line_naming_it_and_the_step(tmp_path, function, eval_on_start,
+                                                                          message):  # fmt: skip
+    from tunebook.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):  # not SystemExit(3): the run's own error, with its exit code 1
+        _run(tmp_path / "run", tmp_path / "cache", reward_functions=[f"{REWARDS}:{function}"],
+             eval_on_start=eval_on_start)  # fmt: skip
+
+
+@pytest.mark.parametrize(
     "function, message",
     [
-        ("raises", r"reward function 'raises' raised KeyError: 'solution'"),
-        ("too_few", r"reward function 'too_few' returned 1 values for 8 completions"),
+        ("raises", r"reward function '.*grpo_rewards\.py:raises' at step 1 raised KeyError: 'solution'"),
+        ("exits", r"reward function '.*grpo_rewards\.py:exits' at step 1 raised SystemExit: sys\.exit\(3\)"),
+        ("too_few", r"reward function '.*grpo_rewards\.py:too_few' at step 1 returned 1 values for 8 completions"),
         ("missing", r"grpo_rewards.py defines no function 'missing'"),
     ],
 )
@@ -127,10 +193,10 @@ def test_a_broken_reward_function_stops_the_run_with_one_line(tmp_path, function
            "--reward_functions", f"[{REWARDS}:{function}]", "--output_dir", str(tmp_path / "run"),
            "--cache_dir", str(tmp_path / "cache")]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert result.returncode == 1
+    assert result.returncode == 1, (result.returncode, result.stderr[-2000:])  # exits: not its sys.exit(3)
     errors = [line for line in result.stderr.splitlines() if line.startswith("tunebook: error")]
     assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
-    assert __import__("re").search(message, errors[0]), errors[0]
+    assert re.search(message, errors[0]), errors[0]
 
 
 @pytest.mark.slow
@@ -159,6 +225,32 @@ def test_a_stop_between_the_updates_of_one_generation_batch_resumes_on_its_rollo
     assert (tmp_path / "cut" / "model.safetensors").read_bytes() == (
         tmp_path / "full" / "model.safetensors"
     ).read_bytes()
+
+
+@pytest.mark.parametrize("use_peft", [False, True])
+def test_every_log_prob_of_the_loss_is_at_the_sampling_temperature(tmp_path, monkeypatch, use_peft):
+    """The policy's in the loss, the old policy's (num_iterations 2) and the reference's (beta > 0: a frozen copy, or
+    with LoRA the adapters-off policy) all get temperature 0.7, as the completions were sampled; on the first update
+    the ratio to the old policy is then exactly 1 (the sampling model is the policy)."""
+    recipe = load_recipe("grpo")
+    seen, ratios = [], []
+    log_probs = recipe.module.completion_log_probs
+    token_losses = recipe.module.grpo_token_losses
+
+    def recording_log_probs(model, rollouts, temperature=1.0):
+        seen.append(temperature)
+        return log_probs(model, rollouts, temperature)
+
+    def recording_losses(new, old, *args):
+        ratios.append(torch.exp(new - old).detach())
+        return token_losses(new, old, *args)
+
+    monkeypatch.setattr(recipe.module, "completion_log_probs", recording_log_probs)
+    monkeypatch.setattr(recipe.module, "grpo_token_losses", recording_losses)
+    lora = {"use_peft": True, "lora_r": 4, "lora_target_modules": "all-linear"} if use_peft else {}
+    _run(tmp_path / "run", tmp_path / "cache", temperature=0.7, beta=0.1, num_iterations=2, max_steps=2, **lora)
+    assert len(seen) == 4 and set(seen) == {0.7}  # old, reference, then the policy in each of the 2 updates
+    assert torch.equal(ratios[0], torch.ones_like(ratios[0]))
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ from ..locations import default_cache_dir
 __all__ = ["PREPROCESSING_VERSION", "cached_dataset", "default_cache_dir", "fingerprint", "tokenizer_fingerprint"]
 
 # Bump when tokenisation or masking changes what it produces, so old caches are not reused.
-PREPROCESSING_VERSION = "1"
+PREPROCESSING_VERSION = "2"  # 2: a prompt/completion row's loss is on its completion only
 STATS_FILE = "tunebook_stats.json"
 
 

@@ -6,9 +6,11 @@ Supported, in the order auto-detection tries them:
 - sharegpt: `conversations`, a list of `{from, value}`;
 - alpaca: `instruction` (+ `input`) and `output`;
 - prompt_completion: `prompt` and `completion`, each a string or a list of messages (TRL's conversational form);
+  only the completion carries loss, not an assistant turn of the prompt (TRL's `completion_only_loss`);
 - text: a plain text column (`text`, or `dataset_text_field`): the whole text carries the loss.
 
-A row becomes a JSON string, `{"messages": [...], "tools": [...]}` or `{"text": ...}`: JSON because messages with tool
+A row becomes a JSON string, `{"messages": [...], "tools": [...]}` (prompt_completion adds `"completion_start"`, the
+index of the completion's first message) or `{"text": ...}`: JSON because messages with tool
 calls have a different shape in every row, which an Arrow column cannot hold without inventing `None` fields. Rows
 read from Arrow/Parquet do carry such `None` fields (every struct gets every key), so they are dropped here: a chat
 template that asks `'tool_calls' in message` would otherwise see a tool call in every turn.
@@ -90,14 +92,18 @@ def to_conversations(
                 {"role": "assistant", "content": _required(batch["output"][i], "output", where_row)},
             ]
         elif data_format == "prompt_completion":
-            messages = as_messages(batch["prompt"][i], "user", where_row) + as_messages(
-                batch["completion"][i], "assistant", where_row
-            )
+            prompt = as_messages(batch["prompt"][i], "user", where_row)
+            completion = as_messages(batch["completion"][i], "assistant", where_row)
+            if not any(m["role"] == "assistant" for m in completion):
+                raise DataError(f"{where_row}: the completion has no assistant turn to learn from")
+            messages = prompt + completion
         else:
             raise ValueError(f"unknown data format {data_format!r}")
         if not any(m["role"] == "assistant" for m in messages):
             raise DataError(f"{where_row}: no assistant turn to learn from")
         conversation = {"messages": messages}
+        if data_format == "prompt_completion":  # the prompt is context, its assistant turns too (TRL's
+            conversation["completion_start"] = len(prompt)  # completion_only_loss): the loss starts here
         if batch.get("tools") is not None and batch["tools"][i] is not None:
             conversation["tools"] = _tools(batch["tools"][i], where_row)
         out.append(json.dumps(conversation))

@@ -152,8 +152,9 @@ def reference_examples(prompts: datasets.Dataset, tokenizer, reference_column: s
     def conversations(batch):
         rows = []
         for prompt, answer in zip(batch["prompt"], batch[reference_column]):
-            messages = as_messages(prompt, "user", "prompt data")
-            rows.append(json.dumps({"messages": messages + [{"role": "assistant", "content": str(answer)}]}))
+            messages = as_messages(prompt, "user", "prompt data")  # context: the loss is on the answer only
+            rows.append(json.dumps({"messages": messages + [{"role": "assistant", "content": str(answer)}],
+                                    "completion_start": len(messages)}))  # fmt: skip
         return tokenize_conversations({"conversation": rows}, tokenizer=tokenizer, max_seq_length=max_seq_length,
                                       overlong="truncate", assistant_only_loss=True)  # fmt: skip
 

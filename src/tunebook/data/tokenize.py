@@ -1,6 +1,7 @@
 """Render conversations with the tokenizer's chat template, tokenise, and mask the loss to assistant turns.
 
-Assistant spans are found as character ranges of the rendered text: the span of turn i runs from the end of
+Assistant spans (of a prompt/completion row, only the completion's: the prompt is context) are found as character
+ranges of the rendered text: the span of turn i runs from the end of
 `render(messages[:i], add_generation_prompt=True)` to the end of `render(messages[:i + 1])`, so it includes the
 end-of-turn marker (the model must learn to stop). Tokens whose first character lies in a span carry loss.
 This works for any chat template whose renderings of prefixes are prefixes of the whole, without requiring
@@ -41,14 +42,15 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools=
 
 
 def assistant_spans(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: list | None = None
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: list | None = None, first: int = 0
 ) -> tuple[str, list[tuple[int, int]]]:
-    """Return the rendered text and the character spans of its assistant turns."""
+    """Return the rendered text and the character spans of its assistant turns from message `first` on (the
+    completion of a prompt/completion row: the prompt's assistant turns are context)."""
     text = render_chat(tokenizer, messages, tools)
     check_messages_rendered(text, messages, tools)
     spans = []
     for i, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or i < first:
             continue
         before = render_chat(tokenizer, messages[:i], tools, generation_prompt=True) if i else ""
         through = text if i == len(messages) - 1 else render_chat(tokenizer, messages[: i + 1], tools)
@@ -65,10 +67,11 @@ def assistant_spans(
 
 
 def turn_examples(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: list | None = None
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: list | None = None, first: int = 0
 ) -> list[tuple[str, list[tuple[int, int]]]]:
-    """One (text, [span]) per assistant turn: the conversation up to and including the turn, rendered as the
-    template renders it when that turn is the last, which is how the model sees it when generating it.
+    """One (text, [span]) per assistant turn from message `first` on: the conversation up to and including the
+    turn, rendered as the template renders it when that turn is the last, which is how the model sees it when
+    generating it.
 
     For templates that render earlier turns differently once later turns follow (Qwen3 drops their reasoning,
     GPT-OSS ends them with <|end|> instead of <|return|>), where one rendering of the whole conversation cannot
@@ -76,7 +79,7 @@ def turn_examples(
     """
     examples = []
     for i, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or i < first:
             continue
         before = render_chat(tokenizer, messages[:i], tools, generation_prompt=True) if i else ""
         through = render_chat(tokenizer, messages[: i + 1], tools)
@@ -190,11 +193,12 @@ def tokenize_conversations(
             pieces = [(example["text"], None)]
         else:
             messages, tools = example["messages"], example.get("tools")
+            first = example.get("completion_start", 0)  # prompt/completion rows: the loss is on the completion only
             try:
                 if split_turns:
-                    pieces = turn_examples(tokenizer, messages, tools)
+                    pieces = turn_examples(tokenizer, messages, tools, first)
                 else:
-                    pieces = [assistant_spans(tokenizer, messages, tools)]
+                    pieces = [assistant_spans(tokenizer, messages, tools, first)]
             except DataError as error:
                 row_number = indices[position] + 1 if indices is not None else position + 1
                 raise DataError(f"{where}, row {row_number}: {error}") from None

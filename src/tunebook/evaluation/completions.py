@@ -16,11 +16,12 @@ __all__ = ["evaluate_completions"]
 
 @torch.no_grad()
 def evaluate_completions(model, tokenizer, dataset, functions: list[RewardFunction], accelerator, *, batch_size: int,
-                         max_new_tokens: int, reference_column: str, disable_tqdm: bool = True):  # fmt: skip
+                         max_new_tokens: int, reference_column: str, disable_tqdm: bool = True,
+                         when: str = "in evaluation"):  # fmt: skip
     """(metrics, samples): the mean reward of greedy completions (`eval_reward`, and per function
     `eval_rewards/<name>`), their exact match against `reference_column` when the data has it (`eval_exact_match`,
     whether or not it is a reward), and their mean length in tokens. Exact over processes: every prompt counts
-    once (the duplicates that even out the last batch are dropped)."""
+    once (the duplicates that even out the last batch are dropped). `when` goes into a failing reward's error."""
     loader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=batch_size, collate_fn=PromptRows()))
     unwrapped = unwrap(model)
     eos = stop_tokens(unwrapped, tokenizer)
@@ -34,7 +35,7 @@ def evaluate_completions(model, tokenizer, dataset, functions: list[RewardFuncti
         )  # fmt: skip
         texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
         prompts, columns = reward_inputs(batch, completions)
-        per_function = score(functions, prompts, texts, columns, "cpu")
+        per_function = score(functions, prompts, texts, columns, "cpu", when)
         total = combined(per_function, functions)
         references = [str(r) for r in columns[reference_column]] if reference_column in columns else None
         matches = exact_match(None, texts, reference=references) if references else [float("nan")] * len(texts)

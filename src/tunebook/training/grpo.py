@@ -3,7 +3,8 @@
 For a prompt, G completions o_1..o_G are sampled and scored (rewards r_i); the advantage of every token of o_i is
 r_i minus the group's mean reward, divided by the group's standard deviation (`scale_rewards: group`), the
 generation batch's (`batch`) or nothing (`none`, Dr. GRPO's recommendation). With the per-token ratio
-rho = pi(o_t) / pi_old(o_t), the loss of a token is
+rho = pi(o_t) / pi_old(o_t), where pi is the tempered distribution softmax(logits / T) at the sampling temperature T
+that the completions were drawn from (as in TRL), the loss of a token is
 
     -min(rho A, clip(rho, 1 - epsilon, 1 + epsilon_high) A)  [+ beta KL_t, k3 estimator vs. the reference]
 
@@ -143,12 +144,20 @@ def rollout_rows(prompt_ids: list[list[int]], completions: list[list[int]], pad_
     return tuple(t.to(device) for t in (batch["input_ids"], batch["attention_mask"], batch["labels"], lengths))
 
 
-def completion_log_probs(model, rollouts: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
+def completion_log_probs(model, rollouts: Rollouts, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probability of every completion token, flat in loss-position order, float32, with gradients if on;
-    the row, i.e. completion, of each)."""
+    the row, i.e. completion, of each) under `log_softmax(logits / temperature)`.
+
+    Pass the sampling temperature, for the policy, the old policy and the reference alike: the completions were
+    drawn from the tempered distribution, so the ratio, its clipping and the KL refer to it, and at the first
+    update the ratio is that of the policy that sampled (on-policy). TRL does the same: v1.9.0,
+    trl/trainer/grpo_trainer.py, `_get_per_token_logps_and_entropies` lines 1517-1519 (`logits.div_(
+    self.temperature)` before `selective_log_softmax`), called for the old policy (line 2565), the reference (lines
+    2628, 2644) and the policy in the loss (line 3001). Top-p is not applied here, as there: it only truncates.
+    """
     batch = rollouts.batch()
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
-    losses, positions = causal_lm_token_losses(model, inputs, batch)
+    losses, positions = causal_lm_token_losses(model, inputs, batch, temperature)
     return -losses, positions // batch["labels"].shape[1]
 
 

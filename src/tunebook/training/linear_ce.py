@@ -195,16 +195,17 @@ def _chunk_logits(hidden, weight, bias, buffer) -> torch.Tensor:
 
 class LinearLosses(TorchFunctionMode):
     """While started, `F.linear` applied to the very tensor `hidden` returns `linear_cross_entropy` of it against
-    `targets` (kept as `losses`) instead of logits; every other call runs as usual.
+    `targets` (kept as `losses`) instead of logits, of the logits divided by `temperature` if that is not 1; every
+    other call runs as usual.
 
     Started around an output layer's forward: the layer, or a peft wrapper around it (`modules_to_save`,
     `trainable_token_indices`), picks its weight as always (the trained copy, the merged token rows, the frozen
     original with adapters off) and hands it to `F.linear`, where the loss takes it over.
     """
 
-    def __init__(self, targets: torch.Tensor):
+    def __init__(self, targets: torch.Tensor, temperature: float = 1.0):
         super().__init__()
-        self.targets = targets
+        self.targets, self.temperature = targets, temperature
         self.hidden = self.losses = None
         self.started = False
 
@@ -222,6 +223,10 @@ class LinearLosses(TorchFunctionMode):
         if func is F.linear and self.losses is None:
             call = dict(zip(("input", "weight", "bias"), args), **kwargs)
             if call["input"] is self.hidden:
-                self.losses = linear_cross_entropy(self.hidden, call["weight"], call.get("bias"), self.targets)
+                hidden, bias = self.hidden, call.get("bias")
+                if self.temperature != 1.0:  # logits / T is F.linear(hidden / T, weight, bias / T)
+                    hidden = hidden / self.temperature
+                    bias = None if bias is None else bias / self.temperature
+                self.losses = linear_cross_entropy(hidden, call["weight"], bias, self.targets)
                 return self.losses
         return func(*args, **kwargs)

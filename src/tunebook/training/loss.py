@@ -56,7 +56,9 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def output_layer_at(model: torch.nn.Module, positions: torch.Tensor, targets: torch.Tensor | None = None):
+def output_layer_at(
+    model: torch.nn.Module, positions: torch.Tensor, targets: torch.Tensor | None = None, temperature: float = 1.0
+):
     """Inside this block, `model`'s output layer (the LM head) runs only on the hidden states at `positions`
     (flat indices into batch x length), so its logits have shape (len(positions), vocab).
 
@@ -67,13 +69,14 @@ def output_layer_at(model: torch.nn.Module, positions: torch.Tensor, targets: to
 
     With `targets`, the layer returns each position's float32 cross-entropy against its target instead of logits
     (`linear_ce.linear_cross_entropy`, chunked: the logits never exist whole), and the block yields the
-    `LinearLosses` that computed them (its `losses` stay None if the layer never applied `F.linear` to them).
+    `LinearLosses` that computed them (its `losses` stay None if the layer never applied `F.linear` to them), of
+    the logits divided by `temperature`.
     """
     head = unwrap(model).get_output_embeddings()
     if head is None:
         yield None
         return
-    fused = LinearLosses(targets) if targets is not None else None
+    fused = LinearLosses(targets, temperature) if targets is not None else None
 
     def select(module, args):
         hidden = args[0]
@@ -94,8 +97,11 @@ def output_layer_at(model: torch.nn.Module, positions: torch.Tensor, targets: to
             fused.stop()  # if the layer raised before its forward hook
 
 
-def causal_lm_token_losses(model: torch.nn.Module, inputs: dict[str, Any], batch: dict[str, torch.Tensor]):
-    """Next-token cross-entropy (float32) of every loss-bearing token of `batch`, computing logits only there.
+def causal_lm_token_losses(
+    model: torch.nn.Module, inputs: dict[str, Any], batch: dict[str, torch.Tensor], temperature: float = 1.0
+):
+    """Next-token cross-entropy (float32) of every loss-bearing token of `batch`, computing logits only there; of
+    the logits divided by `temperature` (GRPO's log-probs of the tempered distribution it sampled from).
 
     `inputs` are the model's keyword arguments (`attention_inputs`); `batch` has `labels` and, from the
     collators, `loss_positions`/`loss_targets` (computed here if absent). Returns (losses, positions); the row of
@@ -116,28 +122,31 @@ def causal_lm_token_losses(model: torch.nn.Module, inputs: dict[str, Any], batch
     positions, targets = batch["loss_positions"], batch["loss_targets"]
     fused = None
     try:
-        with output_layer_at(model, positions, targets if _fusable(model, len(positions)) else None) as fused:
+        fusable = _fusable(model, len(positions))
+        with output_layer_at(model, positions, targets if fusable else None, temperature) as fused:
             logits = model(**inputs).logits
     except (IndexError, RuntimeError, ValueError):
         if fused is None or fused.losses is None:  # the head never returned losses: not the fusion's doing
             raise
         # The model works on its logits after the head (xLSTM reads their length in evaluation) and broke on losses.
-        return _unfused(model, inputs, batch, "fails on fused losses from its output layer")
+        return _unfused(model, inputs, batch, "fails on fused losses from its output layer", temperature)
     if fused is not None and fused.losses is not None:
         # The head's losses came out untouched, or only cast by a wrapper (FSDP2's output_dtype).
         if logits is fused.losses or (logits.shape == fused.losses.shape and logits.dtype != fused.losses.dtype):
             return logits.float(), positions
-        return _unfused(model, inputs, batch, "changes its logits after the output layer")
+        return _unfused(model, inputs, batch, "changes its logits after the output layer", temperature)
     if logits.dim() == 3:  # the model made its logits without calling its output layer module: pick them here
         logits = logits.reshape(-1, logits.shape[-1]).index_select(0, positions)
-    return F.cross_entropy(logits.float(), targets, reduction="none"), positions
+    logits = logits.float() if temperature == 1.0 else logits.float() / temperature
+    return F.cross_entropy(logits, targets, reduction="none"), positions
 
 
-def _unfused(model: torch.nn.Module, inputs: dict[str, Any], batch: dict[str, torch.Tensor], why: str):
+def _unfused(model: torch.nn.Module, inputs: dict[str, Any], batch: dict[str, torch.Tensor], why: str,
+             temperature: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The batch again with logits from the output layer, and the model type remembered for the next batches."""
     _CHANGES_LOGITS.add(_model_type(model))
     logger.warning("%s %s: its loss is computed from logits (not fused)", type(unwrap(model)).__name__, why)
-    return causal_lm_token_losses(model, inputs, batch)
+    return causal_lm_token_losses(model, inputs, batch, temperature)
 
 
 # Config keys of models that scale, soft-cap or slice the logits after the head (transformers 5.x; swept over its

@@ -5,8 +5,9 @@ cached).
 With pi and ref the summed log-probabilities of a response under the policy and the reference model, the
 implicit rewards are r = beta (pi - ref), and the sigmoid loss of a pair is
     -(1 - eps) log sigmoid(r_chosen - r_rejected) - eps log sigmoid(r_rejected - r_chosen)
-(eps = label_smoothing, the conservative variant; eps = 0 is plain DPO). `preference_loss` holds the other loss
-types, as TRL defines them; its docstring gives each formula.
+(eps = label_smoothing, the conservative variant as in TRL <= 0.19, whose sigmoid loss in 1.16 ignores it; eps = 0
+is plain DPO). `preference_loss` holds the other loss types, with TRL's formulas; its docstring gives each, and
+where the NLL terms (rpo_alpha, orpo) differ from TRL's.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def preference_loss(
     simpo_gamma: float = 0.5,
     rpo_alpha: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-pair losses and the (detached) rewards of the chosen and rejected responses, as TRL defines each loss.
+    """Per-pair losses and the (detached) rewards of the chosen and rejected responses, with TRL's formulas but for
+    sigmoid's label_smoothing (cDPO, as TRL <= 0.19) and the NLL terms (below).
 
     `policy`, `reference` and `lengths` hold 2B rows, chosen then rejected: summed log-probabilities
     (`sequence_log_probs`) and response tokens (`response_lengths`). With d = (pi_c - ref_c) - (pi_r - ref_r),
@@ -94,10 +96,11 @@ def preference_loss(
                reference (TRL's CPOTrainer)
     - orpo:    -a_c - beta log s(log odds(a_c) - log odds(a_r)), odds(a) = e^a / (1 - e^a); no reference.
                -a_c is the chosen response's NLL per token; TRL's ORPOTrainer takes the token mean over the whole
-               batch instead, which weights long responses more and is not a per-pair loss.
+               batch of the prompt and response tokens instead, which weights long sequences more and is not a
+               per-pair loss.
 
-    rpo_alpha adds rpo_alpha x the chosen response's NLL per token (-a_c) to any loss but orpo (RPO; TRL adds it
-    to every DPO loss type). Rewards are beta x the log-ratio with a reference and beta x a without (as TRL logs
+    rpo_alpha adds rpo_alpha x the chosen response's NLL per token (-a_c) to any loss but orpo (RPO): a mean per
+    pair, where TRL's (rpo_alpha up to 0.19, the sft loss type in 1.16) is one token mean over the batch. Rewards are beta x the log-ratio with a reference and beta x a without (as TRL logs
     them), so rewards/accuracy is the share of pairs the model already orders right by the loss's own measure.
     """
     half = policy.shape[0] // 2

@@ -12,18 +12,17 @@ overlong punishment). A user's own: `path/to/file.py:function`. A trained reward
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import math
 import numbers
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, TunebookError
+from ..user_code import load_function, user_failure
 
 __all__ = [
     "RewardFunction",
@@ -44,6 +43,7 @@ class RewardFunction:
     name: str  # logged as rewards/<name>: the built-in's name, or the function's, from a file
     fn: Callable[..., Sequence[float | None]]
     weight: float
+    spec: str = ""  # as the config gives it: a built-in's name, path/to/file.py:function, or reward_model
 
 
 def exact_match(prompts, completions, *, reference: Sequence[str], **_) -> list[float]:
@@ -75,7 +75,7 @@ def load_reward_functions(config, device=None) -> list[RewardFunction]:
         name = spec.rpartition(":")[2] if ":" in spec else spec
         name = name if name not in names else f"{name}_{len(names)}"  # two files' functions of the same name
         names.append(name)
-        functions.append(RewardFunction(name, _reward_function(spec, config, device), float(weight)))
+        functions.append(RewardFunction(name, _reward_function(spec, config, device), float(weight), spec))
     if config.reward_model and config.reward_functions and config.scale_rewards == "group":
         # Measured in notebooks/04_sft_reward_grpo: exact match 0.56 -> 0.29 under group, 0.56 -> 0.70 under batch.
         logger.warning("reward_model next to reward functions, advantages scaled by group: where a group's other "
@@ -112,54 +112,37 @@ def _reward_function(spec: str, config, device) -> Callable:
 
         return load_reward_model(config.reward_model, device=device, use_safetensors=config.use_safetensors,
                                  trust_remote_code=config.trust_remote_code)  # fmt: skip
-    return _from_file(spec)  # GRPOConfig.validate let through only built-in names and file:function specs
-
-
-def _from_file(spec: str) -> Callable:
-    path, _, name = spec.rpartition(":")
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise ConfigError(f"reward function {spec!r}: file not found: {path}")
-    module_spec = importlib.util.spec_from_file_location(f"tunebook_rewards_{file.stem}", file)
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as error:  # the user's file: name it and the error, not our traceback
-        raise ConfigError(
-            f"reward function {spec!r}: importing {path} failed: {type(error).__name__}: {error}"
-        ) from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ConfigError(f"reward function {spec!r}: {path} defines no function {name!r}")
-    return fn
+    # GRPOConfig.validate let through only built-in names and file:function specs, and loaded each file once.
+    return load_function(spec, "reward function")
 
 
 def score(functions: list[RewardFunction], prompts: list, completions: list[str], columns: dict[str, list],
-          device) -> torch.Tensor:  # fmt: skip
+          device, when: str = "") -> torch.Tensor:  # fmt: skip
     """Rewards of each completion under each function, shape (completions, functions), float32; NaN where a
-    function returned None. A function that raises, returns the wrong number of values or a non-number stops
-    the run with one line naming it."""
+    function returned None. A function that raises or exits (`sys.exit`), returns the wrong number of values or a
+    non-number stops the run with one line naming it; `when` ("at step 3") says when in that line."""
     out = torch.full((len(completions), len(functions)), math.nan, dtype=torch.float32)
     for j, f in enumerate(functions):
+        named = f"reward function {f.spec or f.name!r}{' ' + when if when else ''}"
         try:
             values = f.fn(prompts, completions, **columns)
-        except ConfigError:
+        except (TunebookError, KeyboardInterrupt, GeneratorExit):  # ours name the function; Ctrl-C stops the run
             raise
-        except Exception as error:
-            raise ConfigError(f"reward function {f.name!r} raised {type(error).__name__}: {error}") from None
+        except BaseException as error:  # SystemExit too (see user_failure): the user's code, in one line
+            raise ConfigError(f"{named} raised {user_failure(error)}") from None
         values = list(values) if values is not None else None
         if values is None or len(values) != len(completions):
             got = "None" if values is None else f"{len(values)} values"
-            raise ConfigError(f"reward function {f.name!r} returned {got} for {len(completions)} completions; it "
-                              "must return one float (or None) per completion")  # fmt: skip
+            raise ConfigError(f"{named} returned {got} for {len(completions)} completions; it must return one "
+                              "float (or None) per completion")  # fmt: skip
         for i, v in enumerate(values):
             if v is None:
                 continue
             if isinstance(v, torch.Tensor) and v.numel() == 1:
                 v = v.item()
             if not isinstance(v, numbers.Real) or not math.isfinite(float(v)):  # numpy scalars and bools are Real
-                raise ConfigError(f"reward function {f.name!r} returned {v!r} for completion {i}; rewards must be "
-                                  "finite numbers (or None)")  # fmt: skip
+                raise ConfigError(f"{named} returned {v!r} for completion {i}; rewards must be finite numbers (or "
+                                  "None)")  # fmt: skip
             out[i, j] = float(v)
     return out.to(device)
 

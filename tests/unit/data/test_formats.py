@@ -75,3 +75,19 @@ def test_bad_row_in_a_file_is_named_by_its_row(tmp_path):
     )
     with pytest.raises(DataError, match=r"chat.jsonl, row 2: message 1 has role 'robot'"):
         load_conversations(parse_sources(str(path), "train_data"), "auto", tmp_path / "cache", seed=0)
+
+
+def test_a_prompt_completion_row_marks_where_its_completion_starts():
+    """Its prompt is context, assistant turns included: the loss starts at the completion (TRL's
+    completion_only_loss), so a completion without an assistant turn has nothing to learn from."""
+    earlier = [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"},
+    ]
+    batch = {"prompt": [earlier, "q"], "completion": [[{"role": "assistant", "content": "a2"}], "a"]}
+    rows = [json.loads(r) for r in to_conversations(batch, data_format="prompt_completion", where="p")["conversation"]]
+    assert [r["completion_start"] for r in rows] == [3, 1] and len(rows[0]["messages"]) == 4
+    with pytest.raises(DataError, match=r"pc.jsonl, row 2: the completion has no assistant turn to learn from"):
+        to_conversations({"prompt": ["q", earlier], "completion": ["a", [{"role": "user", "content": "q3"}]]},
+                         [0, 1], data_format="prompt_completion", where="pc.jsonl")  # fmt: skip

@@ -16,7 +16,7 @@ from conftest import ASSETS
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from tunebook.data.formats import normalise_messages
+from tunebook.data.formats import normalise_messages, to_conversations
 from tunebook.data.tokenize import IGNORE_INDEX, tokenize_conversations
 from tunebook.data.tokenizer import setup_chat_template
 from tunebook.errors import DataError
@@ -240,3 +240,67 @@ def test_a_held_out_split_of_split_turns_keeps_each_conversation_on_one_side():
     assert sorted(held["conversation_id"]) == sorted(c for c in ids if c in held_ids)  # every turn of each
     plain, plain_held, _ = _split(data.remove_columns("conversation_id"), 0.2, seed=0)  # without ids: by example
     assert len(plain_held) == round(0.2 * len(ids))
+
+
+def _prompt_completion(tokenizer, prompt: list[dict], completion: list[dict], split_turns: bool = False) -> dict:
+    """A TRL conversational prompt/completion row through the SFT path: formats, then tokenisation and masking."""
+    rows = to_conversations({"prompt": [prompt], "completion": [completion]}, data_format="prompt_completion",
+                            where="pc.jsonl")  # fmt: skip
+    return tokenize_conversations(rows, tokenizer=tokenizer, max_seq_length=4096, overlong="truncate",
+                                  assistant_only_loss=True, split_turns=split_turns)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-instruct", "qwen2.5-instruct", "qwen3", "phi-3.5-mini-instruct",
+                                  "gemma-2-it", "mistral-nemo-instruct-2407", "granite-3.3-instruct",
+                                  "smollm2-instruct"])  # fmt: skip
+def test_a_prompt_with_earlier_assistant_turns_is_context_only_the_completion_carries_loss(name):
+    """TRL's completion_only_loss: the labels are the prompt+completion tokens past those of the prompt rendered
+    with its generation prompt, computed here as TRL does (two renderings, two tokenisations), token for token."""
+    tokenizer = _tokenizer(name)
+    prompt, completion = [U1, A1, U2], [A2]
+    out = _prompt_completion(tokenizer, prompt, completion)
+    prompt_ids = tokenizer(tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True),
+                           add_special_tokens=False)["input_ids"]  # fmt: skip
+    ids = tokenizer(tokenizer.apply_chat_template(prompt + completion, tokenize=False), add_special_tokens=False)
+    ids = ids["input_ids"]
+    assert ids[: len(prompt_ids)] == prompt_ids  # what TRL checks before it masks by length
+    assert out["input_ids"] == [ids]
+    assert out["labels"] == [[IGNORE_INDEX] * len(prompt_ids) + ids[len(prompt_ids) :]]
+    assert "A2 second." in tokenizer.decode(ids[len(prompt_ids) :]) and "A1" not in tokenizer.decode(
+        ids[len(prompt_ids) :]
+    )
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-instruct", "qwen2.5-instruct", "phi-3.5-mini-instruct", "gemma-2-it"])
+def test_a_single_turn_prompt_completion_row_trains_what_the_same_conversation_does(name):
+    tokenizer = _tokenizer(name)
+    out = _prompt_completion(tokenizer, [U1], [A1])
+    row = {"messages": [U1, A1]}
+    chat = tokenize_conversations({"conversation": [json.dumps(row)]}, tokenizer=tokenizer, max_seq_length=4096,
+                                  overlong="truncate", assistant_only_loss=True)  # fmt: skip
+    assert out["input_ids"] == chat["input_ids"] and out["labels"] == chat["labels"]
+    assert out["prompt_length"] == chat["prompt_length"]
+
+
+def test_split_turns_makes_no_example_of_a_prompts_assistant_turn():
+    """Qwen3 renders an earlier turn differently once a later user turn follows: as context of the prompt, it no
+    longer needs to be located, and with split_turns it is no example of its own."""
+    tokenizer = _tokenizer("qwen3")
+    completion_only = ["<think>\n\n</think>\n\nA2 second.<|im_end|>\n"]
+    out = _prompt_completion(tokenizer, [U1, A1, U2], [A2], split_turns=True)
+    assert len(out["input_ids"]) == 1
+    assert [tokenizer.decode([t for t, y in zip(out["input_ids"][0], out["labels"][0]) if y != IGNORE_INDEX])] == (
+        completion_only
+    )
+
+
+def test_the_grpo_warm_up_trains_on_the_answer_not_on_the_prompts_assistant_turns():
+    import datasets
+
+    from tunebook.data.prompts import reference_examples
+
+    tokenizer = _tokenizer("llama-3.1-instruct")
+    prompts = datasets.Dataset.from_list([{"prompt": [U1, A1, U2], "answer": "A2 second."}])
+    example = reference_examples(prompts, tokenizer, "answer", 4096)[0]
+    trained = [t for t, y in zip(example["input_ids"], example["labels"]) if y != IGNORE_INDEX]
+    assert tokenizer.decode(trained) == "A2 second.<|eot_id|>"

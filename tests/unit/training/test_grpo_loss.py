@@ -1,5 +1,5 @@
 """GRPO's pieces against direct computations: the clipped loss of each loss_type over micro-batches, advantages,
-the seeded sampler, and the reward functions' contract."""
+the seeded sampler, the tempered log-probs, and the reward functions' contract."""
 
 from __future__ import annotations
 
@@ -7,14 +7,19 @@ import math
 
 import pytest
 import torch
+from conftest import TINY_TEST_MODEL
 
 from tunebook.errors import ConfigError
 from tunebook.training.grpo import (
+    Rollouts,
     SeededSampling,
+    completion_log_probs,
     group_advantages,
     grpo_token_losses,
     loss_normaliser,
     loss_numerator,
+    rollout_rows,
+    sample_completions,
 )
 from tunebook.training.rewards import RewardFunction, combined, exact_match, format_regex, length_penalty, score
 
@@ -84,6 +89,14 @@ def test_advantages_by_group_batch_and_none():
     assert adv.tolist() == pytest.approx((centred / (2.0 + 1e-4)).tolist())
 
 
+def test_frac_reward_zero_std_counts_constant_groups_under_batch_scaling_too():
+    """By design, as the README says: under scale_rewards batch TRL logs whether the whole batch's rewards are equal
+    (here: no, 0.0); Tunebook the share of groups whose rewards are (here 1 of 2), which teach nothing either way."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])
+    _, zero = group_advantages(rewards, 4, "batch", batch_std=rewards.std())
+    assert rewards.std() > 0 and zero.tolist() == [False, True]
+
+
 def test_seeded_sampling_draws_from_the_tempered_distribution_and_respects_top_p():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(4000, 1)
     draws = SeededSampling(list(range(4000)), temperature=2.0, top_p=1.0)(None, logits).argmax(dim=-1)
@@ -129,3 +142,91 @@ def test_rewards_are_weighted_and_a_none_adds_nothing():
 def test_a_broken_reward_function_is_one_line_naming_it(fn, message):
     with pytest.raises(ConfigError, match=message):
         score([RewardFunction("bad", fn, 1.0)], ["p", "q"], ["x", "y"], {}, "cpu")
+
+
+def _policy(head: str, vocab: int = 64):
+    """A tiny Llama whose output layer gives logits of a few units (an initialised one gives ~0.1, where tempering
+    changes little): a plain linear head, one with a bias, or one the fused loss cannot take."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    settings = {k: v for k, v in TINY_TEST_MODEL.items() if k != "model_type"}
+    model = LlamaForCausalLM(LlamaConfig(**settings, vocab_size=vocab))
+    if head == "bias":
+        model.lm_head = torch.nn.Linear(settings["hidden_size"], vocab, bias=True)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.5)
+        if head == "bias":
+            model.lm_head.bias.normal_(0.0, 1.0)
+    return model.eval()
+
+
+def _rollouts(prompt_ids, completions):
+    rows = rollout_rows(prompt_ids, completions, 0, "cpu")
+    return Rollouts(*rows, torch.zeros(len(completions)), None, None)
+
+
+def _tolerance(logits: torch.Tensor, temperature: float, hidden_size: int) -> float:
+    """float32 rounding of logits / T (computed as (hidden / T) @ W where fused) and of the log-softmax: a few ulps
+    of the largest tempered logit per term of the hidden_size-long dot product."""
+    return 4 * hidden_size * torch.finfo(torch.float32).eps * float(logits.abs().max() / temperature + 1)
+
+
+@pytest.mark.parametrize("head", ["linear", "bias", "unfused"])
+@pytest.mark.parametrize("temperature", [0.6, 1.0, 1.7])
+def test_completion_log_probs_are_the_log_softmax_of_the_tempered_logits(head, temperature, monkeypatch):
+    """TRL's `_get_per_token_logps_and_entropies`: log_softmax(logits / T) at the completion tokens, for the policy,
+    the old policy and the reference alike; fused into the output layer (with or without a bias) or not."""
+    if head == "unfused":  # a head the fused loss does not take (LoRA on lm_head, quantized): logits, then the loss
+        monkeypatch.setattr("tunebook.training.loss._fusable", lambda model, positions: False)
+    model = _policy(head)
+    generator = torch.Generator().manual_seed(1)
+    prompt_ids = [torch.randint(1, 64, (n,), generator=generator).tolist() for n in (5, 3, 7)]
+    completions = [torch.randint(1, 64, (n,), generator=generator).tolist() for n in (4, 6, 2)]
+    r = _rollouts(prompt_ids, completions)
+    with torch.no_grad():
+        log_probs, rows = completion_log_probs(model, r, temperature)
+        logits = model(input_ids=r.input_ids, attention_mask=r.attention_mask).logits.float()
+    expected, raw, expected_rows = [], [], []  # row by row, token by token: the loss-position order
+    for i, (p, c) in enumerate(zip(prompt_ids, completions)):
+        for k, token in enumerate(c):
+            at = logits[i, len(p) + k - 1]  # the logits that predict completion token k
+            expected.append(torch.log_softmax(at / temperature, -1)[token])
+            raw.append(torch.log_softmax(at, -1)[token])
+            expected_rows.append(i)
+    expected, raw = torch.stack(expected), torch.stack(raw)
+    tolerance = _tolerance(logits, temperature, model.config.hidden_size)
+    assert rows.tolist() == expected_rows
+    torch.testing.assert_close(log_probs, expected, atol=tolerance, rtol=0)
+    if temperature != 1.0:  # the raw logits' log-probs (before the fix) are far outside that tolerance
+        assert (raw - expected).abs().max() > 1000 * tolerance
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.6])
+def test_the_loss_log_probs_are_those_of_the_policy_that_sampled(temperature, monkeypatch):
+    """On-policy: where the sampling model is the policy, the first update's ratio pi / pi_sampling is 1 for every
+    token: the loss's log-probs equal log_softmax(logits / T) of the very logits the sampler tempered and drew from
+    (recorded as they reach it, from `generate` with its KV cache and left padding)."""
+    seen = []
+    sample = SeededSampling.__call__
+
+    def recording(self, input_ids, scores):
+        seen.append(scores.detach().float().clone())
+        return sample(self, input_ids, scores)
+
+    monkeypatch.setattr(SeededSampling, "__call__", recording)
+    model = _policy("linear")
+    prompt_ids = [[5, 9, 11, 3], [7, 2], [4, 4, 8]] * 2
+    completions = sample_completions(model, prompt_ids, list(range(6)), pad_token_id=0, eos_token_id=1,
+                                     max_new_tokens=6, temperature=temperature, top_p=1.0, device="cpu")  # fmt: skip
+    sampling = torch.stack([
+        torch.log_softmax(seen[k][i] / temperature, -1)[token] for i, c in enumerate(completions)
+        for k, token in enumerate(c)
+    ])  # fmt: skip
+    with torch.no_grad():
+        log_probs, _ = completion_log_probs(model, _rollouts(prompt_ids, completions), temperature)
+        untempered, _ = completion_log_probs(model, _rollouts(prompt_ids, completions))
+    ratio = torch.exp(log_probs - sampling)
+    tolerance = _tolerance(torch.stack(seen), temperature, model.config.hidden_size)
+    torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=tolerance, rtol=0)
+    assert (torch.exp(untempered - sampling) - 1).abs().max() > 1000 * tolerance  # what the loss used before
