@@ -35,6 +35,7 @@ from typing import Any
 import datasets
 
 from ..errors import DataError, first_line
+from ..locations import looks_like_local_data
 
 __all__ = ["DataSource", "config_sources", "fingerprint_sources", "load_source", "parse_sources"]
 
@@ -72,11 +73,7 @@ class DataSource:
 
     @property
     def is_local(self) -> bool:
-        return (
-            Path(self.path).expanduser().exists()
-            or self.path.startswith((".", "/", "~"))
-            or _ending(self.path) is not None
-        )
+        return looks_like_local_data(self.path)
 
     @property
     def where(self) -> str:
