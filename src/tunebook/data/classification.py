@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..errors import ConfigError, DataError
 from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
-from .sources import DataSource, config_sources, fingerprint_sources, load_source
+from .sources import DataSource, config_sources, fingerprint_sources, load_source, raise_unless_text
 from .synthetic import write_synthetic_classification
 from .tokenizer import config_tokenizer
 
@@ -131,21 +131,10 @@ def _load(sources: list[DataSource], columns: list[str], cache_dir: Path, seed: 
             )
         raw = raw.select_columns(columns)
         for column in columns[:-1]:
-            _raise_unless_text(raw, column, source.where)
+            raise_unless_text(raw, column, source.where)
         _raise_if_labels_mix_types(raw, columns[-1], source.where)
         parts.append(_integer_labels(raw, columns[-1], source.where))
     return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
-
-
-def _raise_unless_text(dataset: datasets.Dataset, column: str, where: str) -> None:
-    """A text column of anything but strings (a number among them, a null) fails at the first such row, before a
-    tokenizer is trained on it."""
-    if dataset.features[column] in (datasets.Value("string"), datasets.Value("large_string")):
-        if dataset.data.column(column).null_count == 0:
-            return
-    row = next((i for i, v in enumerate(dataset[column]) if not isinstance(v, str)), None)
-    if row is not None:
-        raise DataError(f"{where}, row {row + 1}: column {column!r} must hold text, got {dataset[row][column]!r:.100}")
 
 
 def _raise_if_labels_mix_types(dataset: datasets.Dataset, column: str, where: str) -> None:

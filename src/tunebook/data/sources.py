@@ -43,7 +43,7 @@ import pyarrow as pa
 from ..errors import DataError, first_line
 from ..locations import looks_like_local_data
 
-__all__ = ["DataSource", "config_sources", "fingerprint_sources", "load_source", "parse_sources"]
+__all__ = ["DataSource", "config_sources", "fingerprint_sources", "load_source", "parse_sources", "raise_unless_text"]
 
 # File name endings -> (datasets builder, its options).
 EXTENSIONS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -368,6 +368,17 @@ def load_source(
     if source.samples is not None:
         return _take_rows(dataset, source.samples, seed)
     return _take_rows(dataset, int(round(source.weight * len(dataset))), seed)
+
+
+def raise_unless_text(dataset: datasets.Dataset, column: str, where: str) -> None:
+    """Raise a DataError naming the first row of `column` that is not a string (a number among strings, which JSON
+    files keep as written, or a null): before a tokenizer is trained on the column."""
+    if dataset.features[column] in (datasets.Value("string"), datasets.Value("large_string")):
+        if dataset.data.column(column).null_count == 0:
+            return
+    row = next((i for i, v in enumerate(dataset[column]) if not isinstance(v, str)), None)
+    if row is not None:
+        raise DataError(f"{where}, row {row + 1}: column {column!r} must hold text, got {dataset[row][column]!r:.100}")
 
 
 def _load(source: DataSource, resolved: _Resolved, **options):

@@ -137,6 +137,31 @@ def test_classification_labels_of_mixed_kinds_and_text_that_is_not_text_name_the
     assert str(error.value) == f"{path}, row 3: column 'text' must hold text, got 42"
 
 
+def test_pretraining_text_that_is_not_text_names_the_row(tmp_path):
+    """Before: a TypeError from tokenizer training ('int' object is not iterable)."""
+    from tunebook.data import prepare_text_data
+    from tunebook.recipe_configs import PretrainConfig
+
+    rows = [{"text": f"document {i} " * 5} for i in range(8)]
+    rows[4]["text"] = 7
+    path = _write_jsonl(tmp_path / "docs.jsonl", rows)
+    config = PretrainConfig(train_data=path, output_dir=str(tmp_path / "out"))
+    with pytest.raises(DataError) as error:
+        prepare_text_data(config, tmp_path / "cache", logging.getLogger("test"))
+    assert str(error.value) == f"{path}, row 5: column 'text' must hold text, got 7"
+
+
+def test_grpo_reference_answers_of_mixed_types_reach_the_rewards_as_written(tmp_path):
+    from tunebook.data import prepare_prompt_data
+    from tunebook.recipe_configs import GRPOConfig
+
+    rows = [{"prompt": f"q{i}", "answer": "0000" if i % 2 else 42} for i in range(8)]
+    path = _write_jsonl(tmp_path / "prompts.jsonl", rows)
+    config = GRPOConfig(train_data=path, output_dir=str(tmp_path / "out"), sft_warmup_steps=0)
+    data = prepare_prompt_data(config, tmp_path / "cache", logging.getLogger("test"))
+    assert data.train["answer"] == [42, "0000"] * 4
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Preference data: a missing response, a margin that is not a number
 
