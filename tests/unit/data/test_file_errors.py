@@ -209,3 +209,10 @@ def test_a_margin_that_is_not_a_number_is_named_by_its_row_and_numbers_in_csv_ar
         writer.writeheader()
         writer.writerows(rows)
     assert _prepare_reward(tmp_path, path).train["margin"] == [1.5] * 5 + [-0.25] + [1.5] * 2
+
+
+@pytest.mark.parametrize("weight", [float("nan"), float("inf"), "nan"])
+def test_a_source_weight_must_be_a_finite_positive_number(weight):
+    """Before: NaN passed `weight <= 0` and failed later as a ValueError from int(round(nan * rows))."""
+    with pytest.raises(DataError, match=r"train_data: weight/samples of 'a.jsonl' must be > 0"):
+        parse_sources([{"path": "a.jsonl", "weight": weight}], "train_data")
