@@ -196,6 +196,9 @@ def _load_or_build(
         path = Path(model_name_or_path).expanduser()
         if looks_like_local_path(model_name_or_path) and not path.exists():
             raise ModelError(f"model path not found: {model_name_or_path}")
+        if path.is_file():  # transformers would call it a directory without a config.json
+            raise ModelError(f"model_name_or_path {model_name_or_path} is a file, not a model directory (a folder "
+                             "with config.json) or a Hub name")  # fmt: skip
         if load_kwargs.get("use_safetensors") and path.is_dir() and not any(path.glob("*.safetensors")):
             if any(path.glob("*.bin")) or any(path.glob("*.pt")):
                 raise ModelError(

@@ -216,3 +216,17 @@ def test_a_source_weight_must_be_a_finite_positive_number(weight):
     """Before: NaN passed `weight <= 0` and failed later as a ValueError from int(round(nan * rows))."""
     with pytest.raises(DataError, match=r"train_data: weight/samples of 'a.jsonl' must be > 0"):
         parse_sources([{"path": "a.jsonl", "weight": weight}], "train_data")
+
+
+def test_a_data_file_given_as_model_or_tokenizer_is_called_a_file_by_the_library_too(tmp_path, tiny_tokenizer):
+    """The config check stops such a config first; code that calls the library directly gets the same line (before:
+    "could not load a tokenizer from directory '...train.jsonl'")."""
+    from tunebook.data.tokenizer import load_tokenizer
+    from tunebook.errors import ModelError
+    from tunebook.models import build_causal_lm
+
+    path = _write_jsonl(tmp_path / "train.jsonl", [{"text": "x"}])
+    with pytest.raises(ModelError, match=rf"^{path} is a file, not a tokenizer directory"):
+        load_tokenizer(path)
+    with pytest.raises(ModelError, match=rf"^model_name_or_path {path} is a file, not a model directory"):
+        build_causal_lm(tiny_tokenizer, model_name_or_path=path)
