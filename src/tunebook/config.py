@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import sys
 import types
@@ -23,12 +24,15 @@ from .errors import ConfigError, install_excepthook, same_on_every_rank
 
 __all__ = [
     "ALIASES",
+    "Bounds",
     "TrainConfig",
+    "check_bounds",
     "config_field",
     "new_default",
     "aliases_used",
     "config_to_dict",
     "load_config",
+    "numeric_keys",
     "parse_config",
     "save_config",
     "saved_recipe",
@@ -37,11 +41,15 @@ __all__ = [
 C = TypeVar("C")
 
 
-def config_field(text: str, default: Any = dataclasses.MISSING, **kwargs) -> Any:
-    """A config key: its help text (`--help`, the docs) and default (or `default_factory=`)."""
+def config_field(text: str, default: Any = dataclasses.MISSING, *, bounds: str | None = None, **kwargs) -> Any:
+    """A config key: its help text (`--help`, the docs), default (or `default_factory=`) and, for a number or a list
+    of numbers, `bounds`: the values it takes, as an interval written as in mathematics ("[0, 1)", "(0, inf)";
+    "(-inf, inf)": any number). Every numeric key declares them (a test checks), and non-finite values are never
+    taken."""
     if default is dataclasses.MISSING and "default_factory" not in kwargs:
         raise TypeError("config fields need a default")
-    return field(default=default, metadata={"help": text}, **kwargs)
+    metadata = {"help": text} if bounds is None else {"help": text, "bounds": Bounds.parse(bounds)}
+    return field(default=default, metadata=metadata, **kwargs)
 
 
 _INHERIT = "\0inherit"  # a help text that is not one: take the key's help from the class it overrides
@@ -49,8 +57,80 @@ _INHERIT = "\0inherit"  # a help text that is not one: take the key's help from 
 
 def new_default(default: Any, text: str | None = None) -> Any:
     """A recipe's own default for a key its base config class defines; the help text stays the base's unless the
-    key means something more specific here (`text`)."""
-    return config_field(_INHERIT if text is None else text, default)
+    key means something more specific here (`text`), and the bounds stay the base's."""
+    return field(default=default, metadata={"help": _INHERIT if text is None else text, "new_default": True})
+
+
+_INTERVAL = re.compile(r"^([\[(])\s*([^,\s]+)\s*,\s*([^,\s]+)\s*([\])])$")
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The interval a numeric config key's values lie in (`config_field`'s `bounds`)."""
+
+    low: float
+    high: float
+    low_closed: bool
+    high_closed: bool
+
+    @classmethod
+    def parse(cls, text: str) -> Bounds:
+        match = _INTERVAL.match(text.strip())
+        if match is None:
+            raise ValueError(f"bounds must be an interval such as '[0, 1)' or '(0, inf)', got {text!r}")
+        left, low, high, right = match.groups()
+        bounds = cls(float(low), float(high), left == "[", right == "]")
+        if bounds.low > bounds.high or (bounds.low_closed and math.isinf(bounds.low)):
+            raise ValueError(f"bounds {text!r} is not an interval of numbers")
+        return bounds
+
+    def __contains__(self, value: float) -> bool:
+        above = value >= self.low if self.low_closed else value > self.low
+        below = value <= self.high if self.high_closed else value < self.high
+        return math.isfinite(value) and above and below
+
+    def __str__(self) -> str:
+        """As a message says it: 'in [0, 1)', '>= 1', 'a finite number'."""
+        low, high = (int(x) if math.isfinite(x) and x == int(x) else x for x in (self.low, self.high))
+        if math.isinf(self.low) and math.isinf(self.high):
+            return "a finite number"
+        if math.isinf(self.high):
+            return f"{'>=' if self.low_closed else '>'} {low}"
+        if math.isinf(self.low):
+            return f"{'<=' if self.high_closed else '<'} {high}"
+        return f"in {'[' if self.low_closed else '('}{low}, {high}{']' if self.high_closed else ')'}"
+
+
+def numeric_keys(cls: type) -> list[str]:
+    """The keys of config class `cls` that hold a number or a list of numbers (None allowed or not): the keys that
+    must declare bounds."""
+    hints = typing.get_type_hints(cls)
+    return [f.name for f in dataclasses.fields(cls) if _numeric(hints[f.name]) is not None]
+
+
+def _numeric(hint: Any) -> type | None:
+    """int or float for a key holding one number or a list of them (or None), else None."""
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = args[0] if len(args) == 1 else None
+    if typing.get_origin(hint) is list:
+        hint = typing.get_args(hint)[0] if typing.get_args(hint) else None
+    return hint if hint in (int, float) else None
+
+
+def check_bounds(key: str, value: Any, bounds: Bounds | None, source: str | None = None) -> None:
+    """Raise a ConfigError naming the key, the bounds and the value (and where it was given) unless `value` (a
+    number, a list of them, or None) lies within `bounds`."""
+    if bounds is None or value is None:
+        return
+    where = f" (in {source})" if source else ""
+    for position, number in enumerate(value if isinstance(value, list) else [value], 1):
+        if isinstance(number, bool) or not isinstance(number, int | float) or number not in bounds:
+            what = str(bounds)
+            if not isinstance(number, int | float) or not math.isfinite(number):  # nan, inf, or not a number
+                what = "a finite number" + ("" if what == "a finite number" else f" {what}")
+            item = f" (item {position})" if isinstance(value, list) else ""
+            raise ConfigError(f"config key '{key}' must be {what}, got {number!r}{item}{where}")
 
 
 @dataclass
@@ -58,17 +138,19 @@ class TrainConfig:
     """Fields every recipe shares. Names follow transformers' `TrainingArguments` where the concept is the same."""
 
     def __init_subclass__(cls, **kwargs):
-        # Runs before @dataclass turns the class body into fields: a `new_default(...)` without a help text of its
-        # own gets the help of the key it overrides.
+        # Runs before @dataclass turns the class body into fields: a `new_default(...)` gets the bounds of the key it
+        # overrides, and its help text too unless it has one of its own.
         super().__init_subclass__(**kwargs)
         for name, value in list(vars(cls).items()):
-            if isinstance(value, dataclasses.Field) and value.metadata.get("help") == _INHERIT:
+            if isinstance(value, dataclasses.Field) and value.metadata.get("new_default"):
                 base = next(
                     b.__dataclass_fields__[name]
                     for b in cls.__mro__[1:]
                     if name in getattr(b, "__dataclass_fields__", {})
                 )
-                setattr(cls, name, config_field(base.metadata["help"], value.default))
+                text = value.metadata["help"]
+                metadata = {**base.metadata, "help": base.metadata["help"] if text == _INHERIT else text}
+                setattr(cls, name, field(default=value.default, metadata=metadata))
 
     # --- outputs
     output_dir: str = config_field("Where the model, checkpoints, metrics.jsonl and summary.json go.", "outputs/run")
@@ -89,22 +171,30 @@ class TrainConfig:
         None,
     )
     # --- optimisation
-    learning_rate: float = config_field("Peak AdamW learning rate.", 5e-5)
-    weight_decay: float = config_field("AdamW weight decay (not applied to biases and norm weights).", 0.0)
-    adam_beta1: float = config_field("AdamW beta1.", 0.9)
-    adam_beta2: float = config_field("AdamW beta2.", 0.999)
-    adam_epsilon: float = config_field("AdamW epsilon.", 1e-8)
-    max_grad_norm: float = config_field("Clip the global gradient norm to this (0 disables clipping).", 1.0)
+    learning_rate: float = config_field("Peak AdamW learning rate.", 5e-5, bounds="[0, inf)")
+    weight_decay: float = config_field(
+        "AdamW weight decay (not applied to biases and norm weights).", 0.0, bounds="[0, inf)"
+    )
+    adam_beta1: float = config_field("AdamW beta1.", 0.9, bounds="[0, 1)")
+    adam_beta2: float = config_field("AdamW beta2.", 0.999, bounds="[0, 1)")
+    adam_epsilon: float = config_field("AdamW epsilon.", 1e-8, bounds="[0, inf)")
+    max_grad_norm: float = config_field(
+        "Clip the global gradient norm to this (0 disables clipping).", 1.0, bounds="[0, inf)"
+    )
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = config_field(
         "Learning-rate schedule after warmup.", "linear"
     )
-    warmup_ratio: float = config_field("Fraction of the optimizer steps spent warming up linearly from 0.", 0.0)
+    warmup_ratio: float = config_field(
+        "Fraction of the optimizer steps spent warming up linearly from 0.", 0.0, bounds="[0, 1)"
+    )
     # --- batching and length of training
-    per_device_train_batch_size: int = config_field("Micro-batch size per process.", 8)
-    per_device_eval_batch_size: int = config_field("Evaluation batch size per process.", 8)
-    gradient_accumulation_steps: int = config_field("Micro-batches per optimizer step.", 1)
-    num_train_epochs: float = config_field("Epochs to train when max_steps is -1.", 1.0)
-    max_steps: int = config_field("Optimizer steps to train; -1 uses num_train_epochs, 0 only evaluates.", -1)
+    per_device_train_batch_size: int = config_field("Micro-batch size per process.", 8, bounds="[1, inf)")
+    per_device_eval_batch_size: int = config_field("Evaluation batch size per process.", 8, bounds="[1, inf)")
+    gradient_accumulation_steps: int = config_field("Micro-batches per optimizer step.", 1, bounds="[1, inf)")
+    num_train_epochs: float = config_field("Epochs to train when max_steps is -1.", 1.0, bounds="[0, inf)")
+    max_steps: int = config_field(
+        "Optimizer steps to train; -1 uses num_train_epochs, 0 only evaluates.", -1, bounds="[-1, inf)"
+    )
     gradient_checkpointing: bool = config_field("Recompute activations in backward to save memory.", False)
     # --- speed
     torch_compile: bool | Literal["auto"] = config_field(
@@ -123,14 +213,14 @@ class TrainConfig:
         True,
     )
     # --- logging, evaluation, checkpoints
-    logging_steps: int = config_field("Log train metrics every N optimizer steps.", 10)
+    logging_steps: int = config_field("Log train metrics every N optimizer steps.", 10, bounds="[1, inf)")
     eval_strategy: Literal["steps", "epoch"] = config_field(
         "When to evaluate during training: every eval_steps optimizer steps, or at the end of every epoch. There is "
         "always an evaluation at the end when there is eval data.",
         "steps",
     )
     eval_steps: int = config_field(
-        "With eval_strategy steps: evaluate every N optimizer steps (0: only at the end).", 0
+        "With eval_strategy steps: evaluate every N optimizer steps (0: only at the end).", 0, bounds="[0, inf)"
     )
     eval_on_start: bool = config_field("Also evaluate before the first step, to compare with the trained model.", True)
     metric_for_best_model: str | None = config_field(
@@ -147,7 +237,9 @@ class TrainConfig:
         False,
     )
     early_stopping_patience: int = config_field(
-        "Stop training after this many evaluations in a row without improving metric_for_best_model (0: never).", 0
+        "Stop training after this many evaluations in a row without improving metric_for_best_model (0: never).",
+        0,
+        bounds="[0, inf)",
     )
     save_strategy: Literal["steps", "epoch", "no"] = config_field(
         "When to save resumable checkpoints: every save_steps optimizer steps, at the end of every epoch, or never "
@@ -155,9 +247,11 @@ class TrainConfig:
         "steps",
     )
     save_steps: int = config_field(
-        "With save_strategy steps: save every N optimizer steps (0: no step checkpoints).", 0
+        "With save_strategy steps: save every N optimizer steps (0: no step checkpoints).", 0, bounds="[0, inf)"
     )
-    save_total_limit: int = config_field("Keep at most this many checkpoints, the newest (0: keep all).", 2)
+    save_total_limit: int = config_field(
+        "Keep at most this many checkpoints, the newest (0: keep all).", 2, bounds="[0, inf)"
+    )
     resume_from_checkpoint: str | None = config_field(
         "Continue a run exactly where it stopped: 'latest' (the newest complete checkpoint in output_dir; an error "
         "when there is none), 'auto' (the newest one, or a fresh start when there is none: for jobs that are "
@@ -178,6 +272,7 @@ class TrainConfig:
     peak_flops: float | None = config_field(
         "Peak FLOP/s of one device for the MFU figure (default: the data-sheet bf16 value of known GPUs; none on CPU).",
         None,
+        bounds="(0, inf)",
     )
     report_to: str | list[str] = config_field(
         "Experiment trackers (through Accelerate): tensorboard, trackio, wandb, mlflow, a list of them, auto "
@@ -191,19 +286,24 @@ class TrainConfig:
         "Seconds all processes get to meet after data preparation; a node that never started, a crashed rank or "
         "ranks that disagree on config, data or versions then stop the run with one message instead of a hang.",
         300,
+        bounds="[1, inf)",
     )
     ddp_timeout: int = config_field(
         "Timeout in seconds of the process group's collectives (torch.distributed); raise it if evaluation or a "
         "checkpoint save on one rank makes the others wait longer.",
         1800,
+        bounds="[1, inf)",
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = config_field("Log level of the main process.", "INFO")
-    seed: int = config_field("Seed for model init, data order and dropout.", 42)
+    # numpy (data order, accelerate's set_seed) takes seeds from 0 to 2**32 - 1
+    seed: int = config_field("Seed for model init, data order and dropout.", 42, bounds="[0, 4294967295]")
     # --- data loading
     dataloader_num_workers: int = config_field(
-        "DataLoader worker processes that collate batches in the background (0: collate in the training loop).", 2
+        "DataLoader worker processes that collate batches in the background (0: collate in the training loop).",
+        2,
+        bounds="[0, inf)",
     )
-    dataloader_prefetch_factor: int = config_field("Batches each worker prepares ahead.", 2)
+    dataloader_prefetch_factor: int = config_field("Batches each worker prepares ahead.", 2, bounds="[1, inf)")
     dataloader_pin_memory: bool = config_field("Pin host memory for faster copies when training on CUDA.", True)
     dataloader_non_blocking: bool = config_field(
         "Copy batches to the device asynchronously (with pinned memory), overlapping the copy with compute.", True
@@ -217,32 +317,10 @@ class TrainConfig:
             self.cache_dir = str(default_cache_dir())
 
     def validate(self) -> None:
-        """Reject impossible settings with the key and value at fault."""
-        positive = ["per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"]
-        for key in positive:
-            if getattr(self, key) < 1:
-                raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
-        for key in ["logging_steps", "dataloader_prefetch_factor", "preflight_timeout", "ddp_timeout"]:
-            if getattr(self, key) < 1:
-                raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
-        for key in [
-            "eval_steps",
-            "save_steps",
-            "save_total_limit",
-            "dataloader_num_workers",
-            "max_grad_norm",
-            "early_stopping_patience",
-        ]:
-            if getattr(self, key) < 0:
-                raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
-        if self.learning_rate < 0:
-            raise ConfigError(f"learning_rate must be >= 0, got {self.learning_rate}")
-        if not 0.0 <= self.warmup_ratio < 1.0:
-            raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if self.max_steps < -1:
-            raise ConfigError(
-                f"max_steps must be -1 (use epochs), 0 (evaluate only) or positive, got {self.max_steps}"
-            )
+        """Reject impossible settings with the key and value at fault: each numeric key outside its bounds (declared
+        with the field), then the rules that tie keys together."""
+        for f in dataclasses.fields(self):
+            check_bounds(f.name, getattr(self, f.name), f.metadata.get("bounds"))
         wants_best = self.load_best_model_at_end or self.early_stopping_patience
         if wants_best and self.eval_strategy == "steps" and self.eval_steps == 0:
             key = "load_best_model_at_end" if self.load_best_model_at_end else "early_stopping_patience"
@@ -254,6 +332,11 @@ class TrainConfig:
             raise ConfigError("push_to_hub needs hub_model_id, the repository to upload to ('name' or 'org/name')")
         if self.hub_model_id is not None and not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", self.hub_model_id):
             raise ConfigError(f"hub_model_id must be 'name' or 'org/name', got {self.hub_model_id!r}")
+
+    def check_files(self) -> None:
+        """Check that the local files this run will read exist, before it starts: what `load_config` (a command
+        line) does after `validate`, and a config parsed for another purpose (a finished run's config.yaml, read by
+        `tunebook export` after its data has moved) does not. Recipe configs with data override it."""
 
 
 TRACKERS = ("tensorboard", "trackio", "wandb", "mlflow")  # each installs as the package of its name
@@ -288,7 +371,8 @@ ALIASES = {
 
 
 def load_config(cls: type[C], argv: list[str] | None = None) -> C:
-    """Build `cls` from `--config FILE` and `--key value` / `--key=value` arguments (default: `sys.argv[1:]`).
+    """Build `cls` from `--config FILE` and `--key value` / `--key=value` arguments (default: `sys.argv[1:]`), and
+    check the local files it names (`check_files`).
 
     A boolean key may be given bare (`--packing`) or negated (`--no_packing`). Also installs the excepthook that
     prints Tunebook's user errors without a traceback, since this is the first thing a recipe's `__main__` block
@@ -301,7 +385,9 @@ def load_config(cls: type[C], argv: list[str] | None = None) -> C:
         raise SystemExit(0)
     try:
         config_file, overrides = _split_argv(argv, cls)
-        return parse_config(cls, config_file=config_file, overrides=overrides)
+        config = parse_config(cls, config_file=config_file, overrides=overrides)
+        config.check_files()
+        return config
     except ConfigError as error:
         raise same_on_every_rank(error) from None
 
@@ -423,9 +509,11 @@ def _coerce_field(cls: type, key: str, value: Any, source: str) -> Any:
         raise ConfigError(f"unknown config key '{key}' (in {source}){hint}")
     hint = typing.get_type_hints(cls)[key]
     try:
-        return _coerce(hint, value)
+        value = _coerce(hint, value)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config key '{key}' (in {source}): {e}") from None
+    check_bounds(key, value, fields[key].metadata.get("bounds"), source)  # here, where the message can say where
+    return value
 
 
 _NULLS = {"null", "none", "~", ""}
@@ -570,8 +658,10 @@ def config_help(cls: type) -> str:
     defaults = cls()  # computed defaults (cache_dir, the tiny model...) resolved, as a run would use them
     for f in dataclasses.fields(cls):
         default = getattr(defaults, f.name)
+        bounds = f", {f.metadata['bounds']}" if "bounds" in f.metadata else ""  # ", in [0, 1)", ", >= 1"
         lines.append(
-            f"  --{f.name} ({_type_name(hints[f.name])}, default {default!r})\n      {f.metadata.get('help', '')}"
+            f"  --{f.name} ({_type_name(hints[f.name])}{bounds}, default {default!r})\n"
+            f"      {f.metadata.get('help', '')}"
         )
     return "\n".join(lines)
 

@@ -7,7 +7,16 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["default_cache_dir", "hub_name_of_snapshot", "looks_like_local_path"]
+__all__ = [
+    "DATA_FILE_ENDINGS",
+    "default_cache_dir",
+    "hub_name_of_snapshot",
+    "looks_like_local_data",
+    "looks_like_local_path",
+]
+
+# The data files `tunebook.data.sources` reads, by how their names end.
+DATA_FILE_ENDINGS = (".jsonl.gz", ".json.gz", ".json", ".jsonl", ".csv", ".tsv", ".parquet", ".arrow", ".txt")
 
 # huggingface_hub's cache layout: <cache>/models--org--name/snapshots/<commit>/ (datasets--org--name for data sets)
 _SNAPSHOT = re.compile(r"(?:^|/)(models|datasets)--([^/]+?)(?:--([^/]+))?/snapshots/([0-9a-f]{7,64})/?$")
@@ -16,6 +25,12 @@ _SNAPSHOT = re.compile(r"(?:^|/)(models|datasets)--([^/]+?)(?:--([^/]+))?/snapsh
 def looks_like_local_path(name: str) -> bool:
     # Hub names are "name" or "org/name"; anything else (./x, /abs, a/b/c, ~/x) can only be a path.
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.path.exists(name)
+
+
+def looks_like_local_data(name: str) -> bool:
+    """Whether a train_data/eval_data path names a local file or folder: a path (`looks_like_local_path`) or a data
+    file's name (`data/train.jsonl`); else it is a Hub data set ("name", "org/name")."""
+    return looks_like_local_path(name) or name.lower().endswith(DATA_FILE_ENDINGS)
 
 
 def hub_name_of_snapshot(path: str | Path) -> tuple[str, str] | None:

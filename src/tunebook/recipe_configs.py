@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 
 from .config import TrainConfig, config_field, new_default
 from .errors import ConfigError
-from .locations import looks_like_local_path
+from .locations import looks_like_local_data, looks_like_local_path
 from .models.tiny import TINY_BERT, TINY_LLAMA
 from .user_code import load_function
 
@@ -28,6 +28,13 @@ def _streamed(spec) -> bool:
     """Whether a train_data/eval_data value streams any source (checked here without loading the data code)."""
     items = spec if isinstance(spec, list) else [spec]
     return any(isinstance(item, dict) and item.get("streaming") is True for item in items)
+
+
+def _data_paths(spec) -> list[str]:
+    """The paths a train_data/eval_data value names (read here without loading the data code)."""
+    items = spec if isinstance(spec, list) else [] if spec is None else [spec]
+    return [str(item["path"]) if isinstance(item, dict) else item for item in items
+            if isinstance(item, str) or (isinstance(item, dict) and item.get("path") is not None)]  # fmt: skip
 
 
 @dataclass
@@ -61,7 +68,7 @@ class ModelDataConfig(TrainConfig):
         "Allow a model or tokenizer directory to run its own Python code (off: only standard architectures load).",
         False,
     )
-    tokenizer_vocab_size: int = config_field("Vocabulary size of a locally trained tokenizer.", 512)
+    tokenizer_vocab_size: int = config_field("Vocabulary size of a locally trained tokenizer.", 512, bounds="[1, inf)")
     attn_implementation: str | None = config_field(
         "Attention kernel: sdpa, eager, flash_attention_2 (None: model default).", "sdpa"
     )
@@ -71,9 +78,11 @@ class ModelDataConfig(TrainConfig):
         "the output is a peft adapter directory.",
         False,
     )
-    lora_r: int = config_field("Rank of the LoRA update matrices.", 16)
-    lora_alpha: float = config_field("LoRA scale numerator: the update is scaled by lora_alpha / lora_r.", 32)
-    lora_dropout: float = config_field("Dropout on the input of the LoRA update.", 0.05)
+    lora_r: int = config_field("Rank of the LoRA update matrices.", 16, bounds="[1, inf)")
+    lora_alpha: float = config_field(
+        "LoRA scale numerator: the update is scaled by lora_alpha / lora_r.", 32, bounds="(0, inf)"
+    )
+    lora_dropout: float = config_field("Dropout on the input of the LoRA update.", 0.05, bounds="[0, 1)")
     lora_target_modules: str | list[str] = config_field(
         "Modules that get adapters: all-linear (every linear layer except the output head), a module name, or a "
         "list of names (e.g. [q_proj, v_proj]).",
@@ -105,7 +114,9 @@ class ModelDataConfig(TrainConfig):
         "Evaluation data, same forms as train_data (e.g. {path: HuggingFaceH4/ultrachat_200k, split: test_sft}).", None
     )
     eval_split_ratio: float = config_field(
-        "Hold out this fraction of train_data for evaluation when eval_data is unset (0: no split).", 0.0
+        "Hold out this fraction of train_data for evaluation when eval_data is unset (0: no split).",
+        0.0,
+        bounds="[0, 1)",
     )
     mixture_stopping_strategy: Literal["all_exhausted", "first_exhausted"] = config_field(
         "A mixture of streamed sources (streaming: true) ends its pass over the data when every source has run out "
@@ -119,15 +130,17 @@ class ModelDataConfig(TrainConfig):
         "resumed run sees the same order. Off: the order of the files.",
         True,
     )
-    max_seq_length: int = config_field("Longest tokenised example in tokens.", 1024)
-    dataset_num_proc: int | None = config_field("Processes for tokenisation (None: one).", None)
+    max_seq_length: int = config_field("Longest tokenised example in tokens.", 1024, bounds="[2, inf)")
+    dataset_num_proc: int | None = config_field("Processes for tokenisation (None: one).", None, bounds="[1, inf)")
     pad_to_multiple_of: int | None = config_field(
-        "Round padded batch lengths up to a multiple of this (tensor-core friendly).", 8
+        "Round padded batch lengths up to a multiple of this (tensor-core friendly).", 8, bounds="[1, inf)"
     )
     synthetic_train_size: int = config_field(
-        "Training examples of the synthetic task (when train_data is None).", 8000
+        "Training examples of the synthetic task (when train_data is None).", 8000, bounds="[1, inf)"
     )
-    synthetic_eval_size: int = config_field("Held-out examples of the synthetic task (when train_data is None).", 200)
+    synthetic_eval_size: int = config_field(
+        "Held-out examples of the synthetic task (when train_data is None).", 200, bounds="[1, inf)"
+    )
 
     # The model a recipe builds when the config names none: the embedded default's (tunebook.models.tiny).
     tiny_model: ClassVar[dict] = TINY_LLAMA
@@ -141,38 +154,41 @@ class ModelDataConfig(TrainConfig):
 
     def validate(self) -> None:
         super().validate()
-        if self.max_seq_length < 2:
-            raise ConfigError(f"max_seq_length must be >= 2, got {self.max_seq_length}")
-        if not 0.0 <= self.eval_split_ratio < 1.0:
-            raise ConfigError(f"eval_split_ratio must be in [0, 1), got {self.eval_split_ratio}")
         if self.eval_split_ratio > 0 and self.eval_data is not None:
             raise ConfigError("set eval_data or eval_split_ratio, not both")
         if self.model_name_or_path and self.model_config:
             raise ConfigError("set model_name_or_path (load weights) or model_config (fresh model), not both")
-        for key, what in (("model_name_or_path", "model"), ("tokenizer_name_or_path", "tokenizer")):
+        for key, what, marker in (
+            ("model_name_or_path", "model", "config.json"),
+            ("tokenizer_name_or_path", "tokenizer", "tokenizer_config.json"),
+        ):
             value = getattr(self, key)
             if value and looks_like_local_path(value) and not Path(value).expanduser().exists():
                 raise ConfigError(f"{what} path not found: {value} ({key})")
-        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
-            raise ConfigError(f"pad_to_multiple_of must be >= 1 or null, got {self.pad_to_multiple_of}")
-        if self.use_peft and (self.lora_r < 1 or not 0 <= self.lora_dropout < 1):
-            raise ConfigError(
-                f"lora_r must be >= 1 and lora_dropout in [0, 1), got {self.lora_r}, {self.lora_dropout}"
-            )
+            if value and Path(value).expanduser().is_file():
+                gguf = "; convert a .gguf file with `tunebook convert-gguf`" if value.endswith(".gguf") else ""
+                raise ConfigError(f"{key} {value} is a file, not a {what} directory (a folder with {marker}) or a "
+                                  f"Hub name{gguf}")  # fmt: skip
         for key in ("merge_adapter", "load_in_4bit"):
             if getattr(self, key) and not self.use_peft:
                 raise ConfigError(f"{key}: true needs use_peft: true")
         if self.load_in_4bit and not self.model_name_or_path:
             raise ConfigError("load_in_4bit quantises pretrained weights: set model_name_or_path")
-        for key in ("synthetic_train_size", "synthetic_eval_size", "tokenizer_vocab_size"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
         if _streamed(self.eval_data):
             raise ConfigError(
                 "eval_data: streaming: true is for train_data; evaluation data is read whole, and cached"
             )
         if _streamed(self.train_data):
             self.validate_streaming()
+
+    def check_files(self) -> None:
+        """Every local train_data/eval_data path (a list's entries and mappings' `path`s too) exists; Hub data set
+        names ("name", "org/name") are not checked here."""
+        super().check_files()
+        for key in ("train_data", "eval_data"):
+            for path in _data_paths(getattr(self, key)):
+                if looks_like_local_data(path) and not Path(path).expanduser().exists():
+                    raise ConfigError(f"{key}: data file or folder not found: {path}")
 
     def validate_streaming(self) -> None:
         """What a streamed train_data cannot honour: it has no length, so no epochs to count or split."""
@@ -242,6 +258,7 @@ class SFTConfig(ChatModelConfig):
         "With streaming: true: examples read, tokenised and (with packing) packed best-fit together at a time. "
         "Larger packs fuller rows; a resumed run reads the current buffer again.",
         1000,
+        bounds="[1, inf)",
     )
     group_by_length: bool = config_field(
         "Without packing: batch examples of similar length together, so a batch pads only to similar lengths. "
@@ -251,11 +268,12 @@ class SFTConfig(ChatModelConfig):
     )
     # --- evaluation
     generation_eval: bool = config_field("Score greedy generations against the reference answers (exact match).", True)
-    generation_max_new_tokens: int = config_field("Tokens to generate per eval prompt.", 32)
+    generation_max_new_tokens: int = config_field("Tokens to generate per eval prompt.", 32, bounds="[1, inf)")
     generation_eval_max_samples: int = config_field(
         "Generate answers for at most this many eval examples (0: all): generation is slow, and an eval split of "
         "thousands would take longer than training.",
         64,
+        bounds="[0, inf)",
     )
 
     # The embedded default run (see the class docstring).
@@ -272,9 +290,6 @@ class SFTConfig(ChatModelConfig):
 
     def validate(self) -> None:
         super().validate()
-        for key in ("generation_max_new_tokens", "packing_buffer_size"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
         if self.split_turns and not self.assistant_only_loss:
             raise ConfigError("split_turns: true with assistant_only_loss: false would train on a conversation's "
                               "earlier turns once for every later turn; set assistant_only_loss: true")  # fmt: skip
@@ -394,22 +409,26 @@ class DPOConfig(ChatModelConfig):
         "the target per-token log-ratio margin is 1/(2 beta). simpo: the reward scale, beta x mean per-token "
         "log-prob (the SimPO paper uses 2-2.5). orpo: the weight lambda of the odds-ratio term (paper 0.1).",
         0.1,
+        bounds="(0, inf)",
     )
     label_smoothing: float = config_field(
         "Assumed probability that a preference label is flipped, sigmoid and robust only (conservative DPO, cDPO, "
         "and robust DPO); 0 is plain DPO. sigmoid's is cDPO as in TRL <= 0.19: TRL 1.16's sigmoid ignores it.",
         0.0,
+        bounds="[0, 0.5)",
     )
     simpo_gamma: float = config_field(
         "simpo only: the target reward margin gamma, loss -log sigmoid(beta x (chosen - rejected mean log-prob) - "
         "gamma) (TRL's default 0.5).",
         0.5,
+        bounds="[0, inf)",
     )
     rpo_alpha: float | None = config_field(
         "Add rpo_alpha x the chosen response's NLL per token to the loss (RPO; the paper uses 1.0): each response's "
         "token mean, then the mean over pairs (TRL's is one token mean over the batch's chosen tokens). Any "
         "loss_type but orpo, whose NLL term is built in. null: none.",
         None,
+        bounds="[0, inf)",
     )
     precompute_ref_log_probs: bool = config_field(
         "Compute the reference model's log-probabilities of every pair once before training and cache them with "
@@ -420,6 +439,7 @@ class DPOConfig(ChatModelConfig):
         "Optimizer steps of plain SFT on the chosen responses before DPO, for a model that has not learnt the task "
         "format; unset: 150 for a fresh model built from a config (the embedded default), 0 for a loaded one.",
         None,
+        bounds="[0, inf)",
     )
 
     # The embedded default run (see the class docstring).
@@ -436,20 +456,12 @@ class DPOConfig(ChatModelConfig):
 
     def validate(self) -> None:
         super().validate()
-        if self.beta <= 0:
-            raise ConfigError(f"beta must be > 0, got {self.beta}")
-        if not 0.0 <= self.label_smoothing < 0.5:
-            raise ConfigError(f"label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
         if self.label_smoothing and self.loss_type not in ("sigmoid", "robust"):
             raise ConfigError(f"label_smoothing applies to loss_type sigmoid or robust only, not {self.loss_type}")
         if self.rpo_alpha is not None and self.loss_type == "orpo":
             raise ConfigError("rpo_alpha does not apply to loss_type orpo: its loss already holds the chosen NLL")
-        if self.rpo_alpha is not None and self.rpo_alpha < 0:
-            raise ConfigError(f"rpo_alpha must be >= 0 or null, got {self.rpo_alpha}")
         if self.precompute_ref_log_probs and self.loss_type in ("simpo", "orpo"):
             raise ConfigError(f"precompute_ref_log_probs needs a reference model; loss_type {self.loss_type} has none")
-        if self.sft_warmup_steps is not None and self.sft_warmup_steps < 0:
-            raise ConfigError(f"sft_warmup_steps must be >= 0 or null, got {self.sft_warmup_steps}")
 
     def __post_init__(self) -> None:
         fresh = self.model_name_or_path is None  # before the tiny model fills model_config in
@@ -502,21 +514,28 @@ class GRPOConfig(ChatModelConfig):
 
     # --- data
     max_prompt_length: int = config_field("Longest prompt in tokens (rendered with the chat template); longer "
-                                          "prompts are dropped, with a warning.", 48)  # fmt: skip
+                                          "prompts are dropped, with a warning.", 48, bounds="[1, inf)")  # fmt: skip
     reference_column: str = config_field(
         "Column of the prompt data with the reference answer: what `exact_match` compares against, what the "
         "evaluation's exact match uses, and what an SFT warm-up trains on.",
         "answer",
     )
     # --- generation
-    num_generations: int = config_field("Completions sampled per prompt (the group G of GRPO).", 8)
+    num_generations: int = config_field(
+        "Completions sampled per prompt (the group G of GRPO); advantages compare completions of one prompt.",
+        8,
+        bounds="[2, inf)",
+    )
     max_new_tokens: int = config_field(
         "Longest completion in tokens, in training and evaluation (the default run's answers are short; reasoning "
         "tasks need hundreds).",
         12,
+        bounds="[1, inf)",
     )
-    temperature: float = config_field("Sampling temperature of the completions.", 1.0)
-    top_p: float = config_field("Nucleus sampling: sample from the smallest set of tokens with this probability.", 1.0)
+    temperature: float = config_field("Sampling temperature of the completions.", 1.0, bounds="(0, inf)")
+    top_p: float = config_field(
+        "Nucleus sampling: sample from the smallest set of tokens with this probability.", 1.0, bounds="(0, 1]"
+    )
     # --- loss
     loss_type: Literal["grpo", "dapo", "dr_grpo"] = config_field(
         "How token losses are averaged: grpo, each completion's token mean then the mean over completions; dapo, "
@@ -532,19 +551,25 @@ class GRPOConfig(ChatModelConfig):
         "batch, whether the whole batch's are).",
         "group",
     )
-    epsilon: float = config_field("Lower clipping range of the probability ratio: clip at 1 - epsilon.", 0.2)
+    epsilon: float = config_field(
+        "Lower clipping range of the probability ratio: clip at 1 - epsilon.", 0.2, bounds="(0, inf)"
+    )
     epsilon_high: float | None = config_field(
-        "Upper clipping range: clip at 1 + epsilon_high (DAPO's clip-higher uses 0.28); unset: epsilon.", None
+        "Upper clipping range: clip at 1 + epsilon_high (DAPO's clip-higher uses 0.28); unset: epsilon.",
+        None,
+        bounds="(0, inf)",
     )
     num_iterations: int = config_field(
         "Optimizer updates per generation batch (mu); with more than one, the ratio is against the log-probs the "
         "policy had when it sampled.",
         1,
+        bounds="[1, inf)",
     )
     beta: float = config_field(
         "Weight of the KL penalty towards the reference model (the starting model; with LoRA the policy with its "
         "adapters off); 0 loads no reference.",
         0.0,
+        bounds="[0, inf)",
     )
     # --- rewards
     reward_functions: list[str] = config_field(
@@ -553,7 +578,10 @@ class GRPOConfig(ChatModelConfig):
         default_factory=lambda: ["exact_match"],
     )
     reward_weights: list[float] | None = config_field(
-        "One weight per reward function (then reward_model); unset: 1 each.", None
+        "One weight per reward function (then reward_model), any number (a negative one penalises what that "
+        "function rewards); unset: 1 each.",
+        None,
+        bounds="(-inf, inf)",
     )
     reward_model: str | None = config_field(
         "A reward model directory (from recipes/reward.py) used as one more reward function.", None
@@ -565,17 +593,20 @@ class GRPOConfig(ChatModelConfig):
         "length_penalty: completions longer than max_new_tokens minus this many tokens are penalised, linearly "
         "down to -1 at max_new_tokens.",
         16,
+        bounds="[0, inf)",
     )
     sft_warmup_steps: int | None = config_field(
         "Optimizer steps of plain SFT on the prompts' reference answers before GRPO, for a model that has not "
         "learnt the answer format; unset: 200 for a fresh model built from a config (the embedded default), 0 "
         "for a loaded one.",
         None,
+        bounds="[0, inf)",
     )
     sft_warmup_learning_rate: float = config_field(
         "Constant learning rate of the SFT warm-up. Not decayed: a warm-up annealed to 0 ends in a sharp minimum "
         "that GRPO's first updates knock it out of.",
         1e-3,
+        bounds="(0, inf)",
     )
 
     # The embedded default run (see the class docstring).
@@ -593,21 +624,6 @@ class GRPOConfig(ChatModelConfig):
 
     def validate(self) -> None:
         super().validate()
-        if self.num_generations < 2:
-            raise ConfigError(f"num_generations must be >= 2 (advantages compare completions of one prompt), "
-                              f"got {self.num_generations}")  # fmt: skip
-        if self.temperature <= 0:
-            raise ConfigError(f"temperature must be > 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.epsilon <= 0 or (self.epsilon_high is not None and self.epsilon_high <= 0):
-            raise ConfigError("epsilon and epsilon_high must be > 0")
-        if self.num_iterations < 1:
-            raise ConfigError(f"num_iterations must be >= 1, got {self.num_iterations}")
-        if self.beta < 0:
-            raise ConfigError(f"beta must be >= 0, got {self.beta}")
         if not self.reward_functions and not self.reward_model:
             raise ConfigError("GRPO needs at least one reward: reward_functions or reward_model")
         for spec in self.reward_functions:
@@ -629,10 +645,6 @@ class GRPOConfig(ChatModelConfig):
                 f"reward_model {self.reward_model}: not a model directory (no config.json there); "
                 "train one with recipes/reward.py"
             )
-        if self.sft_warmup_steps is not None and self.sft_warmup_steps < 0:
-            raise ConfigError(f"sft_warmup_steps must be >= 0 or null, got {self.sft_warmup_steps}")
-        if self.sft_warmup_learning_rate <= 0:
-            raise ConfigError(f"sft_warmup_learning_rate must be > 0, got {self.sft_warmup_learning_rate}")
 
     def __post_init__(self) -> None:
         fresh = self.model_name_or_path is None  # before the tiny model fills model_config in

@@ -93,7 +93,7 @@ def test_prompt_data_it_cannot_use_is_one_line(tmp_path, rows, message):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--num_generations", "1"], "num_generations must be >= 2"),
+        (["--num_generations", "1"], "config key .num_generations. must be >= 2, got 1"),
         (["--reward_weights", "[1, 2]"], "reward_weights has 2 values for 1 rewards"),
         (["--reward_model", "no/such/dir"], "reward_model no/such/dir: not a model directory"),
         (["--reward_functions", "[]"], "GRPO needs at least one reward"),

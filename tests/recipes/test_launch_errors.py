@@ -53,13 +53,17 @@ def test_a_config_typo_is_one_line_before_anything_heavy_is_imported(accelerate_
 
 
 def test_a_failed_run_on_two_processes_is_one_line():
+    # A file that exists (a missing one stops at the config check, before the launch) and fails data preparation.
+    data = "tests/assets/malformed.jsonl"
     result = tunebook("train", "--config_file", "accelerate_configs/multi_cpu.yaml", "sft", *TINY,
-                      "--train_data", "missing/train.jsonl", "--log_level", "WARNING")  # fmt: skip
+                      "--train_data", data, "--log_level", "WARNING")  # fmt: skip
     output = result.stdout + result.stderr
     assert result.returncode == 1
     _clean(output)
     errors = [line for line in output.splitlines() if "error" in line.lower()]
-    assert errors == ["tunebook: error (rank 0): data file or folder not found: missing/train.jsonl"], output
+    assert len(errors) == 1 and errors[0].startswith(f"tunebook: error (rank 0): {data}, line 2: malformed JSON"), (
+        output
+    )
 
 
 def test_sigterm_to_the_launcher_reaches_the_recipe_once(tmp_path):

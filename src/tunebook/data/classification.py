@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..errors import ConfigError, DataError
 from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
-from .sources import DataSource, config_sources, fingerprint_sources, load_source
+from .sources import DataSource, config_sources, fingerprint_sources, load_source, raise_unless_text
 from .synthetic import write_synthetic_classification
 from .tokenizer import config_tokenizer
 
@@ -129,8 +129,35 @@ def _load(sources: list[DataSource], columns: list[str], cache_dir: Path, seed: 
                 f"{source.where}: missing column(s) {', '.join(missing)} (columns: {', '.join(raw.column_names)}); "
                 "set text_column, text_pair_column and label_column"
             )
-        parts.append(_integer_labels(raw.select_columns(columns), columns[-1], source.where))
+        raw = raw.select_columns(columns)
+        for column in columns[:-1]:
+            raise_unless_text(raw, column, source.where)
+        _raise_if_labels_mix_types(raw, columns[-1], source.where)
+        parts.append(_integer_labels(raw, columns[-1], source.where))
     return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+
+
+def _raise_if_labels_mix_types(dataset: datasets.Dataset, column: str, where: str) -> None:
+    """Labels are all class names or all class ids: a number among names (which the JSON reader keeps as written)
+    fails at the first row whose kind differs from the first label's."""
+    if not isinstance(dataset.features[column], datasets.Json):  # one Arrow type: names, or ids
+        return
+    values = dataset[column]
+    first = next((i for i, v in enumerate(values) if v is not None), 0)
+    row = next((i for i, v in enumerate(values) if v is not None and _kind(v) != _kind(values[first])), None)
+    if row is None:
+        return
+    raise DataError(f"{where}, row {row + 1}: label {values[row]!r:.100} in column {column!r} is {_kind(values[row])} "
+                    f"where row {first + 1} has {_kind(values[first])} ({values[first]!r:.100}); labels must be all "
+                    "class names or all class ids")  # fmt: skip
+
+
+def _kind(value) -> str:
+    if isinstance(value, str):
+        return "a name"
+    if isinstance(value, bool):
+        return "a boolean"
+    return "a number" if isinstance(value, int | float) else f"a {type(value).__name__}"
 
 
 def _integer_labels(dataset: datasets.Dataset, label_column: str, where: str) -> datasets.Dataset:

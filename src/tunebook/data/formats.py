@@ -92,8 +92,8 @@ def to_conversations(
                 {"role": "assistant", "content": _required(batch["output"][i], "output", where_row)},
             ]
         elif data_format == "prompt_completion":
-            prompt = as_messages(batch["prompt"][i], "user", where_row)
-            completion = as_messages(batch["completion"][i], "assistant", where_row)
+            prompt = as_messages(batch["prompt"][i], "user", where_row, "prompt")
+            completion = as_messages(batch["completion"][i], "assistant", where_row, "completion")
             if not any(m["role"] == "assistant" for m in completion):
                 raise DataError(f"{where_row}: the completion has no assistant turn to learn from")
             messages = prompt + completion
@@ -110,12 +110,15 @@ def to_conversations(
     return {"conversation": out}
 
 
-def as_messages(value: Any, role: str, where: str) -> list[dict[str, Any]]:
-    """A string as one message of `role`, or a list of messages checked and normalised."""
+def as_messages(value: Any, role: str, where: str, column: str | None = None) -> list[dict[str, Any]]:
+    """A string as one message of `role`, or a list of messages checked and normalised; errors name `column`."""
     if isinstance(value, str):
         return [{"role": role, "content": value}]
+    what = f"column {column!r}" if column else f"the {role} text"
     if value is None:
-        raise DataError(f"{where}: missing {role} text (null)")
+        raise DataError(f"{where}: {what} is missing (null)")
+    if not isinstance(value, list):  # a number among strings, say: as written, and not text
+        raise DataError(f"{where}: {what} must be text or a list of messages, got {value!r:.100}")
     return normalise_messages(value, where)
 
 

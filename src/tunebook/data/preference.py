@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -138,8 +139,11 @@ def _build(sources: list[DataSource], tokenizer, config, cache_dir: Path, scratc
 def preference_pair(row: dict[str, Any], where: str) -> tuple[list[dict], list[dict], list[dict], list | None]:
     """(prompt, chosen response, rejected response, tools) of one row, as message lists (module docstring)."""
     chosen, rejected = row.get("chosen"), row.get("rejected")
+    for side, response in (("chosen", chosen), ("rejected", rejected)):
+        if response is None:  # a row without the key: datasets fills the column in with null
+            raise DataError(f"{where}: no '{side}' response (the row has no '{side}' column, or it is null)")
     if row.get("prompt") is not None:
-        prompt = as_messages(row["prompt"], "user", where)
+        prompt = as_messages(row["prompt"], "user", where, "prompt")
         chosen, rejected = (_response(row[side], prompt, side, where) for side in ("chosen", "rejected"))
     else:
         if isinstance(chosen, str) or isinstance(rejected, str):
@@ -252,9 +256,18 @@ def encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
 
 
 def _margin(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise DataError(f"{where}: margin must be a number, got {value!r:.100}")
-    return float(value)
+    """A row's margin: a finite number, or text that is one (CSV cells are read as text)."""
+    number = None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            pass
+    if number is None or not math.isfinite(number):
+        raise DataError(f"{where}: column 'margin' must hold a finite number, got {value!r:.100}")
+    return number
 
 
 def make_preference(rng: random.Random) -> dict[str, str]:

@@ -17,26 +17,33 @@ of the rows (0.5 a seeded half, 2.0 twice), `samples` a row count (a seeded subs
 source's `weight` is its share of a mixture's rows.
 
 CSV and TSV cells are read as text, exactly as written: `0043` stays `0043` and `NA`, `null` or an empty cell stay
-what they are (pandas would guess numbers and missing values).
+what they are (pandas would guess numbers and missing values). JSON values arrive as written too: a column whose type
+varies from row to row (a number among strings) keeps each row's value, `"0000"` a string and `7` a number. Text files
+must be UTF-8: a byte sequence that is not is reported by file, line and column.
 """
 
 from __future__ import annotations
 
+import codecs
 import csv
 import gzip
 import hashlib
 import json
 import logging
+import math
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import datasets
+import pyarrow as pa
 
 from ..errors import DataError, first_line
+from ..locations import looks_like_local_data
 
-__all__ = ["DataSource", "config_sources", "fingerprint_sources", "load_source", "parse_sources"]
+__all__ = ["DataSource", "config_sources", "fingerprint_sources", "load_source", "parse_sources", "raise_unless_text"]
 
 # File name endings -> (datasets builder, its options).
 EXTENSIONS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -72,11 +79,7 @@ class DataSource:
 
     @property
     def is_local(self) -> bool:
-        return (
-            Path(self.path).expanduser().exists()
-            or self.path.startswith((".", "/", "~"))
-            or _ending(self.path) is not None
-        )
+        return looks_like_local_data(self.path)
 
     @property
     def where(self) -> str:
@@ -113,7 +116,7 @@ def _parse_one(item: Any, key: str) -> DataSource:
         samples = None if item.get("samples") is None else int(item["samples"])
     except (TypeError, ValueError):
         raise DataError(f"{key}: weight and samples of '{path}' must be numbers, got {item!r}") from None
-    if weight <= 0 or (samples is not None and samples < 1):
+    if not (math.isfinite(weight) and weight > 0) or (samples is not None and samples < 1):
         raise DataError(f"{key}: weight/samples of '{path}' must be > 0, got {item!r}")
     columns = item.get("columns")
     if columns is not None and not (
@@ -286,8 +289,12 @@ def _options(ending: str, files: list[Path], text_sample_by: str) -> dict[str, A
 
 
 def _csv_header(path: Path, sep: str) -> list[str]:
-    with _open_text(path) as f:
-        header = next(csv.reader(f, delimiter=sep), None)
+    try:
+        with _open_text(path) as f:
+            header = next(csv.reader(f, delimiter=sep), None)
+    except UnicodeDecodeError:  # in the header or in the first block read with it
+        _raise_if_not_utf8(path)
+        raise
     if not header:
         raise DataError(f"{path}: empty file (no header row)")
     return header
@@ -333,9 +340,13 @@ def load_source(
     resolved = _resolve(source, text_sample_by)
     raw_cache = str(Path(cache_dir) / "raw")
     for path in resolved.files:
-        if (_ending(path.name) or "") in (".csv", ".tsv"):
+        if _builder_of(path) in ("json", "csv", "text"):
+            # pyarrow's JSON reader lets bytes that are not UTF-8 through, to fail when a row is read, unnamed.
+            _raise_if_not_utf8(path)
+        if _builder_of(path) == "csv":
             # Before pandas: a row with one field too many would silently become the index, not an error.
             _raise_if_malformed(path)
+    json_files = resolved.kind in ("file", "folder") and all(_builder_of(p) == "json" for p in resolved.files)
     try:
         with _quiet_datasets():
             dataset = _load(source, resolved, cache_dir=raw_cache)
@@ -346,13 +357,28 @@ def load_source(
             _raise_if_malformed(path)
         if resolved.kind == "hub":
             raise DataError(f"could not load '{source.where}' from the Hub: {first_line(error)}") from None
-        raise DataError(f"could not read {source.where}: {first_line(error)}") from None
+        if not json_files:
+            raise DataError(f"could not read {source.where}: {first_line(error)}") from None
+        dataset = None  # valid JSON that datasets could not give one type per column: read below
+    if json_files and (dataset is None or _holds_json(dataset.features)):
+        dataset = _json_as_written(resolved.files, raw_cache)
     if len(dataset) == 0:
         raise DataError(f"{source.where}: no rows")
     dataset = _rename(dataset, source)
     if source.samples is not None:
         return _take_rows(dataset, source.samples, seed)
     return _take_rows(dataset, int(round(source.weight * len(dataset))), seed)
+
+
+def raise_unless_text(dataset: datasets.Dataset, column: str, where: str) -> None:
+    """Raise a DataError naming the first row of `column` that is not a string (a number among strings, which JSON
+    files keep as written, or a null): before a tokenizer is trained on the column."""
+    if dataset.features[column] in (datasets.Value("string"), datasets.Value("large_string")):
+        if dataset.data.column(column).null_count == 0:
+            return
+    row = next((i for i, v in enumerate(dataset[column]) if not isinstance(v, str)), None)
+    if row is not None:
+        raise DataError(f"{where}, row {row + 1}: column {column!r} must hold text, got {dataset[row][column]!r:.100}")
 
 
 def _load(source: DataSource, resolved: _Resolved, **options):
@@ -369,6 +395,99 @@ def _load(source: DataSource, resolved: _Resolved, **options):
     if source.data_files:
         kwargs["data_files"] = json.loads(source.data_files)
     return datasets.load_dataset(source.path, split=resolved.split, **options, **kwargs)
+
+
+def _builder_of(path: Path) -> str | None:
+    ending = _ending(path.name)
+    return EXTENSIONS[ending][0] if ending else None
+
+
+def _holds_json(feature) -> bool:
+    """Whether a datasets feature (or any inside it) is `datasets.Json`: what datasets' JSON reader makes of a field
+    whose type varies from row to row."""
+    if isinstance(feature, datasets.Json):
+        return True
+    if isinstance(feature, dict):
+        return any(_holds_json(f) for f in feature.values())
+    if isinstance(feature, list | tuple):
+        return any(_holds_json(f) for f in feature)
+    inner = getattr(feature, "feature", None)  # List, LargeList, Sequence
+    return inner is not None and _holds_json(inner)
+
+
+AS_WRITTEN_VERSION = "1"  # bump when `_json_as_written` changes what it writes
+
+
+def _json_as_written(files: list[Path], raw_cache: str) -> datasets.Dataset:
+    """The rows of JSON / JSON Lines `files` with every value as written, memory-mapped from the raw cache.
+
+    datasets' JSON reader stores a field whose type varies from row to row (an int among strings) as JSON text, but
+    leaves the strings that parse as JSON unquoted: "0000" came back as 0, "7" as 7, and an error blamed row 1. Here
+    a column of one type is an ordinary Arrow column, and any other column holds the JSON text of each value
+    (`datasets.Json`), which reads back exactly as written.
+    """
+    h = hashlib.sha256(f"as-written-{AS_WRITTEN_VERSION}".encode())
+    for path in files:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+    target = Path(raw_cache) / f"json-as-written-{h.hexdigest()[:40]}.arrow"
+    if not target.is_file():
+        rows = [row for path in files for row in _json_rows(path)]
+        columns = list(dict.fromkeys(key for row in rows for key in row))
+        table = pa.table({column: _as_written([row.get(column) for row in rows]) for column in columns})
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(f".{os.getpid()}.tmp")
+        with pa.OSFile(str(partial), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+        partial.replace(target)  # whole or not at all, for a process that reads it meanwhile
+    return datasets.Dataset.from_file(str(target))
+
+
+def _as_written(values: list) -> pa.Array:
+    """One column: Arrow's type when its values share one, else each value's JSON text."""
+    try:
+        return pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+        return pa.array([None if v is None else json.dumps(v) for v in values], type=pa.json_())
+
+
+def _json_rows(path: Path) -> list[dict]:
+    """The rows of a JSON array (or object) or JSON Lines file, each a dict (an array of strings: a `text` column,
+    as datasets reads it)."""
+    with _open_text(path) as f:
+        text = f.read()
+    try:
+        data = json.loads(text)
+        rows = data if isinstance(data, list) else [data]
+    except json.JSONDecodeError:  # JSON Lines, under either name
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return [row if isinstance(row, dict) else {"text": row} for row in rows]
+
+
+UTF8_CHUNK = 1 << 24  # bytes decoded at a time to check that a file is UTF-8
+
+
+def _raise_if_not_utf8(path: Path) -> None:
+    """Raise a DataError naming the line and column of the first bytes in a text file that are not UTF-8."""
+    decoder = codecs.getincrementaldecoder("utf-8")()  # a character cut by a chunk's end continues in the next
+    opener = gzip.open if path.name.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:  # the common case: decoding 16 MB at a time in C
+            for chunk in iter(lambda: f.read(UTF8_CHUNK), b""):
+                decoder.decode(chunk)
+            decoder.decode(b"", final=True)
+        return
+    except UnicodeDecodeError:
+        pass
+    with opener(path, "rb") as f:  # a bad byte: find its line
+        for number, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                column = len(line[: e.start].decode("utf-8")) + 1
+                raise DataError(f"{path}, line {number}, column {column}: not UTF-8 text (byte "
+                                f"0x{line[e.start]:02x}); save the file as UTF-8") from None  # fmt: skip
 
 
 @contextmanager

@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from ..errors import ConfigError, DataError
 from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
 from .packing import example_lengths
-from .sources import DataSource, config_sources, fingerprint_sources, load_source
+from .sources import DataSource, config_sources, fingerprint_sources, load_source, raise_unless_text
 from .streaming import (
     Mixture,
     TextRows,
@@ -98,6 +98,7 @@ def prepare_text_data(config, cache_dir: Path, log: logging.Logger) -> TextData:
             if config.text_column not in raw.column_names:
                 raise DataError(f"{source.where}: no column {config.text_column!r} (columns: "
                                 f"{', '.join(raw.column_names)}); set text_column")  # fmt: skip
+            raise_unless_text(raw, config.text_column, source.where)
             parts.append(raw.select_columns([config.text_column]))
         return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
 

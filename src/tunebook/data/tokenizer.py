@@ -167,6 +167,9 @@ def load_tokenizer(
     """`AutoTokenizer.from_pretrained` with a readable error for a missing path or an offline Hub name."""
     if looks_like_local_path(name_or_path) and not Path(name_or_path).expanduser().exists():
         raise ModelError(f"tokenizer path not found: {name_or_path}")
+    if Path(name_or_path).expanduser().is_file():
+        raise ModelError(f"{name_or_path} is a file, not a tokenizer directory (a folder with tokenizer_config.json) "
+                         "or a Hub name")  # fmt: skip
     try:
         kwargs = {"revision": revision} if revision else {}
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **kwargs)

@@ -208,6 +208,9 @@ def _load_or_build(
         path = Path(model_name_or_path).expanduser()
         if looks_like_local_path(model_name_or_path) and not path.exists():
             raise ModelError(f"model path not found: {model_name_or_path}")
+        if path.is_file():  # transformers would call it a directory without a config.json
+            raise ModelError(f"model_name_or_path {model_name_or_path} is a file, not a model directory (a folder "
+                             "with config.json) or a Hub name")  # fmt: skip
         refuse_pickled_weights(model_name_or_path, load_kwargs.get("use_safetensors", True))
         try:
             return auto_class.from_pretrained(model_name_or_path, **config_values, **kwargs, **load_kwargs)
