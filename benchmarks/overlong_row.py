@@ -55,7 +55,9 @@ def finish(child: tuple[subprocess.Popen, float], deadline: float) -> str:
         return f"failed (exit {process.returncode})"
     result = json.loads(out.strip().splitlines()[-1])
     left_out = result["stats"].get("tokenizer_texts_overlong", 0)
-    return f"{result['seconds']:.1f} s (built {', '.join(result['built'])}; left out of tokenizer training: {left_out})"
+    return (
+        f"{result['seconds']:.1f} s (built {', '.join(result['built'])}; left out of tokenizer training: {left_out})"
+    )
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ results are not. A plain-text example (`{"text": ...}`) carries loss on every to
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import re
 from typing import Any
@@ -47,11 +48,12 @@ def cut_overlong(tokenizer, texts: list[str], max_tokens: int, token_chars: int 
 
     A text of more than `max_tokens * token_chars` characters (`token_chars`: `longest_token_chars`) holds more than
     `max_tokens` tokens wherever every character is spelled by some token (byte-level BPE, SentencePiece), so it
-    cannot fit. Its head ends at the first space or line break after a word past that length, where the
-    pre-tokenizer splits the whole text too: the head's tokens are the text's first tokens (a run of that many
-    characters without a space or line break is cut inside, and may tokenise differently at its very end). The head
-    is used only if it holds more than `max_tokens` tokens, so a text that fits is never cut; one that fits only
-    because the tokenizer drops characters (WordPiece drops whitespace) is tokenised whole, as before.
+    cannot fit. Its head ends at the second word end (a space or line break after a word) past that length:
+    pre-tokenizers split there, so the head's tokens up to its last word are the whole text's, and they already
+    number more than `max_tokens`. (A text without two word ends in the next `max_tokens * token_chars` characters is
+    cut inside a word, whose tokens at the cut may differ.) The head is used only if it holds more than `max_tokens`
+    tokens, so a text that fits is never cut; one that fits only because the tokenizer drops characters (WordPiece
+    drops whitespace) is tokenised whole, as before.
     """
     bound = max_tokens * (token_chars or longest_token_chars(tokenizer))
     long = [i for i, text in enumerate(texts) if len(text) > bound]
@@ -59,8 +61,8 @@ def cut_overlong(tokenizer, texts: list[str], max_tokens: int, token_chars: int 
         return texts
     heads = {}
     for i in long:
-        end = _WORD_END.search(texts[i], bound + 1, 2 * bound)
-        heads[i] = texts[i][: end.start() if end else bound + 1]
+        ends = [m.start() for m in itertools.islice(_WORD_END.finditer(texts[i], bound + 1, 2 * bound), 2)]
+        heads[i] = texts[i][: ends[-1] if ends else bound + 1]
     counts = tokenizer([heads[i] for i in long], add_special_tokens=False)["input_ids"]
     cut = {i for i, ids in zip(long, counts) if len(ids) > max_tokens}
     return [heads[i] if i in cut else text for i, text in enumerate(texts)]

@@ -74,7 +74,9 @@ def test_every_recipe_has_an_over_long_row_here():
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_a_10_mb_row_is_left_out_of_tokenizer_training_counted_and_tokenised_from_a_head(recipe, tmp_path, monkeypatch):
+def test_a_10_mb_row_is_left_out_of_tokenizer_training_counted_and_tokenised_from_a_head(
+    recipe, tmp_path, monkeypatch
+):
     write, row = WRITERS[recipe]
     normal, _ = write(tmp_path / "data", 60, 5, 0)
     big = tmp_path / "big.jsonl"
@@ -115,6 +117,7 @@ def test_other_examples_are_untouched_by_the_over_long_row(tmp_path, monkeypatch
     assert both.stats["tokenizer_texts_overlong"] == 1 and "tokenizer_texts_overlong" not in alone.stats
     # Under truncate the row is kept, cut to max_seq_length tokens: the tokens a whole tokenisation would start with.
     kept = _prepare("sft", tmp_path, [normal, big], "cache-both", overlong_examples="truncate")
+    assert "tokenizer" not in kept.built and kept.stats["tokenizer_texts_overlong"] == 1  # reported when reused too
     cut = [ids for ids in kept.train["input_ids"] if len(ids) == MAX_SEQ_LENGTH]
     assert len(cut) == 1
     assert cut[0] == kept.tokenizer(BIG[:100_000])["input_ids"][:MAX_SEQ_LENGTH]
@@ -123,7 +126,7 @@ def test_other_examples_are_untouched_by_the_over_long_row(tmp_path, monkeypatch
 def test_cut_overlong_keeps_the_first_tokens_and_never_cuts_a_text_that_fits(tiny_tokenizer):
     from tunebook.data.tokenize import cut_overlong
 
-    words = " ".join(f"hello world {i}, what is two plus two? four." for i in range(5_000))  # ~250,000 characters
+    words = " ".join(f"hello world {i}, what is two plus two?\nfour." for i in range(5_000))  # ~250,000 characters
     short = "hello world " * 20
     for max_tokens in (64, 1000):
         texts = cut_overlong(tiny_tokenizer, [short, words], max_tokens)
@@ -159,4 +162,3 @@ def test_text_pieces_cut_long_documents_at_spaces_and_lose_nothing():
     pieces = list(text_pieces(["short", document, "x" * 250], 100))
     assert pieces[0] == "short" and "".join(pieces[1:-3]) == document and pieces[-3:] == ["x" * 100] * 2 + ["x" * 50]
     assert all(len(p) <= 100 for p in pieces) and all(p.startswith(" ") for p in pieces[2:-3])
-
