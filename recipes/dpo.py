@@ -31,7 +31,7 @@ from tunebook.data import (
     prepare_preference_data,
     train_and_eval_loaders,
 )
-from tunebook.distributed import preparation_lock, prepare_then_join
+from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import evaluate_preferences
 from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options, whole_weights
 from tunebook.recipe_configs import DPOConfig
@@ -126,17 +126,17 @@ def main(config: DPOConfig) -> dict:
             for split in ("train", "eval"):
                 if getattr(data, split) is not None:
                     key = fingerprint({"pairs": data.keys[split], "reference": reference_key})
-                    with preparation_lock(run.cache_dir):  # the first process computes, the others read its result
-                        dataset, cached = precompute_reference_log_probs(
-                            model,
-                            getattr(data, split),
-                            collate,
-                            accelerator.device,
-                            run.cache_dir,
-                            key,
-                            config.per_device_eval_batch_size,
-                            attn,
-                        )
+                    # Under the lock of its cache entry: the first process computes, the others read its result.
+                    dataset, cached = precompute_reference_log_probs(
+                        model,
+                        getattr(data, split),
+                        collate,
+                        accelerator.device,
+                        run.cache_dir,
+                        key,
+                        config.per_device_eval_batch_size,
+                        attn,
+                    )
                     setattr(data, split, dataset)
                     log.info(
                         "Reference log-probabilities %s (%s)", "loaded from the cache" if cached else "computed", split

@@ -4,8 +4,9 @@ Two rules:
 - Data is prepared before the processes wait for each other, never inside a collective. With Accelerate's
   `main_process_first()` the other ranks wait in a barrier while the main process tokenises; a barrier has the
   process group's timeout (NCCL's watchdog kills it after 10 minutes by default), so a large data set killed the
-  run. Here every process takes a file lock on the cache instead: the first one builds, the others wait on the
-  lock (no timeout) and then map the finished files.
+  run. Here every process takes a file lock on each cache entry it needs (`preparation_lock`, keyed by the entry's
+  fingerprint) instead: the first one builds it, the others wait on the lock (no timeout) and then map the finished
+  files. Runs that need other entries (other data, tokenizer or settings) in the same cache do not wait.
 - Then a preflight check joins all ranks with its own, short timeout and compares what they must agree on: world
   size, the resolved config, the prepared data and the library versions. A node that never started, a rank that
   crashed while preparing, or nodes launched with different configs or data are named in one message.
@@ -39,22 +40,24 @@ class PreflightError(ConfigError):
 
 
 @contextmanager
-def preparation_lock(cache_dir: str | Path):
-    """Hold the data-preparation lock of `cache_dir`: one process at a time prepares (or loads) data there.
+def preparation_lock(cache_dir: str | Path, key: str, what: str = "data"):
+    """Hold the lock of the cache entry `key` (its fingerprint) in `cache_dir` while looking for it and building it:
+    of the processes that need the same entry, the first builds it and the others wait, then map what it wrote.
 
-    A file lock, not a collective: waiting for another process's tokenisation has no timeout. On a shared file
-    system the lock also orders the nodes; with node-local caches each node prepares its own copy, and the
-    preflight check then verifies that all copies hold the same data.
+    One lock file per entry, not one per cache: a run that builds slowly (a large data set, a pathological row) holds
+    up only the runs that need what it builds. A file lock, not a collective: waiting for another process's
+    tokenisation has no timeout. On a shared file system the lock also orders the nodes; with node-local caches each
+    node prepares its own copy, and the preflight check then verifies that all copies hold the same data.
     """
     from filelock import FileLock, Timeout
 
-    path = Path(cache_dir).expanduser() / "locks" / "prepare.lock"
+    path = Path(cache_dir).expanduser() / "locks" / f"{key}.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(path))
     try:
         lock.acquire(timeout=2)
     except Timeout:
-        logger.info("Waiting for another process to finish preparing data in %s (lock: %s)", cache_dir, path)
+        logger.info("Waiting for another process to finish building %s in %s (lock: %s)", what, cache_dir, path)
         lock.acquire()
     try:
         yield
@@ -163,16 +166,16 @@ def disagreements(gathered: list[dict[str, Any]]) -> list[str]:
 
 
 def prepare_then_join(accelerator, config, prepare, cache_dir: Path, log: logging.Logger):
-    """`prepare(config, cache_dir, log)` under the preparation lock, then the preflight check of all ranks; logs how
-    long the data took and what was built.
+    """`prepare(config, cache_dir, log)`, then the preflight check of all ranks; logs how long the data took and what
+    was built.
 
-    What the recipes call instead of preparing inside `accelerator.main_process_first()` (see the module notes).
+    What the recipes call instead of preparing inside `accelerator.main_process_first()` (see the module notes):
+    `prepare` takes the lock of each cache entry it builds, so the first process builds it and the others map it.
     """
-    with preparation_lock(cache_dir):
-        try:
-            data = prepare(config, cache_dir, log)
-        except TunebookError as error:  # every process meets it: one report per machine
-            raise same_on_every_rank(error) from None
+    try:
+        data = prepare(config, cache_dir, log)
+    except TunebookError as error:  # every process meets it: one report per machine
+        raise same_on_every_rank(error) from None
     if accelerator.num_processes > 1:
         facts = run_facts(config, data, accelerator.num_processes)
         preflight_check(facts, config.preflight_timeout, accelerator.process_index, accelerator.num_processes)

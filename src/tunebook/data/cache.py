@@ -21,6 +21,7 @@ from typing import Any
 import datasets
 from transformers import PreTrainedTokenizerBase
 
+from ..distributed import preparation_lock
 from ..locations import default_cache_dir
 
 __all__ = ["PREPROCESSING_VERSION", "cached_dataset", "default_cache_dir", "fingerprint", "tokenizer_fingerprint"]
@@ -62,15 +63,21 @@ def cached_dataset(
     """Load the entry `key`, or build, save and load it. Returns (dataset, stats, was_cached).
 
     `build(scratch)` gets a scratch folder for its intermediate Arrow files (mapped, filtered, reordered data),
-    deleted once the entry is saved, so a build leaves only the entry behind. In multi-process runs call this
-    under `tunebook.distributed.preparation_lock`: the first process builds, the others then find the finished
-    entry and only map its files.
+    deleted once the entry is saved, so a build leaves only the entry behind. The lookup and the build hold the
+    entry's lock (`tunebook.distributed.preparation_lock`, keyed by `key`): of the processes that need this entry
+    the first builds it and the others then find it finished and only map its files, while runs that need other
+    entries of the same cache go on.
     """
-    entry = Path(cache_dir) / "prepared" / key
+    with preparation_lock(cache_dir, key, f"prepared data {key}"):
+        return _load_or_build(Path(cache_dir), key, build)
+
+
+def _load_or_build(cache_dir: Path, key: str, build) -> tuple[datasets.Dataset, dict[str, Any], bool]:
+    entry = cache_dir / "prepared" / key
     if (entry / STATS_FILE).is_file():
         return datasets.load_from_disk(str(entry)), json.loads((entry / STATS_FILE).read_text()), True
-    (Path(cache_dir) / "tmp").mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f"{key}-", dir=Path(cache_dir) / "tmp"))
+    (cache_dir / "tmp").mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f"{key}-", dir=cache_dir / "tmp"))
     tmp = entry.with_name(f"{entry.name}.tmp{os.getpid()}")
     try:
         dataset, stats = build(scratch)

@@ -22,6 +22,7 @@ from ..errors import ConfigError, DataError
 from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
 from .sources import DataSource, config_sources, fingerprint_sources, load_source, raise_unless_text
 from .synthetic import write_synthetic_classification
+from .tokenize import cut_overlong, longest_token_chars
 from .tokenizer import config_tokenizer
 
 __all__ = ["ClassificationData", "label_names_of", "prepare_classification_data"]
@@ -52,7 +53,9 @@ def prepare_classification_data(config, cache_dir: Path, log: logging.Logger) ->
 
     texts = lambda: (t for c in columns[:-1] for t in train_raw[c])  # noqa: E731
     key = fingerprint_sources(train_sources) + "|" + "|".join(columns)
-    tokenizer = config_tokenizer(config, cache_dir, key, texts, built, log, kind="encoder")
+    notes: dict[str, Any] = {}  # what tokenizer training left out
+    tokenizer = config_tokenizer(config, cache_dir, key, texts, built, log, kind="encoder",
+                                 max_tokens=config.max_seq_length, stats=notes)  # fmt: skip
     # Batches pad on the right whatever the tokenizer ships (chat tokenizers pad left): models with absolute positions
     # (BERT, GPT-2) count them from the row's start, so left padding would shift every shorter example's positions.
     # Every sequence-classification head pools right-padded rows correctly.
@@ -78,7 +81,13 @@ def prepare_classification_data(config, cache_dir: Path, log: logging.Logger) ->
                 _tokenize,
                 batched=True,
                 with_indices=True,
-                fn_kwargs={"tokenizer": tokenizer, "config": config, "label_names": label_names, "where": where},
+                fn_kwargs={
+                    "tokenizer": tokenizer,
+                    "config": config,
+                    "label_names": label_names,
+                    "where": where,
+                    "token_chars": longest_token_chars(tokenizer),
+                },
                 remove_columns=table.column_names,
                 num_proc=config.dataset_num_proc,
                 cache_file_name=str(scratch / "tokenised.arrow"),
@@ -105,6 +114,7 @@ def prepare_classification_data(config, cache_dir: Path, log: logging.Logger) ->
         train, eval_set = train.select(np.sort(order[n_eval:])), train.select(np.sort(order[:n_eval]))
     counts = np.bincount(np.asarray(train.data.column("labels")), minlength=len(label_names))
     stats["label_counts"] = dict(zip(label_names, counts.tolist()))
+    stats.update(notes)
     return ClassificationData(tokenizer, train, eval_set, label_names, stats, built, time.perf_counter() - start)
 
 
@@ -178,7 +188,9 @@ def _integer_labels(dataset: datasets.Dataset, label_column: str, where: str) ->
     return dataset.cast_column(label_column, datasets.Value("int64"))
 
 
-def _tokenize(batch, indices, *, tokenizer, config, label_names: list[str], where: str) -> dict[str, list]:
+def _tokenize(
+    batch, indices, *, tokenizer, config, label_names: list[str], where: str, token_chars: int
+) -> dict[str, list]:
     label_ids = {name: i for i, name in enumerate(label_names)}
     labels = []
     for index, value in zip(indices, batch[config.label_column]):
@@ -200,7 +212,10 @@ def _tokenize(batch, indices, *, tokenizer, config, label_names: list[str], wher
             row = next(i for i, t in zip(indices, batch[column]) if not isinstance(t, str))
             raise DataError(f"{where}, row {row + 1}: column {column!r} must hold text")
     pair = batch[config.text_pair_column] if config.text_pair_column else None
-    encoded = tokenizer(batch[config.text_column], pair, truncation=True, max_length=config.max_seq_length)
+    texts = batch[config.text_column]
+    if pair is None:  # a text too long to fit is tokenised from its head (pairs are cut by their relative lengths)
+        texts = cut_overlong(tokenizer, texts, config.max_seq_length, token_chars)
+    encoded = tokenizer(texts, pair, truncation=True, max_length=config.max_seq_length)
     out = {"input_ids": encoded["input_ids"], "labels": labels}
     if "token_type_ids" in encoded:
         out["token_type_ids"] = encoded["token_type_ids"]

@@ -31,7 +31,14 @@ from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer
 from .formats import as_messages, normalise_messages
 from .sources import DataSource, config_sources, fingerprint_sources, load_source
 from .synthetic import _write_disjoint, make_example
-from .tokenize import IGNORE_INDEX, check_messages_rendered, check_turn_rendered, render_chat
+from .tokenize import (
+    IGNORE_INDEX,
+    check_messages_rendered,
+    check_turn_rendered,
+    cut_overlong,
+    longest_token_chars,
+    render_chat,
+)
 from .tokenizer import config_tokenizer, setup_chat_template
 
 __all__ = [
@@ -66,7 +73,10 @@ def prepare_preference_data(config, cache_dir: Path, log: logging.Logger) -> Pre
     start, built = time.perf_counter(), []
     train_sources, eval_sources = config_sources(config, cache_dir, write_synthetic_preferences)
     texts = lambda: _texts(train_sources, cache_dir, config.seed)  # noqa: E731
-    tokenizer = config_tokenizer(config, cache_dir, fingerprint_sources(train_sources), texts, built, log)
+    notes: dict[str, Any] = {}  # what tokenizer training left out
+    # A pair's text holds its prompt once and both responses: up to twice max_seq_length tokens of a pair that fits.
+    tokenizer = config_tokenizer(config, cache_dir, fingerprint_sources(train_sources), texts, built, log,
+                                 max_tokens=2 * config.max_seq_length, stats=notes)  # fmt: skip
     tokenizer = setup_chat_template(tokenizer, config.chat_template, config.trust_remote_code, log)
     keys, splits, stats = {}, {}, {}
     for name, sources in (("train", train_sources), ("eval", eval_sources)):
@@ -91,7 +101,7 @@ def prepare_preference_data(config, cache_dir: Path, log: logging.Logger) -> Pre
         train, evaluation = parts["train"], parts["test"]
         keys["eval"] = f"{keys['train']}-split{config.eval_split_ratio}-{config.seed}"
         keys["train"] = f"{keys['train']}-rest{config.eval_split_ratio}-{config.seed}"
-    return PreferenceData(tokenizer, train, evaluation, keys, stats, built, time.perf_counter() - start)
+    return PreferenceData(tokenizer, train, evaluation, keys, {**stats, **notes}, built, time.perf_counter() - start)
 
 
 def _texts(sources: list[DataSource], cache_dir: Path, seed: int):
@@ -120,7 +130,8 @@ def _build(sources: list[DataSource], tokenizer, config, cache_dir: Path, scratc
             raw.map(
                 tokenize_pairs, batched=True, with_indices=True, remove_columns=raw.column_names,
                 fn_kwargs={"tokenizer": tokenizer, "max_seq_length": config.max_seq_length,
-                           "overlong": config.overlong_examples, "where": source.where},
+                           "overlong": config.overlong_examples, "where": source.where,
+                           "token_chars": longest_token_chars(tokenizer)},
                 cache_file_name=str(scratch / f"pairs-{len(parts)}.arrow"), desc=f"Tokenising {Path(source.path).name}",
             )
         )  # fmt: skip
@@ -188,11 +199,12 @@ def _response(value: Any, prompt: list[dict], side: str, where: str) -> list[dic
 
 
 def tokenize_pairs(batch: dict[str, list], indices: list[int], *, tokenizer, max_seq_length: int, overlong: str,
-                   where: str) -> dict[str, list]:  # fmt: skip
+                   where: str, token_chars: int | None = None) -> dict[str, list]:  # fmt: skip
     """Batched `datasets.map` function: rows of prompt/chosen/rejected -> token ids and labels of both responses.
 
     The prompt is rendered with the generation prompt and the response is the rest of the full conversation's
-    rendering, tokenised separately (as TRL does), so the split between them never falls inside a token.
+    rendering, tokenised separately (as TRL does), so the split between them never falls inside a token. A text too
+    long to fit is tokenised from its head (`cut_overlong`).
     """
     out: dict[str, list] = {k: [] for k in ("chosen_input_ids", "chosen_labels", "rejected_input_ids",
                                             "rejected_labels", "keep", "truncated")}  # fmt: skip
@@ -207,7 +219,7 @@ def tokenize_pairs(batch: dict[str, list], indices: list[int], *, tokenizer, max
             out["margin"].append(_margin(batch["margin"][i], where_row))
         prompt_text, rests = prompt_and_response_texts(tokenizer, prompt, (chosen, rejected), tools, where_row)
         texts += [prompt_text, *rests]
-    ids = encode_texts(tokenizer, texts)
+    ids = encode_texts(tokenizer, cut_overlong(tokenizer, texts, max_seq_length, token_chars))
     for prompt_ids, *responses in zip(ids[::3], ids[1::3], ids[2::3]):
         keep, cut = len(prompt_ids) < max_seq_length, False
         for side, response_ids in zip(("chosen", "rejected"), responses):

@@ -25,7 +25,7 @@ from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer
 from .formats import as_messages
 from .sources import DataSource, config_sources, fingerprint_sources, load_source
 from .synthetic import _write_disjoint, make_example
-from .tokenize import render_chat, tokenize_conversations
+from .tokenize import cut_overlong, longest_token_chars, render_chat, tokenize_conversations
 from .tokenizer import config_tokenizer, setup_chat_template
 
 __all__ = [
@@ -58,7 +58,10 @@ def prepare_prompt_data(config, cache_dir: Path, log: logging.Logger) -> PromptD
     start, built = time.perf_counter(), []
     train_sources, eval_sources = config_sources(config, cache_dir, write_synthetic_prompts)
     texts = lambda: _texts(train_sources, cache_dir, config)  # noqa: E731
-    tokenizer = config_tokenizer(config, cache_dir, fingerprint_sources(train_sources), texts, built, log)
+    notes: dict[str, Any] = {}  # what tokenizer training left out
+    # A text holds a prompt (trained up to max_prompt_length tokens) and its reference answer (the SFT warm-up's).
+    tokenizer = config_tokenizer(config, cache_dir, fingerprint_sources(train_sources), texts, built, log,
+                                 max_tokens=config.max_prompt_length + config.max_seq_length, stats=notes)  # fmt: skip
     tokenizer = setup_chat_template(tokenizer, config.chat_template, config.trust_remote_code, log)
     splits, stats = {}, {}
     for name, sources in (("train", train_sources), ("eval", eval_sources)):
@@ -82,7 +85,7 @@ def prepare_prompt_data(config, cache_dir: Path, log: logging.Logger) -> PromptD
         train, evaluation = parts["train"], parts["test"]
     # `row` seeds a prompt's completions: its position in the split, whatever the order of the loader.
     train = train.remove_columns("row").add_column("row", list(range(len(train))))
-    return PromptData(tokenizer, train, evaluation, stats, built, time.perf_counter() - start)
+    return PromptData(tokenizer, train, evaluation, {**stats, **notes}, built, time.perf_counter() - start)
 
 
 def _load_prompts(source: DataSource, cache_dir: Path, seed: int) -> datasets.Dataset:
@@ -113,7 +116,7 @@ def _build(sources: list[DataSource], tokenizer, config, cache_dir: Path, scratc
             raw.map(
                 _tokenize_prompts, batched=True, with_indices=True,
                 fn_kwargs={"tokenizer": tokenizer, "max_prompt_length": config.max_prompt_length,
-                           "where": source.where},
+                           "where": source.where, "token_chars": longest_token_chars(tokenizer)},
                 cache_file_name=str(scratch / f"prompts-{len(parts)}.arrow"), desc=f"Tokenising {Path(source.path).name}",
             )
         )  # fmt: skip
@@ -128,7 +131,7 @@ def _build(sources: list[DataSource], tokenizer, config, cache_dir: Path, scratc
 
 
 def _tokenize_prompts(batch: dict[str, list], indices: list[int], *, tokenizer, max_prompt_length: int,
-                      where: str) -> dict[str, list]:  # fmt: skip
+                      where: str, token_chars: int) -> dict[str, list]:  # fmt: skip
     ids, keep = [], []
     for prompt, index in zip(batch["prompt"], indices):
         messages = as_messages(prompt, "user", f"{where}, row {index + 1}")
@@ -136,6 +139,8 @@ def _tokenize_prompts(batch: dict[str, list], indices: list[int], *, tokenizer, 
             raise DataError(f"{where}, row {index + 1}: the prompt ends with an assistant turn; GRPO generates that "
                             "turn (put the answer in another column, e.g. 'answer')")  # fmt: skip
         text = render_chat(tokenizer, messages, generation_prompt=True)
+        # A prompt too long to keep is tokenised from its head, which is too long too (`cut_overlong`).
+        text = cut_overlong(tokenizer, [text], max_prompt_length, token_chars)[0]
         tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
         ids.append(tokens)
         keep.append(len(tokens) <= max_prompt_length)

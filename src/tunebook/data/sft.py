@@ -36,7 +36,7 @@ from .streaming import (
     stream_fingerprint,
 )
 from .synthetic import write_synthetic_task
-from .tokenize import tokenize_conversations
+from .tokenize import longest_token_chars, tokenize_conversations
 from .tokenizer import config_tokenizer, setup_chat_template
 
 __all__ = [
@@ -86,10 +86,13 @@ def prepare_sft_data(config, cache_dir: Path, log: logging.Logger) -> SFTData:
             train_sources, config.data_format, cache_dir, config.seed, text_field=config.dataset_text_field
         )
     )
-    tokenizer = config_tokenizer(config, cache_dir, fingerprint_sources(train_sources), texts, built, log)
+    notes: dict[str, Any] = {}  # what tokenizer training left out
+    tokenizer = config_tokenizer(config, cache_dir, fingerprint_sources(train_sources), texts, built, log,
+                                 max_tokens=config.max_seq_length, stats=notes)  # fmt: skip
     tokenizer = setup_chat_template(tokenizer, config.chat_template, config.trust_remote_code, log)
 
     train, train_key, stats = _tokenised(config, train_sources, tokenizer, cache_dir, "train", built, log)
+    stats.update(notes)
     eval_examples, eval_key = None, None
     if eval_sources:
         eval_examples, eval_key, _ = _tokenised(config, eval_sources, tokenizer, cache_dir, "eval", built, log)
@@ -120,8 +123,9 @@ def _streamed(config, train_sources, eval_sources, cache_dir: Path, built: list,
         return conversation_texts({"conversation": [r["conversation"] for r in mixture().take(TOKENIZER_EXAMPLES)]})
 
     # Prepared shards (tunebook prepare --output) come with their tokenizer; anything else names or trains one.
-    tokenizer = prepared_tokenizer(train_sources, config, "sft")
-    tokenizer = tokenizer or config_tokenizer(config, cache_dir, stream_fingerprint(train_sources), texts, built, log)
+    tokenizer, notes = prepared_tokenizer(train_sources, config, "sft"), {}
+    tokenizer = tokenizer or config_tokenizer(config, cache_dir, stream_fingerprint(train_sources), texts, built, log,
+                                              max_tokens=config.max_seq_length, stats=notes)  # fmt: skip
     tokenizer = setup_chat_template(tokenizer, config.chat_template, config.trust_remote_code, log)
     rows = ChatRows(tokenizer, config.max_seq_length, config.overlong_examples, config.assistant_only_loss,
                     config.packing, config.seed, len(train_sources), config.split_turns)  # fmt: skip
@@ -135,7 +139,7 @@ def _streamed(config, train_sources, eval_sources, cache_dir: Path, built: list,
         eval_examples = eval_rows = _without_conversation_ids(eval_examples)
         if config.packing:
             eval_rows, _ = _packed(config, eval_examples, eval_key, None, cache_dir, "eval", built, log)
-    stats = {"streamed": True, "sources": source_names(train_sources)}
+    stats = {"streamed": True, "sources": source_names(train_sources), **notes}
     log.info("train data: streamed from %s, tokenised%s as training reads it", ", ".join(stats["sources"]),
              f" and packed {config.packing_buffer_size} examples at a time" if config.packing else "")  # fmt: skip
     preview = stream.preview()
@@ -332,6 +336,8 @@ def prepare_sft_dataset(
     args = (data_format, max_seq_length, overlong, assistant_only_loss, seed, text_field, split_turns)
     key = key or sft_cache_key(sources, tokenizer, *args)
 
+    token_chars = longest_token_chars(tokenizer)  # once, not per batch (see cut_overlong)
+
     def build(scratch: Path) -> tuple[datasets.Dataset, dict[str, Any]]:
         parts, conversations_read = [], 0
         for i, source in enumerate(sources):  # one source at a time, so errors name its file and row
@@ -350,6 +356,7 @@ def prepare_sft_dataset(
                         "split_turns": split_turns,
                         "where": source.where,
                         "first_id": first_id if split_turns else None,
+                        "token_chars": token_chars,
                     },
                     remove_columns=["conversation"],
                     features=TURN_FEATURES if split_turns else TOKENISED_FEATURES,

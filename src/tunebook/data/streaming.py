@@ -42,7 +42,7 @@ from .formats import detect_format, to_conversations
 from .loaders import worker_options
 from .packing import best_fit_decreasing, concatenate_examples
 from .sources import DataSource, _load, _quiet_datasets, _resolve
-from .tokenize import tokenize_conversations
+from .tokenize import longest_token_chars, tokenize_conversations
 
 __all__ = [
     "ChatRows",
@@ -216,6 +216,7 @@ class ChatRows:
                  seed: int, num_sources: int, split_turns: bool = False):  # fmt: skip
         self.split_turns = split_turns
         self.tokenizer, self.length, self.overlong = tokenizer, max_seq_length, overlong
+        self.token_chars = longest_token_chars(tokenizer)  # once, not per group (see cut_overlong)
         self.assistant_only_loss, self.packing, self.seed, self.num_sources = (
             assistant_only_loss,
             packing,
@@ -230,7 +231,8 @@ class ChatRows:
         out = tokenize_conversations({"conversation": batch["conversation"]}, tokenizer=self.tokenizer,
                                      max_seq_length=self.length, overlong=self.overlong,
                                      assistant_only_loss=self.assistant_only_loss, split_turns=self.split_turns,
-                                     where="streamed train_data", origin=origin)  # fmt: skip
+                                     where="streamed train_data", origin=origin,
+                                     token_chars=self.token_chars)  # fmt: skip
         kept = [i for i, keep in enumerate(out["keep"]) if keep]
         ids, labels = [out["input_ids"][i] for i in kept], [out["labels"][i] for i in kept]
         sources = [batch["source"][origin[i]] for i in kept]

@@ -35,7 +35,7 @@ from .streaming import (
 )
 from .synthetic import write_synthetic_text
 from .tokenize import IGNORE_INDEX
-from .tokenizer import config_tokenizer
+from .tokenizer import config_tokenizer, text_pieces, tokenizer_max_chars
 
 __all__ = ["TextData", "chunk_documents", "prepare_text_data"]
 
@@ -106,14 +106,20 @@ def prepare_text_data(config, cache_dir: Path, log: logging.Logger) -> TextData:
     if streamed:
         mixture = Mixture(train_sources, config.text_column, config.seed, config.mixture_stopping_strategy,
                           config.text_sample_by)  # fmt: skip
-        texts = lambda: (row[config.text_column] for row in mixture().take(TOKENIZER_DOCUMENTS))  # noqa: E731
+        read = lambda: (row[config.text_column] for row in mixture().take(TOKENIZER_DOCUMENTS))  # noqa: E731
         data_key = stream_fingerprint(train_sources, config.text_sample_by)
     else:
-        texts = lambda: iter(documents(train_sources)[config.text_column])  # noqa: E731
+        read = lambda: iter(documents(train_sources)[config.text_column])  # noqa: E731
         data_key = fingerprint_sources(train_sources)
+    # Documents are trained on whole, however long (cut into rows): the tokenizer learns from all of each, in pieces
+    # short enough that no piece is left out and none costs tokenizer training more than a row's worth of text.
+    texts = lambda: text_pieces(read(), tokenizer_max_chars(config.max_seq_length))  # noqa: E731
     # Prepared shards (tunebook prepare --output) come with their tokenizer; anything else names or trains one.
     tokenizer = streamed and prepared_tokenizer(train_sources, config, "pretrain")
-    tokenizer = tokenizer or config_tokenizer(config, cache_dir, data_key, texts, built, log)
+    # Pieces are never longer than tokenizer training takes: no stats to collect.
+    tokenizer = tokenizer or config_tokenizer(
+        config, cache_dir, data_key, texts, built, log, max_tokens=config.max_seq_length, stats={}
+    )
     if tokenizer.eos_token_id is None:
         raise ConfigError("the tokenizer has no EOS token to end documents with; set tokenizer_name_or_path")
 

@@ -12,7 +12,9 @@ results are not. A plain-text example (`{"text": ...}`) carries loss on every to
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
+import re
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -22,13 +24,49 @@ from ..errors import DataError, first_line
 __all__ = [
     "IGNORE_INDEX",
     "assistant_spans",
+    "cut_overlong",
     "format_loss_mask",
+    "longest_token_chars",
     "render_chat",
     "tokenize_conversations",
     "turn_examples",
 ]
 
 IGNORE_INDEX = -100
+_WORD_END = re.compile(r"(?<=\S)[ \n]")  # a space or line break after a word: where pre-tokenizers split
+
+
+def longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The most characters of text one token of `tokenizer` stands for: its longest vocabulary entry. Byte-level
+    entries spell one character per byte, at least as many as the characters they stand for; SentencePiece entries
+    spell their text (a space as one ▁), WordPiece entries their piece of a word."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
+
+
+def cut_overlong(tokenizer, texts: list[str], max_tokens: int, token_chars: int | None = None) -> list[str]:
+    """`texts`, each one too long to fit in `max_tokens` tokens cut to a head that still holds more than
+    `max_tokens`: tokenising a 10 MB row then costs what its head costs, and truncating it keeps the same tokens.
+
+    A text of more than `max_tokens * token_chars` characters (`token_chars`: `longest_token_chars`) holds more than
+    `max_tokens` tokens wherever every character is spelled by some token (byte-level BPE, SentencePiece), so it
+    cannot fit. Its head ends at the second word end (a space or line break after a word) past that length:
+    pre-tokenizers split there, so the head's tokens up to its last word are the whole text's, and they already
+    number more than `max_tokens`. (A text without two word ends in the next `max_tokens * token_chars` characters is
+    cut inside a word, whose tokens at the cut may differ.) The head is used only if it holds more than `max_tokens`
+    tokens, so a text that fits is never cut; one that fits only because the tokenizer drops characters (WordPiece
+    drops whitespace) is tokenised whole, as before.
+    """
+    bound = max_tokens * (token_chars or longest_token_chars(tokenizer))
+    long = [i for i, text in enumerate(texts) if len(text) > bound]
+    if not long:
+        return texts
+    heads = {}
+    for i in long:
+        ends = [m.start() for m in itertools.islice(_WORD_END.finditer(texts[i], bound + 1, 2 * bound), 2)]
+        heads[i] = texts[i][: ends[-1] if ends else bound + 1]
+    counts = tokenizer([heads[i] for i in long], add_special_tokens=False)["input_ids"]
+    cut = {i for i, ids in zip(long, counts) if len(ids) > max_tokens}
+    return [heads[i] if i in cut else text for i, text in enumerate(texts)]
 
 
 def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools=None, generation_prompt=False) -> str:
@@ -176,6 +214,7 @@ def tokenize_conversations(
     where: str = "data",
     origin: list[int] | None = None,
     first_id: int | None = None,
+    token_chars: int | None = None,
 ) -> dict[str, list[Any]]:
     """Batched `datasets.map` function: `conversation` JSON rows -> input_ids, labels and bookkeeping columns.
 
@@ -185,6 +224,7 @@ def tokenize_conversations(
     With `split_turns`, a conversation gives one example per assistant turn (see `turn_examples`); `origin`, if
     given, receives the batch position each output row came from, and with `first_id` a `conversation_id` column
     numbers the conversations from it (row index + first_id), so a held-out split can keep each one whole.
+    A text too long to fit is tokenised from its head (`cut_overlong`, given `token_chars` or computing it).
     """
     texts, spans, rows = [], [], []  # per output row: the text to tokenise; its assistant spans; its input row
     for position, row in enumerate(batch["conversation"]):
@@ -208,6 +248,7 @@ def tokenize_conversations(
             rows.append(position)
     if origin is not None:
         origin.extend(rows)
+    texts = cut_overlong(tokenizer, texts, max_seq_length, token_chars)
     encoded = _encode(tokenizer, texts, spans)
     out: dict[str, list[Any]] = {k: [] for k in ("input_ids", "labels", "prompt_length", "truncated", "keep")}
     for text, turns, (ids, offsets) in zip(texts, spans, encoded):

@@ -9,11 +9,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterable
+import shutil
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from ..distributed import preparation_lock
 from ..errors import ModelError, first_line
 from ..locations import looks_like_local_path
 
@@ -22,6 +24,8 @@ __all__ = [
     "config_tokenizer",
     "load_tokenizer",
     "setup_chat_template",
+    "text_pieces",
+    "tokenizer_max_chars",
     "train_chat_tokenizer",
     "train_encoder_tokenizer",
 ]
@@ -52,7 +56,13 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TOKENIZER_VERSION = "2"  # bump when train_chat_tokenizer changes what it produces
+TOKENIZER_VERSION = "3"  # bump when train_chat_tokenizer changes what it produces
+# The longest token a locally trained BPE tokenizer may learn, in characters of its byte-level alphabet (one per
+# byte). Every token then spells at most this many characters of text, so a text longer than N times this cannot fit
+# in N tokens: what bounds the texts it is trained on (`load_or_train_tokenizer`). Ordinary text never asks for longer
+# tokens at these vocabulary sizes (the cap then changes nothing); a run of one repeated character would.
+MAX_TOKEN_CHARS = 32
+TOKENIZER_STATS = "tunebook_tokenizer.json"  # beside a trained tokenizer's files: what it was trained on
 
 
 def train_chat_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
@@ -68,6 +78,7 @@ def train_chat_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrai
         vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        max_token_length=MAX_TOKEN_CHARS,
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
@@ -114,8 +125,11 @@ def train_encoder_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreT
 TRAINERS = {"chat": train_chat_tokenizer, "encoder": train_encoder_tokenizer}
 
 
-def trained_tokenizer_dir(cache_dir: str | Path, data_fingerprint: str, vocab_size: int, kind: str = "chat") -> Path:
+def trained_tokenizer_dir(
+    cache_dir: str | Path, data_fingerprint: str, vocab_size: int, kind: str = "chat", max_chars: int | None = None
+) -> Path:
     parts = f"{data_fingerprint}|{vocab_size}|{TOKENIZER_VERSION}" + ("" if kind == "chat" else f"|{kind}")
+    parts += "" if max_chars is None else f"|{max_chars}"
     return Path(cache_dir) / "tokenizers" / hashlib.sha256(parts.encode()).hexdigest()[:16]
 
 
@@ -125,39 +139,100 @@ def load_or_train_tokenizer(
     texts: Callable[[], Iterable[str]],
     vocab_size: int,
     kind: str = "chat",
+    max_chars: int | None = None,
+    stats: dict | None = None,
 ) -> tuple[PreTrainedTokenizerFast, bool]:
     """Train on `texts()` on first use, cached by the data's fingerprint; returns (tokenizer, was_trained).
 
     `kind`: `chat` (byte-level BPE with a ChatML template, for causal LMs) or `encoder` (WordPiece, BERT style).
+    Texts longer than `max_chars` characters are left out of training (`tokenizer_texts_overlong` in `stats`, also
+    when the tokenizer comes from the cache): BPE training costs the square of a text's longest unbroken run, hours
+    for one 10 MB row, and a caller's `max_chars` is longer than anything it trains on (`tokenizer_max_chars`).
+    The first process that needs the tokenizer trains it under its lock; the others wait, then load it.
     """
-    directory = trained_tokenizer_dir(cache_dir, data_fingerprint, vocab_size, kind)
-    if (directory / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(directory), False
-    tokenizer = TRAINERS[kind](texts(), vocab_size)
+    directory = trained_tokenizer_dir(cache_dir, data_fingerprint, vocab_size, kind, max_chars)
+    with preparation_lock(cache_dir, f"tokenizer-{directory.name}", "the tokenizer"):
+        trained = not (directory / "tokenizer_config.json").is_file()
+        if trained:
+            _train_into(directory, texts, vocab_size, kind, max_chars)
+        record = directory / TOKENIZER_STATS
+        left_out = json.loads(record.read_text()).get("texts_overlong", 0) if record.is_file() else 0
+    if stats is not None and left_out:
+        stats["tokenizer_texts_overlong"] = left_out
+    return AutoTokenizer.from_pretrained(directory), trained
+
+
+def _train_into(directory: Path, texts, vocab_size: int, kind: str, max_chars: int | None) -> None:
+    left_out = 0
+
+    def bounded(texts):
+        nonlocal left_out
+        for text in texts:
+            if max_chars is None or len(text) <= max_chars:
+                yield text
+            else:
+                left_out += 1
+
+    tokenizer = TRAINERS[kind](bounded(texts()), vocab_size)
     tmp = directory.with_name(f"{directory.name}.tmp{os.getpid()}")
     tokenizer.save_pretrained(tmp)
+    (tmp / TOKENIZER_STATS).write_text(json.dumps({"texts_overlong": left_out, "max_chars": max_chars}))
     try:
         tmp.rename(directory)
     except OSError:  # another process finished first; its files are identical
-        pass
-    return AutoTokenizer.from_pretrained(directory), True
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
-def config_tokenizer(config, cache_dir, data_fingerprint: str, texts, built: list, log, kind: str = "chat"):
+def tokenizer_max_chars(max_tokens: int) -> int:
+    """The longest text a locally trained tokenizer learns from, for data whose longest trained sequence holds
+    `max_tokens` tokens: longer ones cannot fit (every token of a trained chat tokenizer spells at most
+    `MAX_TOKEN_CHARS` characters), so what training sees of them is truncated or nothing. For WordPiece, which drops
+    whitespace and reads words over 100 characters as one unknown token, it is a generous estimate, not a proof."""
+    return max_tokens * MAX_TOKEN_CHARS
+
+
+def text_pieces(texts: Iterable[str], max_chars: int) -> Iterator[str]:
+    """Texts longer than `max_chars` cut into pieces of at most that many characters, each cut before a space or line
+    break where there is one, so the pre-tokenizer splits the pieces as it splits the whole: for pretraining, whose
+    long documents are trained on whole (in rows), and whose tokenizer must learn from all of them."""
+    for text in texts:
+        start = 0
+        while len(text) - start > max_chars:
+            end = max(text.rfind(c, start + 1, start + max_chars + 1) for c in " \n")
+            end = end if end > start else start + max_chars
+            yield text[start:end]
+            start = end
+        yield text[start:]
+
+
+def config_tokenizer(
+    config, cache_dir, data_fingerprint: str, texts, built: list, log, kind: str = "chat", *, max_tokens: int,
+    stats: dict,
+):  # fmt: skip
     """The tokenizer a recipe config asks for: `tokenizer_name_or_path` or the model's, else one trained on
     `texts()` (once; cached by `data_fingerprint`, see `load_or_train_tokenizer`). Adds "tokenizer" to `built`
-    when it trained one."""
+    when it trained one; `max_tokens` is the longest sequence a text of `texts()` can be trained in, and `stats`
+    receives the count of texts left out of training as longer than anything trainable."""
     if config.tokenizer_name_or_path:
         return load_tokenizer(config.tokenizer_name_or_path, config.trust_remote_code)
     if config.model_name_or_path:
         return load_tokenizer(config.model_name_or_path, config.trust_remote_code, config.model_revision)
-    tokenizer, trained = load_or_train_tokenizer(cache_dir, data_fingerprint, texts, config.tokenizer_vocab_size, kind)
+    max_chars = tokenizer_max_chars(max_tokens)
+    tokenizer, trained = load_or_train_tokenizer(
+        cache_dir, data_fingerprint, texts, config.tokenizer_vocab_size, kind, max_chars, stats
+    )
     if trained:
         built.append("tokenizer")
     what = "WordPiece" if kind == "encoder" else "BPE"
     log.info(
         "%s a %d-token %s tokenizer on the training data", "Trained" if trained else "Reusing", len(tokenizer), what
     )
+    if stats.get("tokenizer_texts_overlong"):
+        log.warning(
+            "Tokenizer training left out %d text(s) longer than %d characters: no example holding one fits in %d "
+            "tokens (tokenizer_texts_overlong in the data stats)",
+            stats["tokenizer_texts_overlong"], max_chars, max_tokens,
+        )  # fmt: skip
     return tokenizer
 
 
