@@ -115,24 +115,32 @@ def _set_aside(damaged: list[tuple[Path, str]], intact: Path, log: logging.Logge
 
 
 def decided_by_main(accelerator: Accelerator, decide: Callable[[], Any]) -> Any:
-    """`decide()` on the main process only, its answer (or its `TunebookError`, as one line) on every process: a
-    choice that reads files (verifying a checkpoint of many GB) is made once, and made the same everywhere."""
+    """`decide()` on the main process only, its answer (or its error) on every process: a choice that reads files
+    (verifying a checkpoint of many GB) is made once, and made the same everywhere. A `TunebookError` is raised on
+    every process as the same line; any other error is raised as it is by the main process, and as one line naming
+    it by the others, which would otherwise wait for an answer that never comes."""
     answer, error = None, None
     if accelerator.is_main_process:
         try:
             answer = decide()
-        except TunebookError as raised:
+        except Exception as raised:
             error = raised
     if accelerator.num_processes > 1:
         from accelerate.utils import broadcast_object_list
 
-        shared = [answer, None if error is None else (type(error), str(error))]
+        shared = [answer, None]
+        if isinstance(error, TunebookError):
+            shared[1] = (type(error), str(error))
+        elif error is not None:
+            shared[1] = (TrainingError, f"the main process failed: {type(error).__name__}: {first_line(error)}")
         broadcast_object_list(shared, from_process=0)
         answer = shared[0]
         if error is None and shared[1] is not None:
             error = shared[1][0](shared[1][1])
-    if error is not None:
+    if isinstance(error, TunebookError):
         raise same_on_every_rank(error)
+    if error is not None:
+        raise error
     return answer
 
 
@@ -264,20 +272,26 @@ def _failure_kind(error: Exception, tmp: Path, needed: int) -> str:
         s in text for s in ("No space left on device", "Disk quota exceeded", "os error 28)", "os error 122)")
     ):
         return "disk"
-    if isinstance(error, RuntimeError):
+    if isinstance(error, RuntimeError) and _too_full(tmp, needed):
         # torch.save reports a failed write without its cause ("basic_ios::clear: iostream error", "unexpected pos
         # 704 vs 598"): it was the disk if what is left there cannot hold the rest of the checkpoint.
-        written = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
-        if shutil.disk_usage(tmp.parent).free < max(needed - written, 1 << 20):
-            return "disk"
+        return "disk"
     return "os" if isinstance(error, OSError) else "other"
+
+
+def _too_full(tmp: Path, needed: int) -> bool:
+    try:
+        written = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
+        return shutil.disk_usage(tmp.parent).free < max(needed - written, 1 << 20)
+    except OSError:
+        return False
 
 
 def _failure_message(failures: list[tuple[int, str, str]], final: Path, needed: int, processes: int) -> str:
     rank, kind, detail = next((f for f in failures if f[1] == "disk"), failures[0])
     where = f" (process {rank})" if processes > 1 else ""
-    kept = [p.name for p in list_checkpoints(final.parent.parent)]
-    after = f"the partial {final.name}.tmp was removed; earlier checkpoints are kept (newest: {kept[-1] if kept else 'none'})"
+    kept = [p.name for p in list_checkpoints(final.parent.parent)] or ["none"]
+    after = f"the partial {final.name}.tmp was removed; earlier checkpoints are kept (newest: {kept[-1]})"
     if kind == "disk":
         free = shutil.disk_usage(final.parent).free
         return f"no space left on device{where}: checkpoint {final} needs {_size(needed)}, {_size(free)} free; {after}"

@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 from collections import namedtuple
 from pathlib import Path
 
@@ -105,7 +106,7 @@ def test_an_unreadable_rng_state_stops_the_resume_even_without_a_manifest(name, 
     """Accelerate's load_state swallows the error: the run went on, with other random numbers, and exit 0."""
     full, cache = full_run(name)
     out = _copy(full, tmp_path / "run")
-    (out / "checkpoints" / "step-7" / "manifest.json").unlink()  # as an earlier Tunebook saved it: not verified
+    (out / "checkpoints" / "step-7" / "manifest.json").unlink(missing_ok=True)  # as saved before manifests
     _scramble(out / "checkpoints" / "step-7" / "random_states_0.pkl")
     with pytest.raises(TrainingError, match=r"step-7/random_states_0.pkl: the random number generators' state "
                                             r"cannot be restored \(UnpicklingError"):  # fmt: skip
@@ -215,11 +216,12 @@ def test_a_real_full_filesystem_is_one_line_and_keeps_the_checkpoint_before(tmp_
     if not _can_mount_tmpfs(out):
         pytest.skip("cannot mount a tmpfs here (unshare -m needs CAP_SYS_ADMIN)")
     full, _ = full_run("sft")
-    size = json.loads((full / "checkpoints" / "step-1" / "manifest.json").read_text())["total_bytes"] * 3 // 2
+    size = sum(p.stat().st_size for p in (full / "checkpoints" / "step-1").rglob("*") if p.is_file()) * 3 // 2
     args = [*ARGS, "--max_steps", "4", "--save_steps", "1", "--save_total_limit", "1", "--output_dir", str(out),
             "--cache_dir", str(tmp_path / "cache")]  # fmt: skip
     # Inside the private mount: train, then list what the checkpoints folder holds (the mount ends with the shell).
-    run = 'mount -t tmpfs -o size="$0" tmpfs "$1" || exit 99; out="$1"; shift; "$@"; code=$?; ls "$out/checkpoints"; exit $code'
+    run = 'mount -t tmpfs -o size="$0" tmpfs "$1" || exit 99; out="$1"; shift; "$@"; code=$?; ls "$out/checkpoints"'
+    run += "; exit $code"
     cmd = ["unshare", "-m", "sh", "-c", run, str(size), str(out), *launch_command("recipes/sft.py", args)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
@@ -230,3 +232,54 @@ def test_a_real_full_filesystem_is_one_line_and_keeps_the_checkpoint_before(tmp_
     ), errors
     assert errors[0].endswith("the partial step-2.tmp was removed; earlier checkpoints are kept (newest: step-1)")
     assert result.stdout.splitlines()[-1:] == ["step-1"]  # nothing else: no step-2.tmp
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_a_damaged_best_checkpoint_is_not_loaded_at_the_end(name, tmp_path, monkeypatch, capsys):
+    """`load_best_model_at_end` verifies the best checkpoint first: damaged after it was saved, it is not loaded,
+    and the final step's weights (those of the last checkpoint) are the run's model, with a warning."""
+    from safetensors.torch import load_file
+
+    import tunebook.manifest
+
+    real = tunebook.manifest.verify_checkpoint
+
+    def damage_then_verify(checkpoint, log):  # the best checkpoint's weights go bad just before they are loaded
+        _truncate(Path(checkpoint) / "model.safetensors")
+        return real(checkpoint, log)
+
+    monkeypatch.setattr(tunebook.manifest, "verify_checkpoint", damage_then_verify)
+    # The "best" is the worst here (the loss at its highest, GRPO's reward at its lowest): an early step, not the last.
+    metric, greater = ("reward", False) if name == "grpo" else ("loss", True)
+    summary = _run(name, tmp_path / "run", tmp_path / "cache", eval_steps=2, save_steps=2, save_total_limit=0,
+                   load_best_model_at_end=True, metric_for_best_model=metric, greater_is_better=greater)  # fmt: skip
+    best = summary["best"]["best_step"]
+    assert best < 6  # else nothing would be loaded: the test would prove nothing
+    log = capsys.readouterr().out
+    warning = f"the best checkpoint {tmp_path}/run/checkpoints/step-{best} (step {best}) is damaged (size of model"
+    assert f"load_best_model_at_end: {warning}" in log, log[-3000:]
+    assert "Loaded the best checkpoint" not in log
+    final = load_file(tmp_path / "run" / "checkpoints" / "step-6" / "model.safetensors")
+    exported = load_file(tmp_path / "run" / "model.safetensors")
+    assert all(torch.equal(exported[k], v) for k, v in final.items() if k in exported)
+    assert summary["eval"] == _records_at(tmp_path / "run", 6)
+
+
+def _records_at(out: Path, step: int) -> dict:
+    """The evaluation logged at `step` (metrics.jsonl)."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return next({k: v for k, v in r.items() if k != "step"} for r in records if r["step"] == step and "loss" not in r)
+
+
+def test_export_of_a_damaged_checkpoint_is_one_line(tmp_path, full_run):
+    full, _ = full_run("sft")
+    checkpoint = tmp_path / "step-7"
+    shutil.copytree(full / "checkpoints" / "step-7", checkpoint)
+    (checkpoint / "model.safetensors").unlink()
+    tunebook = Path(sys.executable).parent / "tunebook"
+    done = subprocess.run([tunebook, "export", str(checkpoint), str(tmp_path / "out")], capture_output=True, text=True)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.splitlines() == [
+        f"tunebook: error: {checkpoint} is damaged: missing file model.safetensors; export another checkpoint of "
+        "the run"
+    ]

@@ -211,8 +211,8 @@ def test_a_save_without_space_stops_with_one_line_and_keeps_the_earlier_checkpoi
     free = 1000 if fault is _too_little_free else 0 if fault is _torch_save else shutil.disk_usage(tmp_path).free
     line = str(error.value)
     assert line.startswith(
-        f"no space left on device: checkpoint {tmp_path}/checkpoints/step-2 needs {size} bytes ({size / 1024:.1f} KiB), "
-        f"{free} bytes"
+        f"no space left on device: checkpoint {tmp_path}/checkpoints/step-2 needs {size} bytes "
+        f"({size / 1024:.1f} KiB), {free} bytes"
     ), line
     assert line.endswith(" free; the partial step-2.tmp was removed; earlier checkpoints are kept (newest: step-1)")
     assert "\n" not in line

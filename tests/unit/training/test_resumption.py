@@ -79,8 +79,8 @@ def test_random_states_are_restored_or_the_resume_stops(tmp_path):
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
     path = tmp_path / "random_states_0.pkl"
     path.write_bytes(b"garbage")  # Accelerate's load_state logs "Could not load random states" at INFO and goes on
-    with pytest.raises(TrainingError, match=r"random_states_0.pkl: the random number generators' state cannot be "
-                                            r"restored \(UnpicklingError: .*\); the resumed run would not continue"):  # fmt: skip
+    cannot = r"random_states_0.pkl: the random number generators' state cannot be restored \(UnpicklingError: "
+    with pytest.raises(TrainingError, match=cannot + r".*\); the resumed run would not continue"):
         load_rng_state(tmp_path, 0)
     with pytest.raises(TrainingError, match=r"random_states_1.pkl: .*FileNotFoundError"):
         load_rng_state(tmp_path, 1)
