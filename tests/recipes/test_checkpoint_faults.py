@@ -187,7 +187,8 @@ def test_a_damaged_checkpoint_named_by_its_path_is_one_line_and_a_non_zero_exit(
 @pytest.mark.multiprocess
 def test_a_full_disk_on_one_of_two_processes_stops_both_with_one_line(tmp_path):
     """Process 1 cannot write its RNG state into step 2's checkpoint; process 0 wrote its part: both learn it, both
-    stop with the same line (printed once), neither waits for the other, and step 1 is kept."""
+    stop with the same line (printed once), neither waits for the other, and step 1 is kept. Both then resume from
+    it; and past a damaged checkpoint (process 1's RNG state), both from the same one, verified once."""
     out = tmp_path / "run"
     args = [*ARGS, "--max_steps", "4", "--save_steps", "1", "--output_dir", str(out)]
     result = launch("tests/recipes/disk_full_at_save.py", args, accelerate_config="multi_cpu.yaml",
@@ -200,6 +201,19 @@ def test_a_full_disk_on_one_of_two_processes_stops_both_with_one_line(tmp_path):
     assert errors[0].endswith("the partial step-2.tmp was removed; earlier checkpoints are kept (newest: step-1)")
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1"]
     assert verify_checkpoint(out / "checkpoints" / "step-1", LOG) is None
+
+    resume = ["--resume_from_checkpoint", "latest"]
+    resumed = launch("recipes/sft.py", [*args, *resume], accelerate_config="multi_cpu.yaml", timeout=300)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    assert json.loads((out / "summary.json").read_text())["resumed_from"].endswith("step-1")
+    _scramble(out / "checkpoints" / "step-4" / "random_states_1.pkl")
+    longer = [*ARGS, "--max_steps", "5", "--save_steps", "1", "--output_dir", str(out), *resume]
+    resumed = launch("recipes/sft.py", longer, accelerate_config="multi_cpu.yaml", timeout=300)
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-3000:]
+    warning = f"Checkpoint {out}/checkpoints/step-4 is damaged (checksum mismatch of random_states_1.pkl): resuming"
+    assert output.count(warning) == 1, output[-3000:]
+    assert json.loads((out / "summary.json").read_text())["resumed_from"].endswith("step-3")
 
 
 def _can_mount_tmpfs(directory: Path) -> bool:
