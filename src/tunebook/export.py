@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
 from .checkpoint import MODEL_CONFIG_DIR, TRAINER_STATE, load_trainer_state
 from .config import saved_recipe
 from .errors import ConfigError, ModelError, first_line
+from .manifest import MANIFEST, verify_checkpoint
 
 __all__ = ["export_checkpoint"]
 
@@ -26,6 +28,8 @@ def export_checkpoint(
     not name it). A LoRA checkpoint gives its adapter directory (with the tokenizer), or with `merge` the adapters
     folded into the base model as a plain model directory.
 
+    The checkpoint is verified against its manifest first: a damaged one stops with what is wrong.
+
     Args:
         checkpoint: a checkpoint folder, `output_dir/checkpoints/step-<N>`.
         out_dir: the model directory to write (`from_pretrained` loads it).
@@ -37,8 +41,10 @@ def export_checkpoint(
     from transformers import AutoTokenizer
 
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
-    if not (checkpoint / TRAINER_STATE).is_file():
+    if not (checkpoint / TRAINER_STATE).is_file() and not (checkpoint / MANIFEST).is_file():
         raise ConfigError(f"{checkpoint} is not a complete Tunebook checkpoint (no {TRAINER_STATE})")
+    if problem := verify_checkpoint(checkpoint, logging.getLogger("tunebook")):
+        raise ModelError(f"{checkpoint} is damaged: {problem}; export another checkpoint of the run")
     recipe = _checkpoint_recipe(checkpoint)
     if (checkpoint / "adapter").is_dir():
         from .models.lora import merge_adapter_dir

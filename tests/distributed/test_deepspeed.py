@@ -122,6 +122,9 @@ def test_deepspeed_trains_as_plain_training_and_resumes_exactly(tmp_path, start,
     if recipe == "dpo":  # the frozen reference is sharded as the policy is, not whole on every process
         assert f"Reference model: ZeRO-3 partitioned over {processes} process(es)" in result.stdout + result.stderr
     assert (full / "checkpoints" / "step-3" / "pytorch_model").is_dir()  # DeepSpeed's own checkpoint files
+    # The schedule Accelerate leaves out is saved as JSON, not as a custom object it would unpickle on resume.
+    assert (full / "checkpoints" / "step-3" / "lr_scheduler.json").is_file()
+    assert not list((full / "checkpoints" / "step-3").glob("custom_checkpoint_*"))
 
     reference = _losses(plain)
     assert sorted(_losses(full)) == list(range(1, 7))
@@ -130,14 +133,21 @@ def test_deepspeed_trains_as_plain_training_and_resumes_exactly(tmp_path, start,
 
     _resume_matches(recipe, config, processes, start, full, resumed)
 
-    if config == "deepspeed_zero2.yaml":  # once: a checkpoint without the schedule (as written before the fix)
+    if config == "deepspeed_zero2.yaml":  # once: checkpoints of earlier Tunebooks (no manifest)
         old = tmp_path / "old"
         shutil.copytree(full, old)
         shutil.rmtree(old / "checkpoints" / "step-6")
-        (old / "checkpoints" / "step-3" / "custom_checkpoint_0.pkl").unlink()
+        step_3 = old / "checkpoints" / "step-3"
+        (step_3 / "manifest.json").unlink()
+        schedule = json.loads((step_3 / "lr_scheduler.json").read_text())
+        (step_3 / "lr_scheduler.json").unlink()  # without the schedule (as written before it was saved)
         result = _launch(recipe, config, processes, start, old, "--resume_from_checkpoint", "latest")
         assert result.returncode != 0
         assert "holds no learning-rate schedule" in result.stdout + result.stderr
+        torch.save(schedule, step_3 / "custom_checkpoint_0.pkl")  # pickled (as written before lr_scheduler.json)
+        result = _launch(recipe, config, processes, start, old, "--resume_from_checkpoint", "latest")
+        assert result.returncode != 0
+        assert "holds its learning-rate schedule as a pickle" in result.stdout + result.stderr
 
 
 def test_grpo_under_zero3_partitions_its_reference_and_resumes_exactly(tmp_path, start):

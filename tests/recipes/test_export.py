@@ -115,6 +115,7 @@ def test_a_checkpoint_from_before_recipes_were_recorded_still_exports(train, tmp
     del state["recipe"]
     (old / "trainer_state.json").write_text(json.dumps(state))
     shutil.rmtree(old / "model_config")
+    (old / "manifest.json").unlink()  # nor a manifest: checkpoints had one later (accepted, unverified)
     if recipe == "classify":  # the labels were found in the data, which export does not read: it says what to do
         with pytest.raises(ModelError, match="config.yaml has no label_names: add the run's labels there"):
             export_checkpoint(old, tmp_path / "exported")
@@ -139,6 +140,14 @@ def test_the_cli_exports_a_classifier(train, tmp_path, capsys):
     _assert_same_model(model, output, tmp_path / "exported", out)
 
 
+def _rewrite(path, content) -> None:
+    """Write `content` into a checkpoint's file, and its manifest anew: a checkpoint whole, but wrong inside."""
+    from tunebook.manifest import write_manifest
+
+    path.write_text(json.dumps(content))
+    write_manifest(next(p for p in path.parents if (p / "manifest.json").is_file()))
+
+
 def test_export_errors_are_one_clear_line(train, tmp_path):
     out = train("sft", lora=False)
     with pytest.raises(ConfigError, match="is not a complete Tunebook checkpoint"):
@@ -146,16 +155,16 @@ def test_export_errors_are_one_clear_line(train, tmp_path):
 
     bad = shutil.copytree(out / "checkpoints/step-2", tmp_path / "bad")
     state = json.loads((bad / "trainer_state.json").read_text())
-    (bad / "trainer_state.json").write_text(json.dumps({**state, "recipe": "ppo"}))
+    _rewrite(bad / "trainer_state.json", {**state, "recipe": "ppo"})
     with pytest.raises(ConfigError, match="unknown recipe 'ppo'"):
         export_checkpoint(bad, tmp_path / "x")
 
-    (bad / "trainer_state.json").write_text(json.dumps(state))
+    _rewrite(bad / "trainer_state.json", state)
     model_config = json.loads((bad / "model_config/config.json").read_text())
-    (bad / "model_config/config.json").write_text(json.dumps({**model_config, "hidden_size": 64}))
+    _rewrite(bad / "model_config/config.json", {**model_config, "hidden_size": 64})
     with pytest.raises(ModelError, match="weights do not fit the model: size mismatch"):
         export_checkpoint(bad, tmp_path / "x")
-    (bad / "model_config/config.json").write_text(json.dumps({**model_config, "num_hidden_layers": 1}))
+    _rewrite(bad / "model_config/config.json", {**model_config, "num_hidden_layers": 1})
     with pytest.raises(ModelError, match=r"weights do not fit the model \(missing \[\], unexpected \['model.layers.1"):
         export_checkpoint(bad, tmp_path / "x")
 

@@ -158,10 +158,9 @@ def plan_training(
     lr_scheduler = accelerator.prepare(
         build_scheduler(config.lr_scheduler_type, optimizer, run.total_steps, config.warmup_ratio)
     )
-    if lr_scheduler not in accelerator._schedulers:
-        # Under DeepSpeed, Accelerate (1.15) hands back a scheduler prepared apart from its model unwrapped and
-        # unregistered, so `save_state` left it out and a resumed run restarted its schedule from the first step.
-        accelerator.register_for_checkpointing(lr_scheduler)
+    # Under DeepSpeed, Accelerate (1.15) hands back a scheduler prepared apart from its model unwrapped and
+    # unregistered, so `save_state` leaves it out: checkpoints then hold its state as JSON (`schedule_state`), not
+    # as a custom object, which Accelerate would unpickle with `weights_only=False` on resume.
     run.log.info("Training %d optimizer steps (%d per epoch) of %d x %d %s x %d process(es)", run.total_steps,
                  run.steps_per_epoch, k, config.per_device_train_batch_size, unit, accelerator.num_processes)  # fmt: skip
     run.model, run.optimizer, run.lr_scheduler, run.train_loader = model, optimizer, lr_scheduler, train_loader
@@ -309,13 +308,13 @@ def after_step(run: Run) -> bool:
         new_best = _evaluate(run, step, f"Step {step}")
     signum = run.signals.requested(run.accelerator)
     if signum:  # preemption or Ctrl-C: this step is done and evaluated; save it and leave
-        _save(run, f"stopped by signal {signum}")
-        run.log.warning("Stopped at step %d by signal %d. Resume with the same command plus "
-                        "--resume_from_checkpoint latest", step, signum)  # fmt: skip
-        run.stop = SystemExit(exit_code(signum))
+        if _save(run, f"stopped by signal {signum}"):
+            run.log.warning("Stopped at step %d by signal %d. Resume with the same command plus "
+                            "--resume_from_checkpoint latest", step, signum)  # fmt: skip
+            run.stop = SystemExit(exit_code(signum))
         return True
-    if reason := save_due(config, step, epoch_done, new_best):
-        _save(run, reason)
+    if (reason := save_due(config, step, epoch_done, new_best)) and not _save(run, reason):
+        return True
     if run.best is not None and run.best.should_stop():
         best = run.best
         run.log.info("Early stopping at step %d: %s has not improved on %.6g (step %d) for %d evaluations",
@@ -343,15 +342,23 @@ def _evaluate(run: Run, step: int, label: str) -> bool:
     return step > 0 and run.best is not None and run.best.update(step, results)
 
 
-def _save(run: Run, reason: str) -> None:
+def _save(run: Run, reason: str) -> bool:
+    """Save a checkpoint; False when the save failed (no space left on the device...): the run then stops with that
+    error, raised by `finish` once the model is freed, on every process alike."""
+    from ..errors import TrainingError
     from .resumption import save_training_state
 
     data = run.train_loader.state_dict() if getattr(run.train_loader, "resumes_itself", False) else None
-    with run.timer.paused():
-        path = save_training_state(run.accelerator, run.output_dir, run.state.global_step, run.config,
-                                   run.state.state_dict(), run.tokenizer, run.counters, run.best, run.figures,
-                                   run.recipe, data)  # fmt: skip
+    try:
+        with run.timer.paused():
+            path = save_training_state(run.accelerator, run.output_dir, run.state.global_step, run.config,
+                                       run.state.state_dict(), run.tokenizer, run.counters, run.best, run.figures,
+                                       run.recipe, data, run.lr_scheduler)  # fmt: skip
+    except TrainingError as error:
+        run.stop = error
+        return False
     run.log.info("Saved checkpoint %s (%s)", path, reason)
+    return True
 
 
 def finish(run: Run, data, headline: tuple[str, str, str] | None = None, **extra: Any) -> dict[str, Any]:
@@ -376,10 +383,7 @@ def finish(run: Run, data, headline: tuple[str, str, str] | None = None, **extra
         final_eval = state.eval_history[step]
         best = run.best
         if config.load_best_model_at_end and best is not None and best.best_step not in (None, step):
-            accelerator.load_state(best.best_checkpoint)
-            final_eval = state.eval_history[best.best_step]
-            log.info("Loaded the best checkpoint %s (%s %.6g at step %d)", best.best_checkpoint, best.metric,
-                     best.best_value, best.best_step)  # fmt: skip
+            final_eval = _load_best(run, best, final_eval)
     if run.total_steps > 0:
         save_final_model(accelerator, run.model, run.tokenizer, run.output_dir, config.merge_adapter)
     if hasattr(run.train_loader, "delivered"):  # streamed: the tokens each source actually gave
@@ -415,6 +419,24 @@ def finish(run: Run, data, headline: tuple[str, str, str] | None = None, **extra
                      format(final_eval[metric], fmt))  # fmt: skip
     _free(run)
     return summary
+
+
+def _load_best(run: Run, best: BestModel, final_eval: dict[str, Any]) -> dict[str, Any]:
+    """Load the best checkpoint's weights, once it is verified (on the main process, for all); a damaged one is
+    not loaded: the final step's weights are kept, and said so. Returns the evaluation of the weights kept."""
+    from ..checkpoint import decided_by_main
+    from ..manifest import verify_checkpoint
+
+    checkpoint = Path(best.best_checkpoint)
+    problem = decided_by_main(run.accelerator, lambda: verify_checkpoint(checkpoint, run.log))
+    if problem:
+        run.log.warning("load_best_model_at_end: the best checkpoint %s (step %d) is damaged (%s); the final "
+                        "step's weights are kept instead", checkpoint, best.best_step, problem)  # fmt: skip
+        return final_eval
+    run.accelerator.load_state(str(checkpoint))
+    run.log.info("Loaded the best checkpoint %s (%s %.6g at step %d)", checkpoint, best.metric, best.best_value,
+                 best.best_step)  # fmt: skip
+    return run.state.eval_history[best.best_step]
 
 
 def _free(run: Run) -> None:

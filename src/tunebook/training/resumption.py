@@ -10,6 +10,7 @@ run resumes at: the schedule is the new config's over the new total number of st
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -18,7 +19,9 @@ from typing import Any
 import yaml
 
 from ..checkpoint import (
+    SCHEDULE,
     checkpoint_path,
+    decided_by_main,
     list_checkpoints,
     load_process_state,
     load_trainer_state,
@@ -26,9 +29,18 @@ from ..checkpoint import (
     save_checkpoint,
 )
 from ..config import config_to_dict
-from ..errors import ConfigError
+from ..errors import ConfigError, TrainingError, TunebookError, first_line, same_on_every_rank
 
-__all__ = ["RUN_CONTROL_KEYS", "OPTIMIZER_KEYS", "prepare_output_dir", "resume_training", "save_training_state"]
+__all__ = [
+    "RUN_CONTROL_KEYS",
+    "OPTIMIZER_KEYS",
+    "load_rng_state",
+    "load_schedule",
+    "prepare_output_dir",
+    "resume_training",
+    "save_training_state",
+    "schedule_state",
+]
 
 # Keys a resumed run may change: they decide when things happen and where outputs go, not what is computed.
 RUN_CONTROL_KEYS = frozenset(
@@ -84,17 +96,18 @@ def save_training_state(
     figures,
     recipe,
     data: dict[str, Any] | None = None,
+    lr_scheduler=None,
 ) -> Path:
     """A recipe's checkpoint at optimizer step `step`: the loop's `state` (`RunState`), this process's `counters`,
     logged `figures` and streamed `data` position, and the `best` model tracker, whose checkpoint, if this is it, is
-    recorded and protected from rotation."""
+    recorded and protected from rotation; the `lr_scheduler`'s state where Accelerate leaves it out (DeepSpeed)."""
     if best is not None and best.best_step == step:
         best.best_checkpoint = str(checkpoint_path(output_dir, step))
     shared = {**state, "best": best.state_dict() if best is not None else None}
     process = {**counters.state_dict(), "figures": figures.state_dict(), **({"data": data} if data else {})}
     return save_checkpoint(
         accelerator, output_dir, step, config, shared, config.save_total_limit, tokenizer, process,
-        best.best_checkpoint if best is not None else None, recipe,
+        best.best_checkpoint if best is not None else None, recipe, schedule_state(accelerator, lr_scheduler),
     )  # fmt: skip
 
 
@@ -104,25 +117,21 @@ def resume_training(accelerator, config, counters, best, figures, log: logging.L
 
     Restores what `accelerator.save_state` saved (model, optimizer, scheduler, RNG states), this process's
     `counters`, `figures` and `stream` position (a `StreamLoader`, or None), and the `best` tracker, after checking the config against the checkpoint's; changed
-    optimizer keys are applied to the prepared `optimizer` and `lr_scheduler`. Returns
+    optimizer keys are applied to the prepared `optimizer` and `lr_scheduler`. The checkpoint is verified first, on
+    the main process (`resolve_checkpoint`: `latest` falls back past damaged ones), and loading it either restores
+    everything, random number generators included, or stops every process with one line. Returns
     (checkpoint or None, the trainer state: global_step, epoch, batches_in_epoch, ...).
     """
     spec = config.resume_from_checkpoint
-    checkpoint = resolve_checkpoint(config.output_dir, spec) if spec else None
+    checkpoint = None
+    if spec:  # verified on the main process, the choice the same on all
+        checkpoint = decided_by_main(accelerator, lambda: resolve_checkpoint(config.output_dir, spec, log))
     if checkpoint is None:
         if spec == "auto":
             log.info("resume_from_checkpoint auto: no checkpoint in %s yet, starting from scratch", config.output_dir)
         return None, {}
     optimizer_changes = check_resumed_config(config, checkpoint, accelerator.num_processes)
-    if accelerator._custom_objects and not any(Path(checkpoint).glob("custom_checkpoint_*")):
-        # Only the schedule is registered (loop.plan_training, under DeepSpeed); Accelerate would raise a traceback.
-        raise ConfigError(
-            f"{checkpoint} holds no learning-rate schedule: it was written under DeepSpeed by a Tunebook that left "
-            "the schedule out, and a resumed run would restart it. Start a new run"
-        )
-    accelerator.load_state(str(checkpoint))
-    state = load_trainer_state(checkpoint)
-    process = load_process_state(checkpoint, accelerator.process_index)
+    state, process = _load_checkpoint(accelerator, checkpoint, lr_scheduler)
     counters.load_state_dict(process)
     if process.get("figures"):
         figures.load_state_dict(process["figures"])
@@ -135,6 +144,94 @@ def resume_training(accelerator, config, counters, best, figures, log: logging.L
         log.warning("Resumed with changed optimizer settings, applied from step %d on: %s", state["global_step"],
                     ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in optimizer_changes.items()))  # fmt: skip
     return checkpoint, state
+
+
+def _load_checkpoint(accelerator, checkpoint: Path, lr_scheduler) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Load `checkpoint` into the prepared objects; return (the trainer state, this process's state). A file that
+    does not load (damaged after verification, or in a checkpoint saved without a manifest) stops every process
+    with one line, not a traceback on one of them while the others wait."""
+    own_schedule = schedule_state(accelerator, lr_scheduler) is not None
+    error = None
+    try:
+        if own_schedule:  # under DeepSpeed; first, to refuse a pickled schedule before Accelerate reads the folder
+            load_schedule(checkpoint, lr_scheduler)
+        accelerator.load_state(str(checkpoint))
+        load_rng_state(checkpoint, accelerator.process_index)  # Accelerate swallows a failure to restore them
+        loaded = load_trainer_state(checkpoint), load_process_state(checkpoint, accelerator.process_index)
+    except TunebookError as raised:
+        error = raised
+    except Exception as raised:
+        error = TrainingError(f"checkpoint {checkpoint} does not load: {type(raised).__name__}: {first_line(raised)}")
+    failed = [(accelerator.process_index, type(error), str(error))] if error is not None else []
+    if accelerator.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        failed = gather_object(failed)
+    if failed:
+        rank, kind, message = failed[0]
+        raise same_on_every_rank(kind(f"process {rank}: {message}" if accelerator.num_processes > 1 else message))
+    return loaded
+
+
+def load_rng_state(checkpoint: str | Path, process_index: int) -> None:
+    """Restore this process's random number generators from `random_states_<rank>.pkl`, or raise.
+
+    Accelerate's `load_state` restores them too but swallows any failure (a damaged file resumed silently with other
+    random numbers, so no longer the same computation); this reads the same file the same way (`weights_only`) and
+    sets the same generators again, so that a failure stops the run."""
+    import random
+
+    import numpy as np
+    import torch
+    from accelerate.utils import load
+
+    path = Path(checkpoint) / f"random_states_{process_index}.pkl"
+    try:
+        states = load(path)
+        random.setstate(states["random_state"])
+        np.random.set_state(states["numpy_random_seed"])
+        torch.set_rng_state(states["torch_manual_seed"])
+        if torch.cuda.is_available() and "torch_cuda_manual_seed" in states:
+            torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
+    except Exception as error:
+        raise TrainingError(
+            f"{path}: the random number generators' state cannot be restored ({type(error).__name__}: "
+            f"{first_line(error)}); the resumed run would not continue the same computation"
+        ) from None
+
+
+def schedule_state(accelerator, lr_scheduler) -> dict[str, Any] | None:
+    """The learning-rate schedule's state as plain data, where Accelerate's `save_state` leaves the schedule out
+    (under DeepSpeed, `loop.plan_training`); None where Accelerate saves it. Its multiplier functions are code and
+    stay out: they are rebuilt from the config (`build_scheduler`), only where the schedule is (its step, its rates)
+    is state. Saved as JSON so that resuming unpickles nothing (Accelerate's custom objects load with
+    `weights_only=False`)."""
+    if lr_scheduler is None or lr_scheduler in accelerator._schedulers:
+        return None
+    return {k: v for k, v in lr_scheduler.state_dict().items() if k != "lr_lambdas"}
+
+
+def load_schedule(checkpoint: Path, lr_scheduler) -> None:
+    """Restore `schedule_state`'s JSON into `lr_scheduler` (a `LambdaLR`, or Accelerate's wrapper of one)."""
+    path = checkpoint / SCHEDULE
+    if not path.is_file():
+        if any(checkpoint.glob("custom_checkpoint_*.pkl")):
+            raise ConfigError(
+                f"{checkpoint} holds its learning-rate schedule as a pickle (custom_checkpoint_0.pkl, as Tunebook "
+                "wrote it under DeepSpeed before lr_scheduler.json), which Tunebook no longer loads: unpickling it "
+                "could run any code. Start a new run, or finish this one with the Tunebook that wrote it"
+            )
+        raise ConfigError(
+            f"{checkpoint} holds no learning-rate schedule: it was written under DeepSpeed by a Tunebook that left "
+            "the schedule out, and a resumed run would restart it. Start a new run"
+        )
+    schedule = getattr(lr_scheduler, "scheduler", lr_scheduler)
+    try:
+        state = json.loads(path.read_text())  # the schedule's own keys only: data, never its optimizer or code
+        state = {k: v for k, v in state.items() if k in vars(schedule) and k not in ("optimizer", "lr_lambdas")}
+        schedule.load_state_dict({**state, "lr_lambdas": [None] * len(schedule.lr_lambdas)})
+    except (OSError, ValueError, TypeError, AttributeError) as error:
+        raise TrainingError(f"{path}: unreadable learning-rate schedule ({first_line(error)})") from None
 
 
 def check_resumed_config(config, checkpoint: Path, num_processes: int) -> dict[str, tuple[Any, Any]]:
