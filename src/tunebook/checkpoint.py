@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -371,6 +372,8 @@ def save_final_model(accelerator: Accelerator, model, tokenizer, output_dir: str
 
     `get_state_dict` gathers sharded states (FSDP, ZeRO-3) on every process; only the main process writes. A LoRA
     model is saved as its adapter directory instead, and with `merge_adapter` also merged (`models.save_adapter`).
+    A disk without room for it stops the run with one line on every process, naming the checkpoint to export the
+    model from once there is room (the run's checkpoints are not touched).
     """
     from .models.lora import is_peft_model, save_adapter
 
@@ -378,8 +381,33 @@ def save_final_model(accelerator: Accelerator, model, tokenizer, output_dir: str
         save_adapter(accelerator, model, tokenizer, output_dir, merge=merge_adapter)
         return
     state_dict = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        unwrapped = unwrap(model)
-        unwrapped.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(output_dir)
-    accelerator.wait_for_everyone()
+
+    def write() -> None:
+        needed = sum(t.numel() * t.element_size() for t in state_dict.values())
+        with final_save(output_dir, needed):
+            unwrap(model).save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
+            tokenizer.save_pretrained(output_dir)
+
+    decided_by_main(accelerator, write)  # the main process writes; every process learns how that went
+
+
+@contextmanager
+def final_save(output_dir: str | Path, needed: int):
+    """Around the writes of the final model into `output_dir`: a write that fails for lack of space (`needed` bytes
+    being what it takes) is one `TrainingError` line instead of safetensors' or torch's traceback; any other
+    failure is raised as it is."""
+    output_dir = Path(output_dir)
+    try:
+        yield
+    except Exception as error:
+        if _failure_kind(error, output_dir / "checkpoints", needed) != "disk":
+            raise
+        found = list_checkpoints(output_dir)
+        then = (f"free some space, then write it from the last checkpoint: tunebook export {found[-1]} {output_dir}"
+                if found else "no checkpoint was saved (save_steps), so the trained weights are lost: free some "
+                "space and train again")  # fmt: skip
+        free = shutil.disk_usage(output_dir).free
+        raise TrainingError(
+            f"no space left on device: the final model in {output_dir} needs {_size(needed)}, {_size(free)} free; "
+            f"{then}"
+        ) from None

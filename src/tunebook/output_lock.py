@@ -116,19 +116,11 @@ def lock_output_dir(output_dir: str | Path, recipe: str = "") -> OutputDirLock:
 def lock_run_output_dir(accelerator, output_dir: str | Path, recipe: str) -> OutputDirLock:
     """`lock_output_dir` on the main process; every process of the launch stops with its line if it fails (the
     others learn it by a broadcast, so none goes on to prepare data for a run that is not happening)."""
-    lock, message = OutputDirLock(Path(output_dir), None), None
-    if accelerator.is_main_process:
-        try:
-            lock = lock_output_dir(output_dir, recipe)
-        except ConfigError as error:
-            message = str(error)
-    if accelerator.num_processes > 1:
-        from accelerate.utils import broadcast_object_list
+    from .checkpoint import decided_by_main
 
-        message = broadcast_object_list([message], from_process=0)[0]
-    if message is not None:
-        raise ConfigError(message)
-    return lock
+    held: list[OutputDirLock] = []  # the lock stays with the main process: only the verdict is broadcast
+    decided_by_main(accelerator, lambda: held.append(lock_output_dir(output_dir, recipe)))
+    return held[0] if held else OutputDirLock(Path(output_dir), None)
 
 
 def _make_directory(directory: Path) -> None:

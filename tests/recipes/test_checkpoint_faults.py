@@ -156,6 +156,53 @@ def test_a_full_disk_during_a_save_stops_the_run_and_it_resumes_to_the_same_resu
     assert summary["resumed_from"].endswith("step-3") and _weights(out) == _weights(full)
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("name", RECIPES)
+def test_a_full_disk_at_the_final_save_is_one_line_naming_the_checkpoint_to_export(name, lora, tmp_path,
+                                                                                  monkeypatch):  # fmt: skip
+    """The final model's weights (safetensors, through transformers or peft) find the disk full: one line that says
+    how to write the model once there is room, from the last checkpoint, which is intact; the model is freed."""
+    import safetensors.torch
+
+    if lora:
+        pytest.importorskip("peft")
+    out, real_usage, filled = tmp_path / "run", shutil.disk_usage, []
+    real_save_file = safetensors.torch.save_file
+
+    def save_file(tensors, filename, *args, **kwargs):
+        if Path(filename).parent == out:  # the final model's weights, not a checkpoint's
+            filled.append(filename)
+            raise safetensors.SafetensorError(
+                'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on '
+                'device" })'
+            )
+        return real_save_file(tensors, filename, *args, **kwargs)
+
+    def disk_usage(path):
+        usage = real_usage(path)
+        return Usage(usage.total, usage.total, 0) if filled else usage
+
+    import transformers.modeling_utils
+
+    with monkeypatch.context() as patch:
+        patch.setattr(transformers.modeling_utils, "safe_save_file", save_file)
+        if lora:  # peft writes the adapters itself
+            import peft.peft_model
+
+            patch.setattr(peft.peft_model, "safe_save_file", save_file)
+        patch.setattr(shutil, "disk_usage", disk_usage)
+        with pytest.raises(TrainingError) as error:
+            _run(name, out, tmp_path / "cache", max_steps=2, save_steps=2, use_peft=lora)
+    assert filled
+    message = str(error.value)
+    assert message.startswith(f"no space left on device: the final model in {out} needs ") and message.endswith(
+        f", 0 bytes free; free some space, then write it from the last checkpoint: tunebook export "
+        f"{out}/checkpoints/step-2 {out}"
+    ), message
+    assert verify_checkpoint(out / "checkpoints" / "step-2", LOG) is None
+    assert not (out / "summary.json").exists()
+
+
 # --- through the launcher: the one line and the exit code, as a user sees them
 
 ARGS = ["--model_config", json.dumps(TINY_TEST_MODEL), "--synthetic_train_size", "64", "--synthetic_eval_size", "4",

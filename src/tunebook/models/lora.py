@@ -135,18 +135,24 @@ def register_adapter_checkpoints(accelerator, run_dir: str | Path) -> None:
 def save_adapter(accelerator, model, tokenizer, output_dir: str | Path, merge: bool = False) -> Path:
     """Write the adapter directory (adapters, `adapter_config.json`, tokenizer) into `output_dir`; with `merge`,
     also the merged model into `output_dir/merged`. Call on every process (sharded states are gathered)."""
+    from ..checkpoint import decided_by_main, final_save
+
     output_dir = Path(output_dir)
     state_dict = accelerator.get_state_dict(model)
     peft_model = unwrap(model)
     if _is_sharded(peft_model):  # the base copy, where one is needed, from weights every process gathers
         _copy_sharded_base(peft_model, output_dir, accelerator)
-    if accelerator.is_main_process:
-        _point_at_base(peft_model, _base_model_path(peft_model, output_dir))
-        peft_model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(output_dir)
-        if merge:
-            merge_adapter_dir(output_dir, output_dir / "merged")
-    accelerator.wait_for_everyone()
+
+    def write() -> None:
+        needed = sum(t.numel() * t.element_size() for t in state_dict.values())
+        with final_save(output_dir, needed):
+            _point_at_base(peft_model, _base_model_path(peft_model, output_dir))
+            peft_model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
+            tokenizer.save_pretrained(output_dir)
+            if merge:
+                merge_adapter_dir(output_dir, output_dir / "merged")
+
+    decided_by_main(accelerator, write)  # the main process writes; every process learns how that went
     return output_dir
 
 

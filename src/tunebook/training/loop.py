@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
+from ..errors import TrainingError
 from ..models.kernels import check_flex_attention
 from .best import BestModel
 from .counters import TrainCounters
@@ -345,7 +346,6 @@ def _evaluate(run: Run, step: int, label: str) -> bool:
 def _save(run: Run, reason: str) -> bool:
     """Save a checkpoint; False when the save failed (no space left on the device...): the run then stops with that
     error, raised by `finish` once the model is freed, on every process alike."""
-    from ..errors import TrainingError
     from .resumption import save_training_state
 
     data = run.train_loader.state_dict() if getattr(run.train_loader, "resumes_itself", False) else None
@@ -385,7 +385,11 @@ def finish(run: Run, data, headline: tuple[str, str, str] | None = None, **extra
         if config.load_best_model_at_end and best is not None and best.best_step not in (None, step):
             final_eval = _load_best(run, best, final_eval)
     if run.total_steps > 0:
-        save_final_model(accelerator, run.model, run.tokenizer, run.output_dir, config.merge_adapter)
+        try:
+            save_final_model(accelerator, run.model, run.tokenizer, run.output_dir, config.merge_adapter)
+        except TrainingError:  # no room for it: one line, raised once the model is freed
+            _free(run)
+            raise
     if hasattr(run.train_loader, "delivered"):  # streamed: the tokens each source actually gave
         extra = {**extra, "mixture_delivered": run.train_loader.delivered(accelerator)}
         read = run.train_loader.examples_read(accelerator)
