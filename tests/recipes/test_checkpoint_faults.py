@@ -133,9 +133,11 @@ def test_a_full_disk_during_a_save_stops_the_run_and_it_resumes_to_the_same_resu
             raise RuntimeError("basic_ios::clear: iostream error")
         return real_save(obj, f, *args, **kwargs)
 
+    # Full only where the run writes: datasets binds `shutil.disk_usage` when its py_utils is first imported, which
+    # may be inside this patch, and would otherwise find every later test's cache full.
     def disk_usage(path):
         usage = real_usage(path)
-        return Usage(usage.total, usage.total, 0) if filled else usage
+        return Usage(usage.total, usage.total, 0) if filled and Path(path).resolve().is_relative_to(out) else usage
 
     with monkeypatch.context() as patch:
         patch.setattr(torch, "save", save)
@@ -178,9 +180,11 @@ def test_a_full_disk_at_the_final_save_is_one_line_naming_the_checkpoint_to_expo
             )
         return real_save_file(tensors, filename, *args, **kwargs)
 
+    # Full only where the run writes: datasets binds `shutil.disk_usage` when its py_utils is first imported, which
+    # may be inside this patch, and would otherwise find every later test's cache full.
     def disk_usage(path):
         usage = real_usage(path)
-        return Usage(usage.total, usage.total, 0) if filled else usage
+        return Usage(usage.total, usage.total, 0) if filled and Path(path).resolve().is_relative_to(out) else usage
 
     import transformers.modeling_utils
 
