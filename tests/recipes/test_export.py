@@ -15,6 +15,7 @@ from conftest import TINY_TEST_MODEL
 from tunebook import load_recipe
 from tunebook.errors import ConfigError, ModelError
 from tunebook.export import export_checkpoint
+from tunebook.manifest import write_manifest
 
 pytestmark = pytest.mark.slow
 RECIPES = ["sft", "classify", "pretrain", "dpo", "reward"]
@@ -142,8 +143,6 @@ def test_the_cli_exports_a_classifier(train, tmp_path, capsys):
 
 def _rewrite(path, content) -> None:
     """Write `content` into a checkpoint's file, and its manifest anew: a checkpoint whole, but wrong inside."""
-    from tunebook.manifest import write_manifest
-
     path.write_text(json.dumps(content))
     write_manifest(next(p for p in path.parents if (p / "manifest.json").is_file()))
 
@@ -211,6 +210,7 @@ def test_export_runs_a_checkpoints_own_code_only_when_the_command_line_allows_it
     text = (custom / "config.yaml").read_text()
     (custom / "config.yaml").write_text(text.replace("trust_remote_code: false", "trust_remote_code: true"))
     assert "trust_remote_code: true" in (custom / "config.yaml").read_text()
+    write_manifest(custom)  # edited on purpose: intact as far as its manifest goes
 
     with pytest.raises(ModelError, match="runs its own Python code .* export it with --trust_remote_code if you"):
         cli(["export", str(custom), str(tmp_path / "refused")])
