@@ -37,8 +37,8 @@ def main():
     from transformers import AutoTokenizer
     from vs_peers import prepare_assets
 
-    from tunebook.data.preference import preference_pair, prompt_and_response_ids, tokenize_pairs
     from tunebook.data.tokenize import IGNORE_INDEX
+    from tunebook.preference.data import preference_pair, prompt_and_response_ids, tokenize_pairs
 
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)

@@ -192,7 +192,7 @@ def base_tokenizer(eos: str = "<|endoftext|>", extra: tuple[str, ...] = ()):
 
 
 _HOLD_LOCK = (
-    "import sys, time\nfrom tunebook.output_lock import lock_output_dir\n"
+    "import sys, time\nfrom tunebook.run.output_lock import lock_output_dir\n"
     "lock = lock_output_dir(sys.argv[1], 'sft')\nprint('locked', flush=True)\ntime.sleep(600)\n"
 )
 

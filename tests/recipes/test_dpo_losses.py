@@ -12,7 +12,7 @@ import torch
 from conftest import TINY_TEST_MODEL
 from transformers import PreTrainedModel
 
-import tunebook.training.preference as preference
+import tunebook.preference.losses as preference
 from tunebook import load_recipe
 
 pytestmark = pytest.mark.slow

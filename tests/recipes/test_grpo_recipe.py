@@ -108,7 +108,7 @@ def test_config_mistakes_are_one_line(tmp_path, args, message):
 
     with pytest.raises(ConfigError, match=message):
         config = load_config(GRPOConfig, [*args, "--output_dir", str(tmp_path / "run")])
-        from tunebook.training.rewards import load_reward_functions
+        from tunebook.rl.rewards import load_reward_functions
 
         load_reward_functions(config)  # names are checked when the run loads them
 

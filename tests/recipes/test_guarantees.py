@@ -20,9 +20,9 @@ import pytest
 from conftest import ROOT, TINY_TEST_MODEL, hold_lock
 
 from tunebook import load_recipe
-from tunebook.checkpoint import list_checkpoints, resolve_checkpoint
 from tunebook.errors import TrainingError
 from tunebook.recipe import RECIPES
+from tunebook.training.checkpoint import list_checkpoints, resolve_checkpoint
 
 pytestmark = pytest.mark.slow
 COMMON = {"disable_tqdm": True, "report_to": "none", "dataloader_num_workers": 0, "logging_steps": 1,

@@ -9,7 +9,7 @@ import random
 import pytest
 from conftest import ROOT, TINY_TEST_MODEL, free_port
 
-from tunebook.checkpoint import list_checkpoints
+from tunebook.training.checkpoint import list_checkpoints
 
 pytestmark = pytest.mark.slow
 WORDS = "the of and to in is was for on that with as by at from his her it an were are which this be".split()

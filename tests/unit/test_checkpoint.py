@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tunebook.checkpoint import list_checkpoints, resolve_checkpoint, save_checkpoint
 from tunebook.errors import ConfigError, TrainingError
-from tunebook.manifest import MANIFEST, verify_checkpoint, write_manifest
+from tunebook.training.checkpoint import list_checkpoints, resolve_checkpoint, save_checkpoint
+from tunebook.training.manifest import MANIFEST, verify_checkpoint, write_manifest
 
 LOG = logging.getLogger("tunebook")
 
@@ -190,10 +190,10 @@ def _safetensors(monkeypatch, disk):
 
 
 def _enospc_on_main(monkeypatch, disk):
-    import tunebook.checkpoint
+    import tunebook.training.checkpoint
 
     full = OSError(errno.ENOSPC, "No space left on device")
-    _fail_writing(monkeypatch, tunebook.checkpoint, "write_manifest", full)
+    _fail_writing(monkeypatch, tunebook.training.checkpoint, "write_manifest", full)
 
 
 def _too_little_free(monkeypatch, disk):
@@ -230,7 +230,7 @@ def test_the_first_save_is_checked_against_the_trained_weights_and_their_optimiz
 
 
 def test_a_write_error_that_is_not_the_disk_is_not_called_one(trained, tmp_path, monkeypatch):
-    import tunebook.checkpoint
+    import tunebook.training.checkpoint
 
     # Plenty of space: torch's stream error is then something else, raised as it is (a bug keeps its traceback).
     _fail_writing(monkeypatch, torch, "save", RuntimeError("basic_ios::clear: iostream error"))
@@ -239,7 +239,7 @@ def test_a_write_error_that_is_not_the_disk_is_not_called_one(trained, tmp_path,
     monkeypatch.undo()
     # A file-system error is the environment's: one line, naming the checkpoint.
     _fail_writing(
-        monkeypatch, tunebook.checkpoint, "write_manifest", PermissionError(errno.EACCES, "Permission denied")
+        monkeypatch, tunebook.training.checkpoint, "write_manifest", PermissionError(errno.EACCES, "Permission denied")
     )
     with pytest.raises(
         TrainingError, match=r"^could not save checkpoint .*step-3: PermissionError: \[Errno 13\] Perm"

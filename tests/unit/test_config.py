@@ -128,7 +128,7 @@ def test_trl_names_are_aliases_and_are_logged_once(tmp_path, caplog):
     import logging
 
     from tunebook.config import aliases_used
-    from tunebook.logging import log_run_start
+    from tunebook.run.logging import log_run_start
 
     config = load_config(SFTConfig, ["--max_length", "256", "--lora_modules_to_save", "[lm_head]"])
     assert config.max_seq_length == 256 and config.modules_to_save == ["lm_head"]

@@ -20,8 +20,8 @@ from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 
 from tunebook import load_recipe
 from tunebook.errors import ConfigError
-from tunebook.hub import UPLOAD_IGNORE_PATTERNS, check_hub_access, push_output_dir, write_model_card
-from tunebook.record import finish_run
+from tunebook.run.model_card import UPLOAD_IGNORE_PATTERNS, check_hub_access, push_output_dir, write_model_card
+from tunebook.run.record import finish_run
 
 SUMMARY = {
     "recipe": "sft",
@@ -253,7 +253,7 @@ def test_a_failed_upload_or_card_is_logged_and_the_run_keeps_its_outputs(tmp_pat
     def broken(*args):
         raise ValueError("no card today")
 
-    monkeypatch.setattr("tunebook.hub.write_model_card", broken)
+    monkeypatch.setattr("tunebook.run.model_card.write_model_card", broken)
     (out / "config.yaml").write_text("learning_rate: 0.001\n")
     with caplog.at_level(logging.INFO, logger="tunebook"):
         finish_run(out, {"recipe": "sft", "train_steps": 0})
@@ -315,7 +315,7 @@ def test_the_card_and_the_uploaded_config_name_no_absolute_path_of_this_machine(
 
 
 def test_shareable_paths(tmp_path):
-    from tunebook.hub import shareable_path
+    from tunebook.run.model_card import shareable_path
 
     rewards = tmp_path / "rewards.py"
     rewards.write_text("def f(prompts, completions, **kw): return [0.0] * len(completions)\n")

@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 
-from tunebook.logging import progress_bar, setup_logging, show_progress
+from tunebook.run.logging import progress_bar, setup_logging, show_progress
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT, hold_lock
 
 from tunebook.errors import ConfigError
-from tunebook.output_lock import LOCK_NAME, lock_output_dir
+from tunebook.run.output_lock import LOCK_NAME, lock_output_dir
 
 
 def test_a_second_lock_names_the_holder_and_is_free_once_the_holder_dies(tmp_path):
@@ -115,7 +115,7 @@ def test_a_second_launch_into_a_busy_output_dir_stops_every_process_with_one_lin
 def test_two_runs_cannot_start_at_once(tmp_path):
     """Four processes race for one free output_dir: exactly one gets it (the winner holds it until killed)."""
     code = (
-        "import sys, time\nfrom tunebook.output_lock import lock_output_dir\nfrom tunebook.errors import ConfigError\n"
+        "import sys, time\nfrom tunebook.run.output_lock import lock_output_dir\nfrom tunebook.errors import ConfigError\n"
         "try:\n    lock = lock_output_dir(sys.argv[1])\nexcept ConfigError:\n    print('refused', flush=True)\n"
         "else:\n    print('got', flush=True)\n    time.sleep(600)\n"
     )
@@ -139,7 +139,7 @@ def test_a_forked_child_neither_keeps_nor_releases_the_lock(tmp_path):
     """A DataLoader worker is a fork of the run's process: killing the run frees the folder even while the worker
     lives on, and a worker that ends does not unlock its live parent's folder."""
     code = (
-        "import os, sys, time\nfrom tunebook.output_lock import lock_output_dir\n"
+        "import os, sys, time\nfrom tunebook.run.output_lock import lock_output_dir\n"
         "lock = lock_output_dir(sys.argv[1])\nchild = os.fork()\n"
         "if child == 0:\n    time.sleep(float(sys.argv[2]))\n    os._exit(0)\n"
         "print(child, flush=True)\ntime.sleep(600)\n"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from tunebook.record import RunTimer, data_wait_advice
+from tunebook.run.record import RunTimer, data_wait_advice
 from tunebook.training import accumulation_windows
 
 

@@ -9,8 +9,8 @@ from conftest import assert_png
 
 from tunebook.cli import main as cli
 from tunebook.errors import ConfigError
-from tunebook.record import finish_run
-from tunebook.report import compare_runs, format_table, read_metrics, render_report
+from tunebook.run.record import finish_run
+from tunebook.run.report import compare_runs, format_table, read_metrics, render_report
 
 
 def _run_dir(path, learning_rate, losses, evals=((0, 3.0), (4, 1.5))):

@@ -6,7 +6,7 @@ import pytest
 
 from tunebook.config import TrainConfig, parse_config
 from tunebook.errors import ConfigError
-from tunebook.trackers import resolve_report_to, tracker_values
+from tunebook.run.trackers import resolve_report_to, tracker_values
 
 
 def test_report_to_names_lists_auto_and_none():

@@ -7,7 +7,7 @@ import torch
 from accelerate import Accelerator
 
 from ..data.packing import attention_inputs
-from ..logging import progress_bar
+from ..run.logging import progress_bar
 from ..training.loss import causal_lm_token_losses
 from .scores import perplexity
 

@@ -18,7 +18,9 @@ from typing import Any
 
 import yaml
 
-from ..checkpoint import (
+from ..config import config_to_dict
+from ..errors import ConfigError, TrainingError, TunebookError, first_line, same_on_every_rank
+from .checkpoint import (
     SCHEDULE,
     checkpoint_path,
     decided_by_main,
@@ -28,8 +30,6 @@ from ..checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from ..config import config_to_dict
-from ..errors import ConfigError, TrainingError, TunebookError, first_line, same_on_every_rank
 
 __all__ = [
     "RUN_CONTROL_KEYS",

@@ -11,10 +11,10 @@ import logging
 import pytest
 
 from tunebook.data import load_conversations, parse_sources
-from tunebook.data.preference import prepare_preference_data
 from tunebook.data.sources import EXTENSIONS, load_source
 from tunebook.errors import DataError
 from tunebook.locations import DATA_FILE_ENDINGS
+from tunebook.preference.data import prepare_preference_data
 from tunebook.recipe_configs import ClassifyConfig, RewardConfig
 
 
@@ -152,8 +152,8 @@ def test_pretraining_text_that_is_not_text_names_the_row(tmp_path):
 
 
 def test_grpo_reference_answers_of_mixed_types_reach_the_rewards_as_written(tmp_path):
-    from tunebook.data import prepare_prompt_data
     from tunebook.recipe_configs import GRPOConfig
+    from tunebook.rl import prepare_prompt_data
 
     rows = [{"prompt": f"q{i}", "answer": "0000" if i % 2 else 42} for i in range(8)]
     path = _write_jsonl(tmp_path / "prompts.jsonl", rows)

@@ -10,7 +10,7 @@ import torch
 from conftest import TINY_TEST_MODEL
 
 from tunebook.errors import ConfigError
-from tunebook.training.grpo import (
+from tunebook.rl.grpo import (
     Rollouts,
     SeededSampling,
     completion_log_probs,
@@ -21,7 +21,7 @@ from tunebook.training.grpo import (
     rollout_rows,
     sample_completions,
 )
-from tunebook.training.rewards import RewardFunction, combined, exact_match, format_regex, length_penalty, score
+from tunebook.rl.rewards import RewardFunction, combined, exact_match, format_regex, length_penalty, score
 
 
 def _direct_token_loss(logp, old, adv, eps, eps_high, beta=0.0, ref=None):

@@ -9,9 +9,9 @@ import torch
 from accelerate import Accelerator
 
 from tunebook.data.collate import PairCollator
-from tunebook.data.preference import make_preference, tokenize_pairs
 from tunebook.models import build_causal_lm
-from tunebook.training import RewardStats, dpo_loss, policy_and_reference_log_probs, sequence_log_probs
+from tunebook.preference import RewardStats, dpo_loss, policy_and_reference_log_probs, sequence_log_probs
+from tunebook.preference.data import make_preference, tokenize_pairs
 
 PAIRS = {
     "prompt": ["Reverse the digits.\n1234", [{"role": "user", "content": "Sort the digits in ascending order.\n391"}]],

@@ -11,11 +11,9 @@ import torch
 from accelerate import Accelerator
 
 from tunebook.data.collate import PairCollator
-from tunebook.data.preference import tokenize_pairs
 from tunebook.errors import ConfigError
 from tunebook.models import build_causal_lm
-from tunebook.recipe_configs import DPOConfig
-from tunebook.training import (
+from tunebook.preference import (
     LOSS_TYPES,
     REFERENCE_FREE_LOSSES,
     dpo_loss,
@@ -23,6 +21,8 @@ from tunebook.training import (
     preference_loss,
     response_lengths,
 )
+from tunebook.preference.data import tokenize_pairs
+from tunebook.recipe_configs import DPOConfig
 
 BETA, EPS, GAMMA, ALPHA = 0.3, 0.2, 0.5, 0.7
 # Three pairs, rows chosen then rejected: summed log-probabilities and response lengths. The mean log-probabilities

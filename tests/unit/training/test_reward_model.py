@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from tunebook.data.collate import PairCollator
-from tunebook.data.preference import tokenize_pairs
 from tunebook.errors import ModelError
 from tunebook.models import build_sequence_classifier
-from tunebook.training import bradley_terry_loss, load_reward_model, pair_rewards
-from tunebook.training.rewards import load_reward_functions
+from tunebook.preference import bradley_terry_loss, load_reward_model, pair_rewards
+from tunebook.preference.data import tokenize_pairs
+from tunebook.rl.rewards import load_reward_functions
 
 PAIRS = {
     "prompt": ["Reverse the digits.\n1234", [{"role": "user", "content": "Sort the digits in ascending order.\n391"}],

@@ -6,7 +6,7 @@ the recipe), the resolved `config.yaml`, the tokenizer and the model's own `conf
 is written into `step-<N>.tmp` and renamed into place only when every process has written its part and the files
 are flushed, so a crash or `kill -9` during a save leaves the previous checkpoint as the newest complete one and
 never a `step-<N>` that is not whole. Its last file is `manifest.json` (every file's size and checksum,
-`tunebook.manifest`): `resolve_checkpoint` verifies a checkpoint against it before it is resumed, and `latest` falls
+`tunebook.training.manifest`): `resolve_checkpoint` verifies a checkpoint against it before it is resumed, and `latest` falls
 back to the newest intact one. A save the disk has no room for stops the run with one line, on every process, and
 leaves no partial folder behind; the checkpoints before it stay as they were.
 """
@@ -26,10 +26,10 @@ from typing import Any
 
 from accelerate import Accelerator
 
-from .config import save_config
-from .errors import ConfigError, TrainingError, TunebookError, first_line, same_on_every_rank
+from ..config import save_config
+from ..errors import ConfigError, TrainingError, TunebookError, first_line, same_on_every_rank
+from ..models.wrappers import unwrap
 from .manifest import MANIFEST, manifest_bytes, verify_checkpoint, write_manifest
-from .models.wrappers import unwrap
 
 __all__ = [
     "TRAINER_STATE",
@@ -330,7 +330,7 @@ def _save_model_config(accelerator: Accelerator, directory: Path) -> None:
     """The prepared model's `config.json` (and `generation_config.json`) into `directory`: its architecture with the
     label set and the embedding size after any resize. Of a LoRA model, its base model's; a model without a Hugging
     Face config (a plain `torch.nn.Module`) writes nothing. Config files only: no weights are gathered."""
-    from .models.lora import is_peft_model
+    from ..models.lora import is_peft_model
 
     if not accelerator._models:
         return
@@ -375,7 +375,7 @@ def save_final_model(accelerator: Accelerator, model, tokenizer, output_dir: str
     A disk without room for it stops the run with one line on every process, naming the checkpoint to export the
     model from once there is room (the run's checkpoints are not touched).
     """
-    from .models.lora import is_peft_model, save_adapter
+    from ..models.lora import is_peft_model, save_adapter
 
     if is_peft_model(unwrap(model)):
         save_adapter(accelerator, model, tokenizer, output_dir, merge=merge_adapter)

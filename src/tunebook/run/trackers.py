@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .config import TRACKERS, report_to_names
-from .errors import ConfigError
+from ..config import TRACKERS, report_to_names
+from ..errors import ConfigError
 
 __all__ = ["TRACKERS", "resolve_report_to", "start_trackers", "tracker_values", "trackers_dir"]
 

@@ -26,12 +26,11 @@ from typing import Any
 import datasets
 from transformers import PreTrainedTokenizerBase
 
-from ..errors import DataError
-from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
-from .formats import as_messages, normalise_messages
-from .sources import DataSource, config_sources, fingerprint_sources, load_source
-from .synthetic import _write_disjoint, make_example
-from .tokenize import (
+from ..data.cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
+from ..data.formats import as_messages, normalise_messages
+from ..data.sources import DataSource, config_sources, fingerprint_sources, load_source
+from ..data.synthetic import _write_disjoint, make_example
+from ..data.tokenize import (
     IGNORE_INDEX,
     check_messages_rendered,
     check_turn_rendered,
@@ -39,7 +38,8 @@ from .tokenize import (
     longest_token_chars,
     render_chat,
 )
-from .tokenizer import config_tokenizer, setup_chat_template
+from ..data.tokenizer import config_tokenizer, setup_chat_template
+from ..errors import DataError
 
 __all__ = [
     "PreferenceData",

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from ..logging import progress_bar
-from ..training.preference import RewardStats
-from ..training.reward_model import REWARD_FIGURES, bradley_terry_loss, pair_rewards
+from ..run.logging import progress_bar
+from .losses import RewardStats
+from .reward import REWARD_FIGURES, bradley_terry_loss, pair_rewards
 
 __all__ = ["evaluate_reward_model"]
 

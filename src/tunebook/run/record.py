@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import yaml
 
-from .launch import launch_time
+from ..cli.launch import launch_time
 from .report import flatten, format_table, render_report
 
 __all__ = [
@@ -41,7 +41,7 @@ class MetricsWriter:
     def __init__(self, path: str | Path, enabled: bool, resume_step: int | None = None, accelerator=None):
         """A fresh file, or with `resume_step` the existing one cut after that step's records.
 
-        With `accelerator`, every record also goes to its trackers (`tunebook.trackers.tracker_values`).
+        With `accelerator`, every record also goes to its trackers (`tunebook.run.trackers.tracker_values`).
 
         A run resumed from the checkpoint of step N continues at N + 1, so what an interrupted run logged after
         its last checkpoint is dropped: no step is missing or logged twice.
@@ -74,7 +74,7 @@ class MetricsWriter:
 class RunTimer:
     """Wall-clock bookkeeping of a training run.
 
-    Time from the command's start (`tunebook.launch.launch_time`) to the first optimizer step; training time that excludes evaluation and
+    Time from the command's start (`tunebook.cli.launch.launch_time`) to the first optimizer step; training time that excludes evaluation and
     checkpointing inside the loop (`paused()`); the time the loop waited for its next batch (`add_data_wait`);
     and, per logging window, the training time and data wait that `tunebook.training.Throughput` turns into rates.
     """
@@ -179,7 +179,7 @@ def versions() -> dict[str, str]:
     import torch
     import transformers
 
-    from . import __version__
+    from .. import __version__
 
     return {
         "tunebook": __version__,
@@ -284,7 +284,7 @@ def finish_run(output_dir: str | Path, summary: dict[str, Any], log: logging.Log
     table and, with `push_to_hub` in the run's `config.yaml`, upload the model directory (main process, after the
     model was saved)."""
     # Imported here: `tunebook report` uses this module and must not load the data and model stack.
-    from .hub import push_output_dir, write_model_card
+    from .model_card import push_output_dir, write_model_card
 
     output_dir = Path(output_dir)
     write_summary(output_dir / "summary.json", summary)

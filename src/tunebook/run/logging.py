@@ -83,7 +83,7 @@ def show_progress(progress, record: dict[str, Any], total_steps: int, log: loggi
 
 def log_run_start(log: logging.Logger, config, accelerator) -> None:
     """The resolved config, the other tools' key names it was given with (once each), and the processes."""
-    from .config import aliases_used, config_to_dict
+    from ..config import aliases_used, config_to_dict
 
     # One line of what differs from the recipe's defaults: the whole resolved config is in output_dir/config.yaml.
     defaults = config_to_dict(type(config)())

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader
 
-from ..data.prompts import PromptRows, reward_inputs
-from ..logging import progress_bar
 from ..models.wrappers import unwrap
-from ..training.grpo import sample_completions, stop_tokens
-from ..training.rewards import RewardFunction, combined, exact_match, score
+from ..run.logging import progress_bar
+from .grpo import sample_completions, stop_tokens
+from .prompts import PromptRows, reward_inputs
+from .rewards import RewardFunction, combined, exact_match, score
 
 __all__ = ["evaluate_completions"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..logging import progress_bar
-from ..training.preference import (
+from ..run.logging import progress_bar
+from .losses import (
     REFERENCE_FREE_LOSSES,
     RewardStats,
     policy_and_reference_log_probs,

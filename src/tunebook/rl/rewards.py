@@ -108,7 +108,7 @@ def _reward_function(spec: str, config, device) -> Callable:
             buffer=config.length_penalty_buffer,
         )  # fmt: skip
     if spec == "reward_model":
-        from .reward_model import load_reward_model
+        from ..preference.reward import load_reward_model
 
         return load_reward_model(config.reward_model, device=device, use_safetensors=config.use_safetensors,
                                  trust_remote_code=config.trust_remote_code)  # fmt: skip

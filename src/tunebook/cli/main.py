@@ -52,8 +52,8 @@ commands:
 
 def prepare(argv: list[str]) -> dict:
     """Build the caches a recipe run with these arguments would use; returns the printed figures."""
-    from .config import load_config
-    from .recipe import recipe_config_class
+    from ..config import load_config
+    from ..recipe import recipe_config_class
 
     recipe, argv = _pop_option(argv, "--recipe", "sft")
     output, argv = _pop_option(argv, "--output", "")
@@ -61,14 +61,16 @@ def prepare(argv: list[str]) -> dict:
     config_class = recipe_config_class(recipe)
     start = time.perf_counter()
     config = load_config(config_class, argv)
-    from .distributed import data_fingerprint
-    from .logging import setup_logging
-    from .recipe import recipe_data
+    from ..recipe import recipe_data
+    from ..run.logging import setup_logging
+    from ..training.distributed import data_fingerprint
 
     prepare_data = recipe_data(recipe)
     log = setup_logging(True, config.log_level)
     cache_dir = Path(config.cache_dir).expanduser()
-    data = prepare_data(config, cache_dir, log)  # under each cache entry's own lock (see tunebook.distributed)
+    data = prepare_data(
+        config, cache_dir, log
+    )  # under each cache entry's own lock (see tunebook.training.distributed)
     streamed = getattr(data, "stream", None) is not None  # its rows are made as training reads them: uncounted
     figures = {
         "recipe": recipe,
@@ -91,7 +93,7 @@ def prepare(argv: list[str]) -> dict:
 
 
 def _write_shards(recipe: str, config, data, output: str, num_shards: str) -> str:
-    from .data.streaming import write_prepared_shards
+    from ..data.streaming import write_prepared_shards
 
     if not output or not num_shards.isdigit() or recipe not in ("pretrain", "sft"):
         print(
@@ -110,7 +112,7 @@ def _write_shards(recipe: str, config, data, output: str, num_shards: str) -> st
 
 def report(argv: list[str]) -> str:
     """Re-render each run's report.png (and with --output, one figure of all runs); print the comparison table."""
-    from .report import compare_runs, render_report
+    from ..run.report import compare_runs, render_report
 
     output, run_dirs = _pop_option(argv, "--output", "")
     if not run_dirs or any(d.startswith("-") for d in run_dirs):
@@ -149,7 +151,7 @@ def _pop_option(argv: list[str], name: str, default: str) -> tuple[str, list[str
 
 
 def main(argv: list[str] | None = None) -> None:
-    from .errors import install_excepthook
+    from ..errors import install_excepthook
 
     install_excepthook()
     whole_process = argv is None  # the console script, not a caller in Python
@@ -174,14 +176,14 @@ def main(argv: list[str] | None = None) -> None:
             print(f"tunebook: error: {command} takes {what} OUT_DIR, got {rest}\n{USAGE}", file=sys.stderr)
             raise SystemExit(2)
         if command == "export":
-            from .export import export_checkpoint
+            from ..run.export import export_checkpoint
 
             written = export_checkpoint(
                 rest[0], rest[1], merge="--merge" in flags, trust_remote_code="--trust_remote_code" in flags
             )
             print(f"wrote {written} from {rest[0]}")
         else:
-            from .models.gguf import convert_gguf
+            from ..models.gguf import convert_gguf
 
             print(f"wrote {convert_gguf(rest[0], rest[1])} from {rest[0]}")
     else:

@@ -6,10 +6,10 @@ import logging
 import shutil
 from pathlib import Path
 
-from .checkpoint import MODEL_CONFIG_DIR, TRAINER_STATE, load_trainer_state
-from .config import saved_recipe
-from .errors import ConfigError, ModelError, first_line
-from .manifest import MANIFEST, verify_checkpoint
+from ..config import saved_recipe
+from ..errors import ConfigError, ModelError, first_line
+from ..training.checkpoint import MODEL_CONFIG_DIR, TRAINER_STATE, load_trainer_state
+from ..training.manifest import MANIFEST, verify_checkpoint
 
 __all__ = ["export_checkpoint"]
 
@@ -47,7 +47,7 @@ def export_checkpoint(
         raise ModelError(f"{checkpoint} is damaged: {problem}; export another checkpoint of the run")
     recipe = _checkpoint_recipe(checkpoint)
     if (checkpoint / "adapter").is_dir():
-        from .models.lora import merge_adapter_dir
+        from ..models.lora import merge_adapter_dir
 
         if merge:  # the adapter's config names its base model; a classifier's head is among its saved modules
             merge_adapter_dir(checkpoint / "adapter", out_dir, trust_remote_code=trust_remote_code)
@@ -74,7 +74,7 @@ def _checkpoint_recipe(checkpoint: Path) -> str | None:
 
     import yaml
 
-    from .recipe import RECIPES, recipe_config_class
+    from ..recipe import RECIPES, recipe_config_class
 
     recipe = load_trainer_state(checkpoint).get("recipe") or saved_recipe(checkpoint / "config.yaml")
     if recipe:
@@ -98,7 +98,7 @@ def _rebuild_model(checkpoint: Path, recipe: str | None, tokenizer, trust_remote
     checkpoint from its `config.yaml` as the recipe built it (sft's head when the recipe is unknown)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 
-    from .recipe import recipe_task
+    from ..recipe import recipe_task
 
     model_dir = checkpoint / MODEL_CONFIG_DIR
     if (model_dir / "config.json").is_file():
@@ -120,9 +120,9 @@ def _rebuild_model(checkpoint: Path, recipe: str | None, tokenizer, trust_remote
         if (model_dir / "generation_config.json").is_file():
             model.generation_config = GenerationConfig.from_pretrained(model_dir)
         return model
-    from .config import parse_config
-    from .models import TINY_BERT, TINY_LLAMA, build_causal_lm, build_sequence_classifier
-    from .recipe import RECIPES, recipe_config_class
+    from ..config import parse_config
+    from ..models import TINY_BERT, TINY_LLAMA, build_causal_lm, build_sequence_classifier
+    from ..recipe import RECIPES, recipe_config_class
 
     if recipe is None:
         raise ConfigError(

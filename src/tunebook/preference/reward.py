@@ -49,7 +49,7 @@ class RewardModel:
     @torch.no_grad()
     def __call__(self, prompts: list, completions: list, **columns: Any) -> list[float]:
         from ..data.collate import PadCollator
-        from ..data.preference import encode_texts, prompt_and_response, prompt_and_response_texts
+        from .data import encode_texts, prompt_and_response, prompt_and_response_texts
 
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")

@@ -1,7 +1,7 @@
 """Run reports: `report.png` from `metrics.jsonl`, the summary as a table, and several runs side by side.
 
 Every recipe ends with `finish_run` (summary.json, report.png, the summary table in the log, the model card and,
-with `push_to_hub`, the upload: see `tunebook.hub`); `tunebook report RUN_DIR [RUN_DIR ...]` re-renders the plots
+with `push_to_hub`, the upload: see `tunebook.run.model_card`); `tunebook report RUN_DIR [RUN_DIR ...]` re-renders the plots
 and prints the runs' summaries and differing config keys in columns.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["compare_runs", "flatten", "format_cell", "format_table", "read_metrics", "render_report"]
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ..data.packing import attention_inputs
 from ..data.tokenize import IGNORE_INDEX
 from ..models.wrappers import unwrap
-from .loss import causal_lm_token_losses
+from ..training.loss import causal_lm_token_losses
 
 __all__ = [
     "LOSS_TYPES",

@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["launch_time", "pause_collector", "resume_collector", "train"]
 
@@ -49,14 +49,14 @@ def train(argv: list[str], whole_process: bool = False) -> None:
 
     `whole_process`: this interpreter exists for this command (the `tunebook` console script), so a run in it may
     end the process without the interpreter's teardown."""
-    from .recipe import RECIPES, recipe_config_class, recipe_file
+    from ..recipe import RECIPES, recipe_config_class, recipe_file
 
     position = next((i for i, a in enumerate(argv) if a in RECIPES or a.endswith(".py")), None)
     if position is None:
         raise ConfigError(f"tunebook train needs a recipe ({', '.join(RECIPES)} or a recipe .py file). {USAGE}")
     launcher_args, recipe, recipe_args = argv[:position], argv[position], argv[position + 1 :]
     if recipe in RECIPES:
-        from .config import load_config
+        from ..config import load_config
 
         load_config(recipe_config_class(recipe), recipe_args)  # --help prints and exits; a typo stops here
         script = str(recipe_file(recipe))

@@ -20,13 +20,13 @@ import datasets
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from ..data.cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
+from ..data.formats import as_messages
+from ..data.sources import DataSource, config_sources, fingerprint_sources, load_source
+from ..data.synthetic import _write_disjoint, make_example
+from ..data.tokenize import cut_overlong, longest_token_chars, render_chat, tokenize_conversations
+from ..data.tokenizer import config_tokenizer, setup_chat_template
 from ..errors import DataError
-from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
-from .formats import as_messages
-from .sources import DataSource, config_sources, fingerprint_sources, load_source
-from .synthetic import _write_disjoint, make_example
-from .tokenize import cut_overlong, longest_token_chars, render_chat, tokenize_conversations
-from .tokenizer import config_tokenizer, setup_chat_template
 
 __all__ = [
     "PromptData",

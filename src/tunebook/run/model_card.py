@@ -17,11 +17,11 @@ from typing import Any
 import huggingface_hub
 from huggingface_hub.errors import HfHubHTTPError
 
-from .data.sources import DataSource, parse_sources
-from .errors import ConfigError, first_line, same_on_every_rank
-from .locations import hub_name_of_snapshot, looks_like_local_path
-from .models.lora import BASE_MODEL_DIR
-from .recipe import recipe_task
+from ..data.sources import DataSource, parse_sources
+from ..errors import ConfigError, first_line, same_on_every_rank
+from ..locations import hub_name_of_snapshot, looks_like_local_path
+from ..models.lora import BASE_MODEL_DIR
+from ..recipe import recipe_task
 from .report import format_cell
 
 __all__ = [

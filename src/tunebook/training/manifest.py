@@ -13,7 +13,7 @@ import json
 import logging
 from pathlib import Path, PurePosixPath
 
-from .errors import first_line
+from ..errors import first_line
 
 __all__ = ["MANIFEST", "manifest_bytes", "verify_checkpoint", "write_manifest"]
 

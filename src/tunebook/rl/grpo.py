@@ -30,8 +30,8 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from ..data.collate import PadCollator, loss_positions
 from ..data.tokenize import IGNORE_INDEX
-from .compilation import eager
-from .loss import causal_lm_token_losses
+from ..training.compilation import eager
+from ..training.loss import causal_lm_token_losses
 
 __all__ = [
     "GRPOStats",
