@@ -23,14 +23,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_TEST_MODEL, launch, launch_command
+from support import TINY_TEST_MODEL, launch, launch_command
 
 from tunebook.errors import TrainingError
 from tunebook.recipe import RECIPES
 from tunebook.training.checkpoint import list_checkpoints
 from tunebook.training.manifest import verify_checkpoint
 
-from test_guarantees import _run, _weights  # isort: skip
+from recipe_runs import _run, _weights  # isort: skip
 
 pytestmark = pytest.mark.slow
 LOG = logging.getLogger("tunebook")

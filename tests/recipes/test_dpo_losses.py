@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import TINY_TEST_MODEL
+from support import TINY_TEST_MODEL
 from transformers import PreTrainedModel
 
 import tunebook.preference.losses as preference

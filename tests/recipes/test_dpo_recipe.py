@@ -6,7 +6,7 @@ import json
 import math
 
 import pytest
-from conftest import TINY_TEST_MODEL, assert_png, launch
+from support import TINY_TEST_MODEL, assert_png, launch
 
 pytestmark = pytest.mark.slow
 SMALL = [

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import TINY_TEST_MODEL
+from support import TINY_TEST_MODEL
 
 from tunebook import load_recipe
 from tunebook.errors import ConfigError, ModelError

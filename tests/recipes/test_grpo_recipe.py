@@ -14,12 +14,12 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, TINY_TEST_MODEL, assert_png, launch
+from support import ROOT, TINY_TEST_MODEL, assert_png, launch
 
 from tunebook import load_recipe
 from tunebook.errors import DataError
 
-from test_guarantees import COMMON, TASKS, _records, _without_rates  # isort: skip
+from recipe_runs import COMMON, TASKS, _records, _without_rates  # isort: skip
 
 REWARDS = ROOT / "tests" / "recipes" / "grpo_rewards.py"
 TINY = {**COMMON, **TASKS["grpo"], "max_steps": 4}  # the guarantees' tiny run (a reward random answers earn)

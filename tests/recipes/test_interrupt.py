@@ -12,7 +12,7 @@ import time
 
 import psutil
 import pytest
-from conftest import ROOT, TINY_TEST_MODEL, launch
+from support import ROOT, TINY_TEST_MODEL, launch
 
 pytestmark = pytest.mark.slow
 ARGS = [

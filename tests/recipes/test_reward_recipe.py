@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import TINY_TEST_MODEL, assert_png, launch
+from support import TINY_TEST_MODEL, assert_png, launch
 
 from tunebook import load_recipe
 

@@ -12,7 +12,7 @@ import json
 import logging
 
 import pytest
-from conftest import ASSETS
+from support import ASSETS
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 

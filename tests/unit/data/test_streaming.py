@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from conftest import TINY_TEST_MODEL
+from support import TINY_TEST_MODEL
 
 from tunebook.data import PackedCollator, attention_inputs, prepare_sft_data, prepare_text_data
 from tunebook.data.streaming import reader_rows

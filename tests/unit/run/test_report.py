@@ -5,7 +5,7 @@ import logging
 
 import pytest
 import yaml
-from conftest import assert_png
+from support import assert_png
 
 from tunebook.cli import main as cli
 from tunebook.errors import ConfigError

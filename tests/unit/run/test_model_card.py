@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import huggingface_hub
 import pytest
 import yaml
-from conftest import TINY_TEST_MODEL
 from huggingface_hub import HfApi, ModelCard, RepoUrl
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
+from support import TINY_TEST_MODEL
 
 from tunebook import load_recipe
 from tunebook.errors import ConfigError

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import TINY_TEST_MODEL
+from support import TINY_TEST_MODEL
 
 from tunebook.errors import ConfigError
 from tunebook.rl.grpo import (

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, hold_lock
+from support import ROOT, hold_lock
 
 from tunebook.errors import ConfigError
 from tunebook.run.output_lock import LOCK_NAME, lock_output_dir
