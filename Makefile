@@ -1,13 +1,14 @@
 # The two commands of the quick start:
 #   make train   set up .venv if needed and run the default SFT recipe (tunebook train: accelerate launch)
-#   make test    set up .venv (with the dev extras) and run the whole test suite
+#   make test    set up .venv (with the dev extras) and run the whole test suite (what CI runs)
+# and, while working: make test-fast (the unit and equivalence tests that launch nothing, under 5 minutes).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
 
-.PHONY: train test lint format clean
+.PHONY: train test test-fast lint format clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +28,10 @@ train: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest tests $(ARGS)
+
+# Everything that needs no launch and no end-to-end recipe run: the tier to run after each edit.
+test-fast: $(VENV)/.installed
+	$(BIN)/python -m pytest tests/unit tests/equivalence tests/configs -m "not slow and not multiprocess" $(ARGS)
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check src recipes tests benchmarks
