@@ -284,7 +284,8 @@ def finish_run(output_dir: str | Path, summary: dict[str, Any], log: logging.Log
     table and, with `push_to_hub` in the run's `config.yaml`, upload the model directory (main process, after the
     model was saved)."""
     # Imported here: `tunebook report` uses this module and must not load the data and model stack.
-    from .model_card import push_output_dir, write_model_card
+    from .model_card import write_model_card
+    from .upload import push_output_dir
 
     output_dir = Path(output_dir)
     write_summary(output_dir / "summary.json", summary)

@@ -20,7 +20,8 @@ from support import TINY_TEST_MODEL
 
 from tunebook import load_recipe
 from tunebook.errors import ConfigError
-from tunebook.run.model_card import UPLOAD_IGNORE_PATTERNS, check_hub_access, push_output_dir, write_model_card
+from tunebook.run.model_card import write_model_card
+from tunebook.run.upload import UPLOAD_IGNORE_PATTERNS, check_hub_access, push_output_dir
 from tunebook.run.record import finish_run
 
 SUMMARY = {
@@ -315,7 +316,7 @@ def test_the_card_and_the_uploaded_config_name_no_absolute_path_of_this_machine(
 
 
 def test_shareable_paths(tmp_path):
-    from tunebook.run.model_card import shareable_path
+    from tunebook.run.upload import shareable_path
 
     rewards = tmp_path / "rewards.py"
     rewards.write_text("def f(prompts, completions, **kw): return [0.0] * len(completions)\n")
