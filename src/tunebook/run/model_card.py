@@ -253,7 +253,6 @@ def _local_ref(model_dir: Path, output_dir: Path, config) -> str:
     return (Path(base) / model_dir.relative_to(output_dir)).as_posix() if model_dir != output_dir else base
 
 
-
 def _adapter_base(model_dir: Path) -> str:
     path = model_dir / "adapter_config.json"
     return (json.loads(path.read_text()).get("base_model_name_or_path") or "") if path.is_file() else ""

@@ -180,6 +180,6 @@ def shareable_config(config: Any, output_dir: str | Path) -> Any:
         return [shareable_config(value, output_dir) for value in config]
     return shareable_path(config, output_dir) if isinstance(config, str) else config
 
+
 def has_model(model_dir: Path) -> bool:
     return (model_dir / "config.json").is_file() or (model_dir / "adapter_config.json").is_file()
-

@@ -12,8 +12,8 @@ from accelerate.utils import DataLoaderConfiguration, DistributedType, InitProce
 from ..errors import ConfigError
 from ..models.lora import register_adapter_checkpoints
 from ..models.wrappers import look_for_deepspeed_only_once_imported
-from ..run.upload import check_hub_access
 from ..run.trackers import resolve_report_to, trackers_dir
+from ..run.upload import check_hub_access
 
 __all__ = ["build_accelerator", "check_deepspeed", "check_engine", "has_accelerator_device", "recipe_accelerator"]
 

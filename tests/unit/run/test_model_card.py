@@ -21,8 +21,8 @@ from support import TINY_TEST_MODEL
 from tunebook import load_recipe
 from tunebook.errors import ConfigError
 from tunebook.run.model_card import write_model_card
-from tunebook.run.upload import UPLOAD_IGNORE_PATTERNS, check_hub_access, push_output_dir
 from tunebook.run.record import finish_run
+from tunebook.run.upload import UPLOAD_IGNORE_PATTERNS, check_hub_access, push_output_dir
 
 SUMMARY = {
     "recipe": "sft",
