@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
 
-.PHONY: train test test-fast lint format clean
+.PHONY: train test test-fast lint format clean docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,17 @@ lint: $(VENV)/.installed
 format: $(VENV)/.installed
 	$(BIN)/ruff format src recipes tests
 	$(BIN)/ruff check --fix src recipes tests
+
+# mkdocs in a virtual environment of its own: the docs need none of the training stack, and .venv stays as
+# `make test` expects it.
+DOCS_VENV ?= .venv-docs
+
+$(DOCS_VENV)/bin/mkdocs:
+	$(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/python -m pip install -q "mkdocs>=1.6"
+
+docs: $(DOCS_VENV)/bin/mkdocs
+	$(DOCS_VENV)/bin/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

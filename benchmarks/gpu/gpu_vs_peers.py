@@ -1,7 +1,7 @@
 """Tunebook vs the transformers Trainer vs TRL on one GPU: tokens/s, MFU, peak memory and final loss (issue 17).
 
-    python benchmarks/gpu_vs_peers.py            # every run (an estimated 20-25 minutes on an H100); RESULTS.md
-    python benchmarks/gpu_vs_peers.py --smoke    # tiny shapes, a few steps, on the CPU: every code path, no RESULTS.md
+    python benchmarks/gpu/gpu_vs_peers.py            # every run (an estimated 20-25 minutes on an H100); RESULTS.md
+    python benchmarks/gpu/gpu_vs_peers.py --smoke    # tiny shapes, a few steps, on the CPU: every code path, no RESULTS.md
 
 Each system runs in its own process (a fresh CUDA context, so peak memory is each system's own) on the same saved
 weights, tokenizer and data, for the same optimizer steps of about the same tokens, bf16 autocast over float32
@@ -56,9 +56,11 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from results import command, machine, versions, write_section
+# results.py (the machine, versions, RESULTS.md sections) is shared with the CPU benchmarks one folder up.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from results import command, machine, versions, write_section  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PEERS = ROOT / "benchmarks" / "peers"
 LLAMA = {"model_type": "llama", "max_position_embeddings": 8192, "rms_norm_eps": 1e-5}
 SMOLLM2_135M = {**LLAMA, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
@@ -335,7 +337,7 @@ def table(records: list[dict]) -> str:
     first = next(iter(latest.values()))
     peak = peak_flops(first["device"])
     lines = [
-        "## Tunebook vs transformers Trainer vs TRL on one GPU, bf16 (benchmarks/gpu_vs_peers.py)",
+        "## Tunebook vs transformers Trainer vs TRL on one GPU, bf16 (benchmarks/gpu/gpu_vs_peers.py)",
         "",
         f"- Machine: {first['machine']}",
         f"- Versions: {first['versions']}",

@@ -5,23 +5,23 @@
 # but not datasets, evaluate, trl, deepspeed, bitsandbytes or liger-kernel; `../shared` does not travel there.
 # So the packages travel as wheels and the data as a file, both in git-ignored folders named in the call's `carry`.
 #
-#   here, once:   bash benchmarks/gpu_session.sh prepare     # .whl/ (24 MiB), .whl-qlora/ (7 MiB), .gpu/ (data)
+#   here, once:   bash benchmarks/gpu/run.sh prepare     # .whl/ (24 MiB), .whl-qlora/ (7 MiB), .gpu/ (data)
 #   there, each command within the 10-minute limit, carry [".whl", ".whl-qlora", ".gpu"]:
-#     bash benchmarks/gpu_session.sh peers SmolLM2-135M      # point 7; then Llama-3.2-1B
-#     bash benchmarks/gpu_session.sh packed                  # point 3: dense mask vs flex vs varlen
-#     bash benchmarks/gpu_session.sh tests                   # point 8 and the CUDA equivalence tests
-#     bash benchmarks/gpu_session.sh lease                   # the next lease's questions, in under 10 minutes
+#     bash benchmarks/gpu/run.sh peers SmolLM2-135M      # point 7; then Llama-3.2-1B
+#     bash benchmarks/gpu/run.sh packed                  # point 3: dense mask vs flex vs varlen
+#     bash benchmarks/gpu/run.sh tests                   # point 8 and the CUDA equivalence tests
+#     bash benchmarks/gpu/run.sh lease                   # the next lease's questions, in under 10 minutes
 #   (on an H100, 2026-11-26: a Llama-3.2-1B run ~60 s, a first one ~25 s more to build the model; `peers
 #   Llama-3.2-1B --seq_lens 2048` ~4.5 min; `packed` at 2048 ~2 min a shape with flex compiling; `tests -n 6` ~2.6 min.
 #   A lease is 15 minutes of device time, the machine's start included, and a machine idle for 30 s goes back bare;
 #   the wheels install once per machine, ~20 s, so several parts in one command, or calls in a row, share it)
-#   here, after:  python benchmarks/gpu_vs_peers.py --record <files_at>/runs.jsonl ...   # the section of RESULTS.md
+#   here, after:  python benchmarks/gpu/gpu_vs_peers.py --record <files_at>/runs.jsonl ...   # the section of RESULTS.md
 #
 # Every part writes its log and tables to $OUT (what comes back), or to ./gpu-out without one.
 # `prepare --python 3.11` fetches the wheels for this machine's Python instead, to rehearse a part here on the CPU
 # (`check` then installs them into a scratch folder and runs the parts' smoke versions).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 ROOT=$PWD
 PY=${PYTHON:-python3}  # the machine's Python (`check`: one set up like it)
 PART=${1:-}
@@ -82,7 +82,7 @@ EOF
 
 install() {  # there: the carried wheels over the machine's packages, this checkout's src/ first on the path
     local site=/tmp/site
-    [[ -d .whl && -d .whl-qlora ]] || { echo "no .whl/ or .whl-qlora/: run 'bash benchmarks/gpu_session.sh prepare'" \
+    [[ -d .whl && -d .whl-qlora ]] || { echo "no .whl/ or .whl-qlora/: run 'bash benchmarks/gpu/run.sh prepare'" \
         "here and carry them"; exit 2; }
     # Once per machine: the parts of one command (or of calls on a warm machine) share the install (~20 s each).
     local wheels
@@ -114,7 +114,7 @@ case $PART in
 prepare) prepare "$@" ;;
 peers)  # point 7: gpu_vs_peers.py for the shapes named (comma-separated), each run's figures kept as it ends
     install
-    "$PY" benchmarks/gpu_vs_peers.py --train_data "$DATA" --out "$OUT" --shapes "${1:?a shape, e.g. SmolLM2-135M}" \
+    "$PY" benchmarks/gpu/gpu_vs_peers.py --train_data "$DATA" --out "$OUT" --shapes "${1:?a shape, e.g. SmolLM2-135M}" \
         "${@:2}" 2>&1 | tee -a "$OUT/peers.log"
     ;;
 packed)  # point 3: one training step per packed-attention backend, SmolLM2-135M and Llama-3.2-1B shapes
@@ -136,7 +136,7 @@ lease)  # what one 15-minute lease should run first, in one command of under 10 
         local s=$1 left=$((end - $(date +%s)))
         shift
         ((left > 30)) || { echo "lease: no time left for: $*"; return 0; }
-        timeout -k 5 $((s < left ? s : left)) bash "$ROOT/benchmarks/gpu_session.sh" "$@" || echo "lease: part ended ($?): $*"
+        timeout -k 5 $((s < left ? s : left)) bash "$ROOT/benchmarks/gpu/run.sh" "$@" || echo "lease: part ended ($?): $*"
     }
     # 1. gradients through packed rows in bf16 per SDPA kernel (cuDNN's, which eager takes with a mask, the others,
     #    compiled blocks; flex and compile take most of the time), and the fused loss's backward by vocabulary
@@ -161,7 +161,7 @@ lease)  # what one 15-minute lease should run first, in one command of under 10 
     ;;
 check)  # here, after `prepare --python 3.11`: the carried set installs and every part's code path runs on the CPU
     install
-    "$PY" benchmarks/gpu_vs_peers.py --smoke --systems tunebook,trl --out "$OUT" 2>&1 | tail -5
+    "$PY" benchmarks/gpu/gpu_vs_peers.py --smoke --systems tunebook,trl --out "$OUT" 2>&1 | tail -5
     "$PY" benchmarks/packed_attention.py --smoke --train_data "$DATA" --out "$OUT" 2>&1 | tail -5
     "$PY" -m pytest -m gpu tests/gpu tests/equivalence -p no:cacheprovider -q 2>&1 | tail -3
     ;;

@@ -1,6 +1,6 @@
 """Throughput, MFU and peak GPU memory of recipes/sft.py under single_gpu.yaml and fsdp.yaml (one GPU, bf16).
 
-    python benchmarks/gpu_engines.py [--max_steps 200] [--tokenizer DIR] [--train_data FILE]
+    python benchmarks/gpu/gpu_engines.py [--max_steps 200] [--tokenizer DIR] [--train_data FILE]
 
 The model is SmolLM2-135M's architecture (30 layers, hidden 576, grouped-query attention, vocabulary 49152,
 tied embeddings) built from its config with random weights: throughput does not depend on the weights' values,
@@ -28,9 +28,11 @@ import sys
 import time
 from pathlib import Path
 
-from results import header, write_section
+# results.py (the machine, versions, RESULTS.md sections) is shared with the CPU benchmarks one folder up.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from results import header, write_section  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMOLLM2_135M = {
     "model_type": "llama",
     "hidden_size": 576,
@@ -101,7 +103,7 @@ def main():
         )
     first = next(iter(summaries.values()))
     lines = [
-        *header("recipes/sft.py on one GPU: single_gpu.yaml vs fsdp.yaml, bf16 (benchmarks/gpu_engines.py)"),
+        *header("recipes/sft.py on one GPU: single_gpu.yaml vs fsdp.yaml, bf16 (benchmarks/gpu/gpu_engines.py)"),
         f"- Model: SmolLM2-135M's architecture from its config, random init ({first['model_flops_per_token'] / 1e9:.2f} "
         f"GFLOPs per token for training by the summary's formula at attention span {first['attention_span']:.0f}). "
         f"Data: Code Alpaca, packed into rows of {args.max_seq_length} ({first['packing_efficiency']:.1%} filled), "
