@@ -22,6 +22,7 @@ from transformers import DataCollatorWithPadding
 
 from tunebook.config import load_config
 from tunebook.data import ClassificationData, prepare_classification_data, train_and_eval_loaders
+from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import classifier_inputs, evaluate_classifier
 from tunebook.models import apply_lora, build_sequence_classifier, describe_parameters, model_options
 from tunebook.recipe_configs import ClassifyConfig
@@ -39,7 +40,6 @@ from tunebook.training import (
     start_run,
     step_loss_scale,
 )
-from tunebook.training.distributed import prepare_then_join
 
 
 def build_dataloaders(config: ClassifyConfig, data: ClassificationData):

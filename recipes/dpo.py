@@ -24,6 +24,7 @@ import torch
 
 from tunebook.config import load_config
 from tunebook.data import PairCollator, fingerprint, format_loss_mask, train_and_eval_loaders
+from tunebook.distributed import prepare_then_join
 from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options, whole_weights
 from tunebook.preference import (
     REFERENCE_FREE_LOSSES,
@@ -54,7 +55,6 @@ from tunebook.training import (
     start_run,
     step_loss_scale,
 )
-from tunebook.training.distributed import prepare_then_join
 
 
 def build_dataloaders(config: DPOConfig, data: PreferenceData):

@@ -27,6 +27,7 @@ import torch
 
 from tunebook.config import load_config
 from tunebook.data import train_and_eval_loaders
+from tunebook.distributed import prepare_then_join
 from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options, unwrap, whole_weights
 from tunebook.preference import frozen_copy, partition_reference
 from tunebook.recipe_configs import GRPOConfig
@@ -60,7 +61,6 @@ from tunebook.training import (
     start_run,
     step_loss_scale,
 )
-from tunebook.training.distributed import prepare_then_join
 
 
 def generate_rollouts(config: GRPOConfig, run, model, reference, window, rewards, figures, tokenizer) -> list:

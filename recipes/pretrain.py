@@ -29,6 +29,7 @@ from tunebook.data import (
     train_and_eval_loaders,
     use_packed_attention,
 )
+from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import evaluate_loss
 from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options
 from tunebook.recipe_configs import PretrainConfig
@@ -48,7 +49,6 @@ from tunebook.training import (
     start_run,
     step_loss_scale,
 )
-from tunebook.training.distributed import prepare_then_join
 
 
 def build_dataloaders(config: PretrainConfig, data: TextData, attn: str):

@@ -23,6 +23,7 @@ import torch
 
 from tunebook.config import load_config
 from tunebook.data import PairCollator, train_and_eval_loaders
+from tunebook.distributed import prepare_then_join
 from tunebook.models import apply_lora, build_sequence_classifier, describe_parameters, model_options
 from tunebook.preference import (
     REWARD_FIGURES,
@@ -47,7 +48,6 @@ from tunebook.training import (
     start_run,
     step_loss_scale,
 )
-from tunebook.training.distributed import prepare_then_join
 
 
 def build_dataloaders(config: RewardConfig, data: PreferenceData):

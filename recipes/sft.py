@@ -35,6 +35,7 @@ from tunebook.data import (
     train_and_eval_loaders,
     use_packed_attention,
 )
+from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import evaluate_loss, generation_exact_match
 from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options
 from tunebook.recipe_configs import SFTConfig
@@ -54,7 +55,6 @@ from tunebook.training import (
     start_run,
     step_loss_scale,
 )
-from tunebook.training.distributed import prepare_then_join
 
 
 def build_dataloaders(config: SFTConfig, data: SFTData, num_processes: int, attn: str):

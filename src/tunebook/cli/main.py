@@ -61,16 +61,14 @@ def prepare(argv: list[str]) -> dict:
     config_class = recipe_config_class(recipe)
     start = time.perf_counter()
     config = load_config(config_class, argv)
+    from ..distributed import data_fingerprint
     from ..recipe import recipe_data
     from ..run.logging import setup_logging
-    from ..training.distributed import data_fingerprint
 
     prepare_data = recipe_data(recipe)
     log = setup_logging(True, config.log_level)
     cache_dir = Path(config.cache_dir).expanduser()
-    data = prepare_data(
-        config, cache_dir, log
-    )  # under each cache entry's own lock (see tunebook.training.distributed)
+    data = prepare_data(config, cache_dir, log)  # under each cache entry's own lock (see tunebook.distributed)
     streamed = getattr(data, "stream", None) is not None  # its rows are made as training reads them: uncounted
     figures = {
         "recipe": recipe,

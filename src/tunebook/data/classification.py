@@ -42,7 +42,7 @@ class ClassificationData:
 
 
 def prepare_classification_data(config, cache_dir: Path, log: logging.Logger) -> ClassificationData:
-    """`config` is a `ClassifyConfig`. In multi-process runs call it through `tunebook.training.distributed.prepare_then_join`."""
+    """`config` is a `ClassifyConfig`. In multi-process runs call it through `tunebook.distributed.prepare_then_join`."""
     start = time.perf_counter()
     built: list[str] = []
     # No train_data: the embedded default's generated task.

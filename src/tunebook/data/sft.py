@@ -72,7 +72,7 @@ def prepare_sft_data(config, cache_dir: Path, log: logging.Logger) -> SFTData:
     """Sources -> tokenizer -> tokenised (and packed) train and eval sets, each from the cache when unchanged.
 
     `config` is an `SFTConfig`. In multi-process runs call it through
-    `tunebook.training.distributed.prepare_then_join`: the first process builds the caches, the others find them finished.
+    `tunebook.distributed.prepare_then_join`: the first process builds the caches, the others find them finished.
     """
     start = time.perf_counter()
     built: list[str] = []

@@ -85,7 +85,7 @@ def _row(ids: list[int], lengths: list[int]) -> dict[str, list[int]]:
 
 
 def prepare_text_data(config, cache_dir: Path, log: logging.Logger) -> TextData:
-    """`config` is a `PretrainConfig`. In multi-process runs call it through `tunebook.training.distributed.prepare_then_join`."""
+    """`config` is a `PretrainConfig`. In multi-process runs call it through `tunebook.distributed.prepare_then_join`."""
     start = time.perf_counter()
     built: list[str] = []
     # No train_data: the embedded default's generated task.

@@ -135,7 +135,8 @@ def register_adapter_checkpoints(accelerator, run_dir: str | Path) -> None:
 def save_adapter(accelerator, model, tokenizer, output_dir: str | Path, merge: bool = False) -> Path:
     """Write the adapter directory (adapters, `adapter_config.json`, tokenizer) into `output_dir`; with `merge`,
     also the merged model into `output_dir/merged`. Call on every process (sharded states are gathered)."""
-    from ..training.checkpoint import decided_by_main, final_save
+    from ..distributed import decided_by_main
+    from ..training.checkpoint import final_save
 
     output_dir = Path(output_dir)
     state_dict = accelerator.get_state_dict(model)

@@ -116,7 +116,7 @@ def lock_output_dir(output_dir: str | Path, recipe: str = "") -> OutputDirLock:
 def lock_run_output_dir(accelerator, output_dir: str | Path, recipe: str) -> OutputDirLock:
     """`lock_output_dir` on the main process; every process of the launch stops with its line if it fails (the
     others learn it by a broadcast, so none goes on to prepare data for a run that is not happening)."""
-    from ..training.checkpoint import decided_by_main
+    from ..distributed import decided_by_main
 
     held: list[OutputDirLock] = []  # the lock stays with the main process: only the verdict is broadcast
     decided_by_main(accelerator, lambda: held.append(lock_output_dir(output_dir, recipe)))

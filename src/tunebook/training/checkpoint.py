@@ -27,14 +27,14 @@ from typing import Any
 from accelerate import Accelerator
 
 from ..config import save_config
-from ..errors import ConfigError, TrainingError, TunebookError, first_line, same_on_every_rank
+from ..distributed import decided_by_main
+from ..errors import ConfigError, TrainingError, first_line, same_on_every_rank
 from ..models.wrappers import unwrap
 from .manifest import MANIFEST, manifest_bytes, verify_checkpoint, write_manifest
 
 __all__ = [
     "TRAINER_STATE",
     "checkpoint_path",
-    "decided_by_main",
     "list_checkpoints",
     "load_process_state",
     "load_trainer_state",
@@ -113,36 +113,6 @@ def _set_aside(damaged: list[tuple[Path, str]], intact: Path, log: logging.Logge
         path.rename(aside)
         log.warning("Checkpoint %s is damaged (%s): resuming from %s, the newest intact one; %s was renamed %s",
                     path, problem, intact.name, path.name, aside.name)  # fmt: skip
-
-
-def decided_by_main(accelerator: Accelerator, decide: Callable[[], Any]) -> Any:
-    """`decide()` on the main process only, its answer (or its error) on every process: a choice that reads files
-    (verifying a checkpoint of many GB) is made once, and made the same everywhere. A `TunebookError` is raised on
-    every process as the same line; any other error is raised as it is by the main process, and as one line naming
-    it by the others, which would otherwise wait for an answer that never comes."""
-    answer, error = None, None
-    if accelerator.is_main_process:
-        try:
-            answer = decide()
-        except Exception as raised:
-            error = raised
-    if accelerator.num_processes > 1:
-        from accelerate.utils import broadcast_object_list
-
-        shared = [answer, None]
-        if isinstance(error, TunebookError):
-            shared[1] = (type(error), str(error))
-        elif error is not None:
-            shared[1] = (TrainingError, f"the main process failed: {type(error).__name__}: {first_line(error)}")
-        broadcast_object_list(shared, from_process=0)
-        answer = shared[0]
-        if error is None and shared[1] is not None:
-            error = shared[1][0](shared[1][1])
-    if isinstance(error, TunebookError):
-        raise same_on_every_rank(error)
-    if error is not None:
-        raise error
-    return answer
 
 
 def load_trainer_state(checkpoint: str | Path) -> dict[str, Any]:

@@ -428,7 +428,7 @@ def finish(run: Run, data, headline: tuple[str, str, str] | None = None, **extra
 def _load_best(run: Run, best: BestModel, final_eval: dict[str, Any]) -> dict[str, Any]:
     """Load the best checkpoint's weights, once it is verified (on the main process, for all); a damaged one is
     not loaded: the final step's weights are kept, and said so. Returns the evaluation of the weights kept."""
-    from .checkpoint import decided_by_main
+    from ..distributed import decided_by_main
     from .manifest import verify_checkpoint
 
     checkpoint = Path(best.best_checkpoint)

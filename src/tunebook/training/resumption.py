@@ -19,11 +19,11 @@ from typing import Any
 import yaml
 
 from ..config import config_to_dict
+from ..distributed import decided_by_main
 from ..errors import ConfigError, TrainingError, TunebookError, first_line, same_on_every_rank
 from .checkpoint import (
     SCHEDULE,
     checkpoint_path,
-    decided_by_main,
     list_checkpoints,
     load_process_state,
     load_trainer_state,

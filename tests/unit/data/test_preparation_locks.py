@@ -17,10 +17,10 @@ import pytest
 
 from tunebook.data import synthetic
 from tunebook.data.cache import tokenizer_fingerprint
+from tunebook.distributed import prepare_then_join
 from tunebook.preference.data import write_synthetic_preferences
 from tunebook.recipe import RECIPES, recipe_config_class, recipe_data
 from tunebook.rl.prompts import write_synthetic_prompts
-from tunebook.training.distributed import prepare_then_join
 
 LOG = logging.getLogger("test")
 GUARD = 60  # seconds a held build waits for the other run before giving up (only reached when the lock is wrong)

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch.multiprocessing as mp
 
-from tunebook.training.distributed import disagreements, preflight_check
+from tunebook.distributed import disagreements, preflight_check
 
 FACTS = {
     "world_size": 2,
