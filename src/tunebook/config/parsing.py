@@ -20,7 +20,7 @@ from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
-from .errors import ConfigError, install_excepthook, same_on_every_rank
+from ..errors import ConfigError, install_excepthook, same_on_every_rank
 
 __all__ = [
     "ALIASES",
@@ -312,7 +312,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         """Computed defaults, resolved here so that config.yaml and `--help` show the values a run uses."""
         if self.cache_dir is None:
-            from .locations import default_cache_dir
+            from ..locations import default_cache_dir
 
             self.cache_dir = str(default_cache_dir())
 
