@@ -28,7 +28,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from tunebook.data.sft import prepare_sft_data
 from tunebook.distributed import prepare_then_join
-from tunebook.recipe_configs import SFTConfig
+from tunebook.config import SFTConfig
 files, cache, max_seq_length = json.loads(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
 start = time.perf_counter()
 config = SFTConfig(train_data=files, max_seq_length=max_seq_length, eval_split_ratio=0)

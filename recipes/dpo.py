@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from tunebook.config import load_config
+from tunebook.config import DPOConfig, load_config
 from tunebook.data import (
     PairCollator,
     PreferenceData,
@@ -34,7 +34,6 @@ from tunebook.data import (
 from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import evaluate_preferences
 from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options, whole_weights
-from tunebook.recipe_configs import DPOConfig
 from tunebook.training import (
     REFERENCE_FREE_LOSSES,
     RewardStats,

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from tunebook.config import load_config
+from tunebook.config import GRPOConfig, load_config
 from tunebook.data import (
     PromptData,
     PromptRows,
@@ -37,7 +37,6 @@ from tunebook.data import (
 from tunebook.distributed import prepare_then_join
 from tunebook.evaluation.completions import evaluate_completions
 from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options, unwrap, whole_weights
-from tunebook.recipe_configs import GRPOConfig
 from tunebook.training import (
     accumulation_windows,
     after_step,

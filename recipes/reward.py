@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from tunebook.config import load_config
+from tunebook.config import RewardConfig, load_config
 from tunebook.data import PairCollator, PreferenceData, prepare_preference_data, train_and_eval_loaders
 from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import evaluate_reward_model
 from tunebook.models import apply_lora, build_sequence_classifier, describe_parameters, model_options
-from tunebook.recipe_configs import RewardConfig
 from tunebook.training import (
     REWARD_FIGURES,
     RewardStats,

@@ -3,9 +3,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tunebook.config import load_config, parse_config, save_config
+from tunebook.config import SFTConfig, load_config, parse_config, save_config
 from tunebook.errors import ConfigError
-from tunebook.recipe_configs import SFTConfig
 
 
 def test_defaults_are_the_embedded_run():
@@ -107,7 +106,7 @@ def test_help_lists_every_key(capsys):
 
 
 def test_classify_config_lists_and_label_names():
-    from tunebook.recipe_configs import ClassifyConfig
+    from tunebook.config import ClassifyConfig
 
     config = load_config(ClassifyConfig, ["--metrics", "[accuracy, f1]", "--label_names", "[neg, pos]"])
     assert config.metrics == ["accuracy", "f1"] and config.label_names == ["neg", "pos"]
@@ -206,7 +205,7 @@ def test_out_of_bounds_and_non_finite_values_are_one_line(argv, message):
 
 
 def test_bounds_errors_name_the_file_and_line_and_list_items(tmp_path):
-    from tunebook.recipe_configs import GRPOConfig
+    from tunebook.config import GRPOConfig
 
     path = tmp_path / "c.yaml"
     path.write_text("learning_rate: 1e-4\nadam_beta1: 2.0\n")
@@ -256,7 +255,7 @@ def test_tunebook_train_stops_at_the_config_check_before_torch(args, message, tm
 
 def test_missing_local_data_files_are_found_by_the_config_check(tmp_path, monkeypatch):
     """Every local path of train_data/eval_data, in lists and mappings too; Hub names are left to the data code."""
-    from tunebook.recipe_configs import DPOConfig
+    from tunebook.config import DPOConfig
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "here.jsonl").write_text('{"text": "x"}\n')

@@ -1,360 +1,39 @@
-"""Typed, strict recipe configs: one dataclass per recipe, loaded from YAML and `--key value` overrides.
+"""Loading a config: dataclass defaults < `--config FILE.yaml` < `--key value` overrides, and the way back
+(`save_config`, `--help`).
 
-Precedence: dataclass defaults < `--config FILE.yaml` < command-line overrides. Every key is checked against
-the dataclass: an unknown key names the closest valid one, and every value is coerced to the field's type or
-rejected with the key and the value. Defaults live only in the dataclasses.
+Every key is checked against the dataclass: an unknown key names the closest valid one (and the file and line it
+came from), and every value is coerced to the field's type or rejected with the key and the value. Defaults live
+only in the dataclasses; the rules that tie keys together are each class's `validate` (`tunebook.config.checks`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import re
 import sys
 import types
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
 from ..errors import ConfigError, install_excepthook, same_on_every_rank
+from .fields import check_bounds
 
 __all__ = [
     "ALIASES",
-    "Bounds",
-    "TrainConfig",
-    "check_bounds",
-    "config_field",
-    "new_default",
     "aliases_used",
+    "config_help",
     "config_to_dict",
     "load_config",
-    "numeric_keys",
     "parse_config",
     "save_config",
     "saved_recipe",
 ]
 
 C = TypeVar("C")
-
-
-def config_field(text: str, default: Any = dataclasses.MISSING, *, bounds: str | None = None, **kwargs) -> Any:
-    """A config key: its help text (`--help`, the docs), default (or `default_factory=`) and, for a number or a list
-    of numbers, `bounds`: the values it takes, as an interval written as in mathematics ("[0, 1)", "(0, inf)";
-    "(-inf, inf)": any number). Every numeric key declares them (a test checks), and non-finite values are never
-    taken."""
-    if default is dataclasses.MISSING and "default_factory" not in kwargs:
-        raise TypeError("config fields need a default")
-    metadata = {"help": text} if bounds is None else {"help": text, "bounds": Bounds.parse(bounds)}
-    return field(default=default, metadata=metadata, **kwargs)
-
-
-_INHERIT = "\0inherit"  # a help text that is not one: take the key's help from the class it overrides
-
-
-def new_default(default: Any, text: str | None = None) -> Any:
-    """A recipe's own default for a key its base config class defines; the help text stays the base's unless the
-    key means something more specific here (`text`), and the bounds stay the base's."""
-    return field(default=default, metadata={"help": _INHERIT if text is None else text, "new_default": True})
-
-
-_INTERVAL = re.compile(r"^([\[(])\s*([^,\s]+)\s*,\s*([^,\s]+)\s*([\])])$")
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """The interval a numeric config key's values lie in (`config_field`'s `bounds`)."""
-
-    low: float
-    high: float
-    low_closed: bool
-    high_closed: bool
-
-    @classmethod
-    def parse(cls, text: str) -> Bounds:
-        match = _INTERVAL.match(text.strip())
-        if match is None:
-            raise ValueError(f"bounds must be an interval such as '[0, 1)' or '(0, inf)', got {text!r}")
-        left, low, high, right = match.groups()
-        bounds = cls(float(low), float(high), left == "[", right == "]")
-        if bounds.low > bounds.high or (bounds.low_closed and math.isinf(bounds.low)):
-            raise ValueError(f"bounds {text!r} is not an interval of numbers")
-        return bounds
-
-    def __contains__(self, value: float) -> bool:
-        above = value >= self.low if self.low_closed else value > self.low
-        below = value <= self.high if self.high_closed else value < self.high
-        return math.isfinite(value) and above and below
-
-    def __str__(self) -> str:
-        """As a message says it: 'in [0, 1)', '>= 1', 'a finite number'."""
-        low, high = (int(x) if math.isfinite(x) and x == int(x) else x for x in (self.low, self.high))
-        if math.isinf(self.low) and math.isinf(self.high):
-            return "a finite number"
-        if math.isinf(self.high):
-            return f"{'>=' if self.low_closed else '>'} {low}"
-        if math.isinf(self.low):
-            return f"{'<=' if self.high_closed else '<'} {high}"
-        return f"in {'[' if self.low_closed else '('}{low}, {high}{']' if self.high_closed else ')'}"
-
-
-def numeric_keys(cls: type) -> list[str]:
-    """The keys of config class `cls` that hold a number or a list of numbers (None allowed or not): the keys that
-    must declare bounds."""
-    hints = typing.get_type_hints(cls)
-    return [f.name for f in dataclasses.fields(cls) if _numeric(hints[f.name]) is not None]
-
-
-def _numeric(hint: Any) -> type | None:
-    """int or float for a key holding one number or a list of them (or None), else None."""
-    if typing.get_origin(hint) in (Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        hint = args[0] if len(args) == 1 else None
-    if typing.get_origin(hint) is list:
-        hint = typing.get_args(hint)[0] if typing.get_args(hint) else None
-    return hint if hint in (int, float) else None
-
-
-def check_bounds(key: str, value: Any, bounds: Bounds | None, source: str | None = None) -> None:
-    """Raise a ConfigError naming the key, the bounds and the value (and where it was given) unless `value` (a
-    number, a list of them, or None) lies within `bounds`."""
-    if bounds is None or value is None:
-        return
-    where = f" (in {source})" if source else ""
-    for position, number in enumerate(value if isinstance(value, list) else [value], 1):
-        if isinstance(number, bool) or not isinstance(number, int | float) or number not in bounds:
-            what = str(bounds)
-            if not isinstance(number, int | float) or not math.isfinite(number):  # nan, inf, or not a number
-                what = "a finite number" + ("" if what == "a finite number" else f" {what}")
-            item = f" (item {position})" if isinstance(value, list) else ""
-            raise ConfigError(f"config key '{key}' must be {what}, got {number!r}{item}{where}")
-
-
-@dataclass
-class TrainConfig:
-    """Fields every recipe shares. Names follow transformers' `TrainingArguments` where the concept is the same."""
-
-    def __init_subclass__(cls, **kwargs):
-        # Runs before @dataclass turns the class body into fields: a `new_default(...)` gets the bounds of the key it
-        # overrides, and its help text too unless it has one of its own.
-        super().__init_subclass__(**kwargs)
-        for name, value in list(vars(cls).items()):
-            if isinstance(value, dataclasses.Field) and value.metadata.get("new_default"):
-                base = next(
-                    b.__dataclass_fields__[name]
-                    for b in cls.__mro__[1:]
-                    if name in getattr(b, "__dataclass_fields__", {})
-                )
-                text = value.metadata["help"]
-                metadata = {**base.metadata, "help": base.metadata["help"] if text == _INHERIT else text}
-                setattr(cls, name, field(default=value.default, metadata=metadata))
-
-    # --- outputs
-    output_dir: str = config_field("Where the model, checkpoints, metrics.jsonl and summary.json go.", "outputs/run")
-    cache_dir: str | None = config_field(
-        "Cache for tokenised data and generated assets (unset: $TUNEBOOK_CACHE or ~/.cache/tunebook).", None
-    )
-    push_to_hub: bool = config_field(
-        "At the end, upload the final model directory (model, tokenizer, model card, config.yaml, summary.json, "
-        "metrics.jsonl, report.png; never checkpoints or tracker files) to the Hub as hub_model_id. Needs network "
-        "and a token with write access (HF_TOKEN or `hf auth login`), both checked at start-up.",
-        False,
-    )
-    hub_model_id: str | None = config_field(
-        "The Hub repository to push to, 'name' or 'org/name' (with push_to_hub).", None
-    )
-    hub_private_repo: bool | None = config_field(
-        "Create the repository private (None: the Hub's default for the account); an existing one is left as is.",
-        None,
-    )
-    # --- optimisation
-    learning_rate: float = config_field("Peak AdamW learning rate.", 5e-5, bounds="[0, inf)")
-    weight_decay: float = config_field(
-        "AdamW weight decay (not applied to biases and norm weights).", 0.0, bounds="[0, inf)"
-    )
-    adam_beta1: float = config_field("AdamW beta1.", 0.9, bounds="[0, 1)")
-    adam_beta2: float = config_field("AdamW beta2.", 0.999, bounds="[0, 1)")
-    adam_epsilon: float = config_field("AdamW epsilon.", 1e-8, bounds="[0, inf)")
-    max_grad_norm: float = config_field(
-        "Clip the global gradient norm to this (0 disables clipping).", 1.0, bounds="[0, inf)"
-    )
-    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = config_field(
-        "Learning-rate schedule after warmup.", "linear"
-    )
-    warmup_ratio: float = config_field(
-        "Fraction of the optimizer steps spent warming up linearly from 0.", 0.0, bounds="[0, 1)"
-    )
-    # --- batching and length of training
-    per_device_train_batch_size: int = config_field("Micro-batch size per process.", 8, bounds="[1, inf)")
-    per_device_eval_batch_size: int = config_field("Evaluation batch size per process.", 8, bounds="[1, inf)")
-    gradient_accumulation_steps: int = config_field("Micro-batches per optimizer step.", 1, bounds="[1, inf)")
-    num_train_epochs: float = config_field("Epochs to train when max_steps is -1.", 1.0, bounds="[0, inf)")
-    max_steps: int = config_field(
-        "Optimizer steps to train; -1 uses num_train_epochs, 0 only evaluates.", -1, bounds="[-1, inf)"
-    )
-    gradient_checkpointing: bool = config_field("Recompute activations in backward to save memory.", False)
-    # --- speed
-    torch_compile: bool | Literal["auto"] = config_field(
-        "Compile each transformer block with torch.compile (regional compilation: one block's compile serves all). "
-        "auto: only where it was measured to pay back: on CUDA, packed rows of one shape, at least 1,000 micro-batches "
-        "(an H100: 1.27x eager's tokens/s after ~10 s of compiling), not under DeepSpeed, Liger or a 4-bit base; on a "
-        "2-core CPU the first step takes ~15 s more for 6-10% per step (README).",
-        "auto",
-    )
-    use_liger_kernel: bool = config_field(
-        "Liger's Triton kernels for RMSNorm, RoPE and SwiGLU (pip install liger-kernel; CUDA only).", False
-    )
-    fused_cpu_layers: bool = config_field(
-        "On a CPU, RMSNorm and rotary embeddings of models whose code is Llama's (Mistral, Qwen2/3, ...) run as fused "
-        "autograd functions: the same math in fewer passes over memory (~5% of a step on the vs_peers model).",
-        True,
-    )
-    # --- logging, evaluation, checkpoints
-    logging_steps: int = config_field("Log train metrics every N optimizer steps.", 10, bounds="[1, inf)")
-    eval_strategy: Literal["steps", "epoch"] = config_field(
-        "When to evaluate during training: every eval_steps optimizer steps, or at the end of every epoch. There is "
-        "always an evaluation at the end when there is eval data.",
-        "steps",
-    )
-    eval_steps: int = config_field(
-        "With eval_strategy steps: evaluate every N optimizer steps (0: only at the end).", 0, bounds="[0, inf)"
-    )
-    eval_on_start: bool = config_field("Also evaluate before the first step, to compare with the trained model.", True)
-    metric_for_best_model: str | None = config_field(
-        "Evaluation metric that picks the best checkpoint, e.g. eval_loss or eval_accuracy (the eval_ prefix may be "
-        "left out). Default eval_loss when load_best_model_at_end or early_stopping_patience asks for one.",
-        None,
-    )
-    greater_is_better: bool | None = config_field(
-        "Whether a larger metric_for_best_model is better (None: false for losses and perplexity, else true).", None
-    )
-    load_best_model_at_end: bool = config_field(
-        "Export the best checkpoint's weights as the final model instead of the last step's. Every evaluation that "
-        "improves on the best saves a checkpoint, which checkpoint rotation keeps.",
-        False,
-    )
-    early_stopping_patience: int = config_field(
-        "Stop training after this many evaluations in a row without improving metric_for_best_model (0: never).",
-        0,
-        bounds="[0, inf)",
-    )
-    save_strategy: Literal["steps", "epoch", "no"] = config_field(
-        "When to save resumable checkpoints: every save_steps optimizer steps, at the end of every epoch, or never "
-        "(a stop signal still saves one).",
-        "steps",
-    )
-    save_steps: int = config_field(
-        "With save_strategy steps: save every N optimizer steps (0: no step checkpoints).", 0, bounds="[0, inf)"
-    )
-    save_total_limit: int = config_field(
-        "Keep at most this many checkpoints, the newest (0: keep all).", 2, bounds="[0, inf)"
-    )
-    resume_from_checkpoint: str | None = config_field(
-        "Continue a run exactly where it stopped: 'latest' (the newest complete checkpoint in output_dir; an error "
-        "when there is none), 'auto' (the newest one, or a fresh start when there is none: for jobs that are "
-        "requeued) or a checkpoint directory. Keys that would change what the run computes (data, batches, model, "
-        "seed) must equal the checkpoint's; the learning-rate schedule and optimizer settings follow the new config.",
-        None,
-    )
-    overwrite_output_dir: bool = config_field(
-        "Start afresh in an output_dir that holds another run's checkpoints, deleting them (and its metrics, "
-        "summary and tracker logs); without it such a run stops at start-up.",
-        False,
-    )
-    nan_policy: Literal["stop", "skip"] = config_field(
-        "On a non-finite loss or gradient norm: stop (exit non-zero, keeping the last good checkpoint) or skip "
-        "that update and count it.",
-        "stop",
-    )
-    peak_flops: float | None = config_field(
-        "Peak FLOP/s of one device for the MFU figure (default: the data-sheet bf16 value of known GPUs; none on CPU).",
-        None,
-        bounds="(0, inf)",
-    )
-    report_to: str | list[str] = config_field(
-        "Experiment trackers (through Accelerate): tensorboard, trackio, wandb, mlflow, a list of them, auto "
-        "(tensorboard when installed) or none. They get the config and every metrics.jsonl record; local ones write "
-        "under output_dir/runs.",
-        "auto",
-    )
-    disable_tqdm: bool = config_field("Turn off progress bars.", False)
-    # --- several processes and machines
-    preflight_timeout: int = config_field(
-        "Seconds all processes get to meet after data preparation; a node that never started, a crashed rank or "
-        "ranks that disagree on config, data or versions then stop the run with one message instead of a hang.",
-        300,
-        bounds="[1, inf)",
-    )
-    ddp_timeout: int = config_field(
-        "Timeout in seconds of the process group's collectives (torch.distributed); raise it if evaluation or a "
-        "checkpoint save on one rank makes the others wait longer.",
-        1800,
-        bounds="[1, inf)",
-    )
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = config_field("Log level of the main process.", "INFO")
-    # numpy (data order, accelerate's set_seed) takes seeds from 0 to 2**32 - 1
-    seed: int = config_field("Seed for model init, data order and dropout.", 42, bounds="[0, 4294967295]")
-    # --- data loading
-    dataloader_num_workers: int = config_field(
-        "DataLoader worker processes that collate batches in the background (0: collate in the training loop).",
-        2,
-        bounds="[0, inf)",
-    )
-    dataloader_prefetch_factor: int = config_field("Batches each worker prepares ahead.", 2, bounds="[1, inf)")
-    dataloader_pin_memory: bool = config_field("Pin host memory for faster copies when training on CUDA.", True)
-    dataloader_non_blocking: bool = config_field(
-        "Copy batches to the device asynchronously (with pinned memory), overlapping the copy with compute.", True
-    )
-
-    def __post_init__(self) -> None:
-        """Computed defaults, resolved here so that config.yaml and `--help` show the values a run uses."""
-        if self.cache_dir is None:
-            from ..locations import default_cache_dir
-
-            self.cache_dir = str(default_cache_dir())
-
-    def validate(self) -> None:
-        """Reject impossible settings with the key and value at fault: each numeric key outside its bounds (declared
-        with the field), then the rules that tie keys together."""
-        for f in dataclasses.fields(self):
-            check_bounds(f.name, getattr(self, f.name), f.metadata.get("bounds"))
-        wants_best = self.load_best_model_at_end or self.early_stopping_patience
-        if wants_best and self.eval_strategy == "steps" and self.eval_steps == 0:
-            key = "load_best_model_at_end" if self.load_best_model_at_end else "early_stopping_patience"
-            raise ConfigError(f"{key} needs evaluations during training: set eval_steps > 0 or eval_strategy: epoch")
-        report_to_names(self.report_to)  # unknown trackers fail now; one not installed when the run starts
-        if self.max_steps == -1 and self.num_train_epochs <= 0:
-            raise ConfigError(f"num_train_epochs must be > 0 when max_steps is -1, got {self.num_train_epochs}")
-        if self.push_to_hub and not self.hub_model_id:
-            raise ConfigError("push_to_hub needs hub_model_id, the repository to upload to ('name' or 'org/name')")
-        if self.hub_model_id is not None and not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", self.hub_model_id):
-            raise ConfigError(f"hub_model_id must be 'name' or 'org/name', got {self.hub_model_id!r}")
-
-    def check_files(self) -> None:
-        """Check that the local files this run will read exist, before it starts: what `load_config` (a command
-        line) does after `validate`, and a config parsed for another purpose (a finished run's config.yaml, read by
-        `tunebook export` after its data has moved) does not. Recipe configs with data override it."""
-
-
-TRACKERS = ("tensorboard", "trackio", "wandb", "mlflow")  # each installs as the package of its name
-
-
-def report_to_names(report_to: str | list[str]) -> list[str]:
-    """The names in a `report_to` value (a name, a comma-separated string or a list), checked: each one a tracker of
-    `TRACKERS`, `auto` or `none`, and `none` alone. Whether they are installed is `tunebook.trackers`' question."""
-    names = report_to if isinstance(report_to, list) else str(report_to).split(",")
-    names = [str(n).strip().lower() for n in names if str(n).strip()]
-    for name in names:
-        if name not in (*TRACKERS, "auto", "none"):
-            raise ConfigError(
-                f"report_to: unknown tracker {name!r}; choose from {', '.join(TRACKERS)}, auto or none (or a list)"
-            )
-    if "none" in names and len(names) > 1:
-        raise ConfigError(f"report_to: 'none' cannot be combined with trackers, got {report_to!r}")
-    return names
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -10,11 +10,11 @@ import pytest
 import torch
 from accelerate import Accelerator
 
+from tunebook.config import DPOConfig
 from tunebook.data.collate import PairCollator
 from tunebook.data.preference import tokenize_pairs
 from tunebook.errors import ConfigError
 from tunebook.models import build_causal_lm
-from tunebook.recipe_configs import DPOConfig
 from tunebook.training import (
     LOSS_TYPES,
     REFERENCE_FREE_LOSSES,
