@@ -23,7 +23,7 @@ from pathlib import Path
 
 RECIPES = ["sft", "classify", "pretrain", "dpo", "reward", "grpo"]
 # Keys whose values depend on the clock, the machine or the process, not on the computation.
-VARYING = re.compile(r"(time|second|per_s|/s$|_s$|throughput|tokens_per|samples_per|steps_per|mfu|flops|memory|"
+VARYING = re.compile(r"(time|second|per_s|/s$|_s$|wait_fraction|throughput|tokens_per|samples_per|steps_per|mfu|flops|memory|"
                      r"date|host|pid|path|dir|version|started|finished|elapsed|eta|rss|_at$)", re.I)  # fmt: skip
 
 

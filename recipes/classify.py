@@ -20,12 +20,11 @@ import torch
 import torch.nn.functional as F
 from transformers import DataCollatorWithPadding
 
-from tunebook.config import load_config
+from tunebook.config import ClassifyConfig, load_config
 from tunebook.data import ClassificationData, prepare_classification_data, train_and_eval_loaders
 from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import classifier_inputs, evaluate_classifier
 from tunebook.models import apply_lora, build_sequence_classifier, describe_parameters, model_options
-from tunebook.recipe_configs import ClassifyConfig
 from tunebook.training import (
     LossWindow,
     accumulation_windows,

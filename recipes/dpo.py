@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from tunebook.config import load_config
+from tunebook.config import DPOConfig, load_config
 from tunebook.data import PairCollator, fingerprint, format_loss_mask, train_and_eval_loaders
 from tunebook.distributed import prepare_then_join
 from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options, whole_weights
@@ -40,7 +40,6 @@ from tunebook.preference import (
     response_lengths,
     weights_fingerprint,
 )
-from tunebook.recipe_configs import DPOConfig
 from tunebook.training import (
     accumulation_windows,
     after_step,

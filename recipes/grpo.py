@@ -25,12 +25,11 @@ import time
 
 import torch
 
-from tunebook.config import load_config
+from tunebook.config import GRPOConfig, load_config
 from tunebook.data import train_and_eval_loaders
 from tunebook.distributed import prepare_then_join
 from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options, unwrap, whole_weights
 from tunebook.preference import frozen_copy, partition_reference
-from tunebook.recipe_configs import GRPOConfig
 from tunebook.rl import PromptData, PromptRows, prepare_prompt_data, reference_examples, reward_inputs
 from tunebook.rl.evaluation import evaluate_completions
 from tunebook.rl.grpo import (

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from tunebook.config import load_config
+from tunebook.config import PretrainConfig, load_config
 from tunebook.data import (
     PackedCollator,
     TextData,
@@ -32,7 +32,6 @@ from tunebook.data import (
 from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import evaluate_loss
 from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options
-from tunebook.recipe_configs import PretrainConfig
 from tunebook.training import (
     LossWindow,
     accumulation_windows,

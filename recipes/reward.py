@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from tunebook.config import load_config
+from tunebook.config import RewardConfig, load_config
 from tunebook.data import PairCollator, train_and_eval_loaders
 from tunebook.distributed import prepare_then_join
 from tunebook.models import apply_lora, build_sequence_classifier, describe_parameters, model_options
@@ -34,7 +34,6 @@ from tunebook.preference import (
     pair_rewards,
     prepare_preference_data,
 )
-from tunebook.recipe_configs import RewardConfig
 from tunebook.training import (
     accumulation_windows,
     after_step,

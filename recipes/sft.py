@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from tunebook.config import load_config
+from tunebook.config import SFTConfig, load_config
 from tunebook.data import (
     PackedCollator,
     PadCollator,
@@ -38,7 +38,6 @@ from tunebook.data import (
 from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import evaluate_loss, generation_exact_match
 from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options
-from tunebook.recipe_configs import SFTConfig
 from tunebook.training import (
     LossWindow,
     accumulation_windows,

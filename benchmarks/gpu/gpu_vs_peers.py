@@ -196,7 +196,7 @@ def flops_per_token(values: dict, stats: dict, lora: bool) -> float:
 
 def tunebook_overrides(text: str) -> list[str]:
     """`--tunebook_args`, less the keys this checkout's SFTConfig does not have (with a warning, not a failure)."""
-    from tunebook.recipe_configs import SFTConfig
+    from tunebook.config import SFTConfig
 
     known = {f.name for f in dataclasses.fields(SFTConfig)}
     words, kept, i = shlex.split(text), [], 0

@@ -74,7 +74,7 @@ def data_fingerprint(dataset) -> str | None:
     """
     if dataset is None:
         return None
-    from ..data.cache import fingerprint
+    from .data.cache import fingerprint
 
     n = len(dataset)
     rows = sorted({i * (n - 1) // 63 for i in range(64)}) if n else []
@@ -84,8 +84,8 @@ def data_fingerprint(dataset) -> str | None:
 
 def run_facts(config, data, num_processes: int) -> dict[str, Any]:
     """What every rank must agree on before training: world size, config, data, library versions."""
-    from ..config import config_to_dict
-    from ..run.record import versions
+    from .config import config_to_dict
+    from .run.record import versions
 
     resolved = config_to_dict(config)
     resolved.pop("cache_dir", None)  # node-local caches may live at different paths

@@ -27,7 +27,7 @@ from .errors import ConfigError, install_excepthook
 
 __all__ = ["RECIPES", "Recipe", "load_recipe", "recipe_config_class", "recipe_data", "recipe_file", "recipe_task"]
 
-# The one map of recipe names: each recipe's config class (in tunebook.recipe_configs) and data preparation (in
+# The one map of recipe names: each recipe's config class (in tunebook.config) and data preparation (in
 # tunebook.data), by name, so neither the recipe nor torch is imported to check a command line; and what it trains
 # with the Hub's pipeline tag of its model (for model cards).
 _PARTS = {
@@ -57,9 +57,9 @@ def _part(name: str, index: int) -> str:
 def recipe_config_class(name: str) -> type:
     """The config class of recipe `name`, without importing the recipe (and torch): what the CLI checks a
     command line against before launching, and what `tunebook prepare`/`export` read configs with."""
-    from . import recipe_configs
+    from . import config as configs
 
-    return getattr(recipe_configs, _part(name, 0))
+    return getattr(configs, _part(name, 0))
 
 
 def recipe_data(name: str):

@@ -102,9 +102,8 @@ def test_prompt_data_it_cannot_use_is_one_line(tmp_path, rows, message):
     ],
 )
 def test_config_mistakes_are_one_line(tmp_path, args, message):
-    from tunebook.config import load_config
+    from tunebook.config import GRPOConfig, load_config
     from tunebook.errors import ConfigError
-    from tunebook.recipe_configs import GRPOConfig
 
     with pytest.raises(ConfigError, match=message):
         config = load_config(GRPOConfig, [*args, "--output_dir", str(tmp_path / "run")])
@@ -127,9 +126,8 @@ def test_config_mistakes_are_one_line(tmp_path, args, message):
 )  # fmt: skip
 def test_a_reward_file_that_does_not_load_is_found_by_the_config_check(tmp_path, source, message):
     """Before torch, the data and the model: `tunebook train` checks the config in about a second."""
-    from tunebook.config import load_config
+    from tunebook.config import GRPOConfig, load_config
     from tunebook.errors import ConfigError
-    from tunebook.recipe_configs import GRPOConfig
 
     file = tmp_path / ("absent.py" if source is None else "bad.py")
     if source is not None:
@@ -144,8 +142,7 @@ def test_the_config_check_loads_a_reward_file_without_torch(tmp_path):
     (tmp_path / "ok.py").write_text("def f(prompts, completions, **columns):\n    return [0.0] * len(completions)\n")
     (tmp_path / "bad.py").write_text("import no_such_module_tb\n")
     code = (
-        "import sys\nfrom tunebook.config import load_config\nfrom tunebook.errors import ConfigError\n"
-        "from tunebook.recipe_configs import GRPOConfig\n"
+        "import sys\nfrom tunebook.config import GRPOConfig, load_config\nfrom tunebook.errors import ConfigError\n"
         f"load_config(GRPOConfig, ['--reward_functions', '[{tmp_path}/ok.py:f]'])\n"
         f"try:\n    load_config(GRPOConfig, ['--reward_functions', '[{tmp_path}/bad.py:f]'])\n"
         "except ConfigError as error:\n    print(error)\nprint('torch' in sys.modules)\n"

@@ -77,7 +77,7 @@ import torch
 from accelerate import Accelerator
 from tunebook.training.checkpoint import save_checkpoint
 from tunebook.config import parse_config
-from tunebook.recipe_configs import SFTConfig
+from tunebook.config import SFTConfig
 
 out, step = Path(sys.argv[1]), int(sys.argv[2])
 accelerator = Accelerator(cpu=True)

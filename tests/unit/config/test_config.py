@@ -3,9 +3,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tunebook.config import load_config, parse_config, save_config
+from tunebook.config import SFTConfig, load_config, parse_config, save_config
 from tunebook.errors import ConfigError
-from tunebook.recipe_configs import SFTConfig
 
 
 def test_defaults_are_the_embedded_run():
@@ -107,7 +106,7 @@ def test_help_lists_every_key(capsys):
 
 
 def test_classify_config_lists_and_label_names():
-    from tunebook.recipe_configs import ClassifyConfig
+    from tunebook.config import ClassifyConfig
 
     config = load_config(ClassifyConfig, ["--metrics", "[accuracy, f1]", "--label_names", "[neg, pos]"])
     assert config.metrics == ["accuracy", "f1"] and config.label_names == ["neg", "pos"]
@@ -206,7 +205,7 @@ def test_out_of_bounds_and_non_finite_values_are_one_line(argv, message):
 
 
 def test_bounds_errors_name_the_file_and_line_and_list_items(tmp_path):
-    from tunebook.recipe_configs import GRPOConfig
+    from tunebook.config import GRPOConfig
 
     path = tmp_path / "c.yaml"
     path.write_text("learning_rate: 1e-4\nadam_beta1: 2.0\n")
@@ -256,7 +255,7 @@ def test_tunebook_train_stops_at_the_config_check_before_torch(args, message, tm
 
 def test_missing_local_data_files_are_found_by_the_config_check(tmp_path, monkeypatch):
     """Every local path of train_data/eval_data, in lists and mappings too; Hub names are left to the data code."""
-    from tunebook.recipe_configs import DPOConfig
+    from tunebook.config import DPOConfig
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "here.jsonl").write_text('{"text": "x"}\n')
@@ -293,3 +292,53 @@ def test_a_model_path_that_is_a_file_is_called_a_file(tmp_path):
     gguf.write_bytes(b"GGUF")
     with pytest.raises(ConfigError, match="is a file, not a model directory .*tunebook convert-gguf"):
         load_config(SFTConfig, ["--model_name_or_path", str(gguf)])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Validation as flat tuples of plain check functions (issue 43, point 3)
+
+
+def test_config_classes_validate_without_super_chains():
+    """Each config class's `validate` (and `__post_init__`, `check_files`) runs plain functions of
+    `tunebook.config.checks` in one flat tuple: no `super()` call through the class levels, so a class's checks and
+    their order read in one place. Only `__init_subclass__` (the dataclass-field hook of `new_default`) may call it."""
+    import ast
+    from pathlib import Path
+
+    import tunebook.config
+
+    folder = Path(tunebook.config.__file__).parent
+    calls = []
+    for path in sorted(folder.glob("*.py")):
+        for function in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(function, ast.FunctionDef) or function.name == "__init_subclass__":
+                continue
+            calls += [
+                f"{path.name}:{node.lineno} in {function.name}"
+                for node in ast.walk(function)
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super"
+            ]
+    assert len(list(folder.glob("*.py"))) >= 5  # the package's modules were found
+    assert not calls, f"super() calls in tunebook.config: {calls}"
+
+
+@pytest.mark.parametrize(
+    "cls_name, values, message",
+    [
+        # A value out of bounds is named before any rule that ties keys together.
+        ("SFTConfig", {"adam_beta1": 2.0, "push_to_hub": True}, "config key 'adam_beta1' must be in [0, 1)"),
+        # The rules every recipe shares, then those of recipes with a model and data, then the recipe's own.
+        ("GRPOConfig", {"hub_model_id": "a/b/c", "reward_functions": []}, "hub_model_id must be 'name' or"),
+        ("DPOConfig", {"merge_adapter": True, "loss_type": "orpo", "rpo_alpha": 1.0}, "merge_adapter: true needs"),
+        # A streamed train_data's checks (sft's group_by_length among them) before sft's split_turns.
+        ("SFTConfig", {"train_data": {"path": "x.jsonl", "streaming": True}, "max_steps": 5, "group_by_length": True,
+                       "split_turns": True, "assistant_only_loss": False}, "group_by_length with streaming: true"),
+        ("ClassifyConfig", {"eval_split_ratio": 0.1, "eval_data": "x.jsonl", "label_names": ["a"]}, "set eval_data or"),
+    ],
+)  # fmt: skip
+def test_a_config_with_two_faults_reports_the_first_check(cls_name, values, message):
+    import tunebook.config
+
+    with pytest.raises(ConfigError) as error:
+        getattr(tunebook.config, cls_name)(**values).validate()
+    assert str(error.value).startswith(message)

@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import DataCollatorWithPadding
 
+from tunebook.config import ClassifyConfig
 from tunebook.data import prepare_classification_data
 from tunebook.errors import ConfigError, DataError
 from tunebook.models import build_sequence_classifier
-from tunebook.recipe_configs import ClassifyConfig
 
 TEXTS = ["a short one", "a much longer text that goes on and on about the weather and the sea", "mid length text"]
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}

@@ -10,13 +10,13 @@ import logging
 
 import pytest
 
+from tunebook.config import ClassifyConfig, RewardConfig
 from tunebook.data import load_conversations, parse_sources
 from tunebook.data.files import EXTENSIONS
 from tunebook.data.sources import load_source
 from tunebook.errors import DataError
 from tunebook.locations import DATA_FILE_ENDINGS
 from tunebook.preference.data import prepare_preference_data
-from tunebook.recipe_configs import ClassifyConfig, RewardConfig
 
 
 def _write_jsonl(path, rows) -> str:
@@ -140,8 +140,8 @@ def test_classification_labels_of_mixed_kinds_and_text_that_is_not_text_name_the
 
 def test_pretraining_text_that_is_not_text_names_the_row(tmp_path):
     """Before: a TypeError from tokenizer training ('int' object is not iterable)."""
+    from tunebook.config import PretrainConfig
     from tunebook.data import prepare_text_data
-    from tunebook.recipe_configs import PretrainConfig
 
     rows = [{"text": f"document {i} " * 5} for i in range(8)]
     rows[4]["text"] = 7
@@ -153,7 +153,7 @@ def test_pretraining_text_that_is_not_text_names_the_row(tmp_path):
 
 
 def test_grpo_reference_answers_of_mixed_types_reach_the_rewards_as_written(tmp_path):
-    from tunebook.recipe_configs import GRPOConfig
+    from tunebook.config import GRPOConfig
     from tunebook.rl import prepare_prompt_data
 
     rows = [{"prompt": f"q{i}", "answer": "0000" if i % 2 else 42} for i in range(8)]

@@ -12,10 +12,10 @@ import pytest
 import torch
 from support import TINY_TEST_MODEL
 
+from tunebook.config import ClassifyConfig, PretrainConfig, SFTConfig
 from tunebook.data import PackedCollator, attention_inputs, prepare_sft_data, prepare_text_data
 from tunebook.data.streaming import reader_rows
 from tunebook.errors import ConfigError, DataError
-from tunebook.recipe_configs import ClassifyConfig, PretrainConfig, SFTConfig
 
 LOG = logging.getLogger("test")
 WORDS = "the of and to in is was for on that with as by at from his her it an were are which this be".split()

@@ -11,6 +11,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 
+from tunebook.config import DPOConfig
 from tunebook.data.collate import PairCollator
 from tunebook.errors import ConfigError
 from tunebook.models import build_causal_lm
@@ -25,7 +26,6 @@ from tunebook.preference import (
     sequence_log_probs,
 )
 from tunebook.preference.data import tokenize_pairs
-from tunebook.recipe_configs import DPOConfig
 
 BETA, EPS, GAMMA, ALPHA = 0.3, 0.2, 0.5, 0.7
 # Three pairs, rows chosen then rejected: summed log-probabilities and response lengths. The mean log-probabilities

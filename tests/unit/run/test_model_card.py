@@ -265,9 +265,9 @@ def test_a_failed_upload_or_card_is_logged_and_the_run_keeps_its_outputs(tmp_pat
 def test_a_lora_base_from_the_hub_cache_is_recorded_by_its_hub_name(tmp_path, tiny_tokenizer, tiny_model_config):
     from transformers import AutoModelForCausalLM
 
+    from tunebook.config import SFTConfig
     from tunebook.models import apply_lora, build_causal_lm
     from tunebook.models.lora import _base_model_path
-    from tunebook.recipe_configs import SFTConfig
 
     snapshot = tmp_path / "models--org--tiny/snapshots/0123abc"
     plain = tmp_path / "tiny"

@@ -126,8 +126,7 @@ def prepared():
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
-    from tunebook.config import parse_config
-    from tunebook.recipe_configs import SFTConfig
+    from tunebook.config import SFTConfig, parse_config
 
     accelerator = Accelerator(cpu=True)
     model = torch.nn.Linear(64, 64)

@@ -8,8 +8,7 @@ import pytest
 import torch
 from accelerate.utils import DistributedType
 
-from tunebook.config import ConfigError, load_config
-from tunebook.recipe_configs import SFTConfig
+from tunebook.config import ConfigError, SFTConfig, load_config
 from tunebook.training import compilation
 from tunebook.training.compilation import AUTO_MIN_MICRO_BATCHES, should_compile
 
