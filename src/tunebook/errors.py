@@ -1,8 +1,11 @@
 """User-facing errors: one readable message that names the file, line, key or value at fault.
 
 Anything a user can cause (a typo in a config, a malformed data file, a missing model path) is raised as a
-`TunebookError`. Recipes install `install_excepthook()` so these print as one line instead of a traceback (in a
-notebook too); anything else is a bug in Tunebook or a library and keeps its full traceback.
+`TunebookError`. A Tunebook command (the `tunebook` console script, a recipe run as a script) calls
+`enter_command_line()`, which installs `install_excepthook()` so these print as one line instead of a traceback;
+anything else is a bug in Tunebook or a library and keeps its full traceback. Importing Tunebook or calling a recipe's
+`main(config)` from Python (a notebook) leaves the process's hooks as they were: call `install_excepthook()` there to
+get the one-line errors in a notebook too.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ __all__ = [
     "ModelError",
     "TrainingError",
     "TunebookError",
+    "enter_command_line",
     "first_line",
     "install_excepthook",
+    "owns_process",
     "same_on_every_rank",
 ]
 
@@ -49,6 +54,23 @@ def same_on_every_rank(error: TunebookError) -> TunebookError:
     machine's first process prints it, instead of one identical line per process."""
     error.same_on_every_rank = True
     return error
+
+
+# Whether a Tunebook command owns this process (`enter_command_line`): only then is process-wide state Tunebook's to set.
+_COMMAND_LINE = [False]
+
+
+def enter_command_line() -> None:
+    """Mark this process as a Tunebook command's (the `tunebook` console script, or a recipe's `__main__` reading
+    `sys.argv`): user errors print as one line (`install_excepthook`), and `setup_logging` formats the root logger,
+    so the libraries' records and Python's warnings share Tunebook's format. A caller in Python gets neither."""
+    _COMMAND_LINE[0] = True
+    install_excepthook()
+
+
+def owns_process() -> bool:
+    """Whether `enter_command_line` was called: this process is a Tunebook command, not a caller's interpreter."""
+    return _COMMAND_LINE[0]
 
 
 def install_excepthook() -> None:
