@@ -24,7 +24,6 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
-import sys
 import textwrap
 import types
 
@@ -104,12 +103,9 @@ class _Rotary(torch.autograd.Function):
 
 def _takes_fused_path(*tensors: torch.Tensor) -> bool:
     """Plain float32 CPU tensors (not DTensors or other subclasses), outside torch.compile's tracing."""
-    return (
-        not torch.compiler.is_compiling()
-        and all(
-            type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.dtype == torch.float32
-            for t in tensors
-        )
+    return not torch.compiler.is_compiling() and all(
+        type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.dtype == torch.float32
+        for t in tensors
     )
 
 
@@ -215,4 +211,6 @@ def set_fused_cpu_layers(model: torch.nn.Module, enabled: bool = True) -> list[s
 
 def fused_cpu_layers_of(model: torch.nn.Module) -> bool:
     """Whether `set_fused_cpu_layers` fused any module of `model` (a copy built anew is fused alike)."""
-    return any(hasattr(getattr(vars(m).get("forward"), "__func__", None), "tunebook_original") for m in model.modules())
+    return any(
+        hasattr(getattr(vars(m).get("forward"), "__func__", None), "tunebook_original") for m in model.modules()
+    )
