@@ -4,8 +4,8 @@ Anything a user can cause (a typo in a config, a malformed data file, a missing 
 `TunebookError`. A Tunebook command (the `tunebook` console script, a recipe run as a script) calls
 `enter_command_line()`, which installs `install_excepthook()` so these print as one line instead of a traceback;
 anything else is a bug in Tunebook or a library and keeps its full traceback. Importing Tunebook or calling a recipe's
-`main(config)` from Python (a notebook) leaves the process's hooks as they were: call `install_excepthook()` there to
-get the one-line errors in a notebook too.
+`main(config)` from Python leaves the process's hooks as they were; in a notebook the errors still show as one line,
+through IPython's own protocol for an exception's display (`_render_traceback_`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,12 @@ __all__ = [
 
 class TunebookError(Exception):
     """A mistake in the user's input, reported without a traceback."""
+
+    def _render_traceback_(self) -> list[str]:
+        """IPython's (Jupyter's) hook for an exception's own display: the one line instead of a page of traceback,
+        with nothing of the kernel's changed (no custom handler installed on its shell)."""
+        print(f"tunebook: error: {self}", file=sys.stderr, flush=True)
+        return []
 
 
 class ConfigError(TunebookError):
@@ -76,7 +82,7 @@ def owns_process() -> bool:
 def install_excepthook() -> None:
     """Print `TunebookError`s as `tunebook: error: ...` and exit non-zero; leave other errors alone.
 
-    In an IPython kernel (Jupyter), the kernel shows them the same way instead of a traceback.
+    In an IPython kernel (Jupyter) they show as one line without it: `TunebookError._render_traceback_`.
     """
     previous = sys.excepthook
 
@@ -96,22 +102,6 @@ def install_excepthook() -> None:
         return
     hook._tunebook = True
     sys.excepthook = hook
-    _install_ipython_handler()
-
-
-def _install_ipython_handler() -> None:
-    """In a Jupyter kernel, show a TunebookError as its one line instead of a page of traceback."""
-    ipython_module = sys.modules.get("IPython")
-    shell = ipython_module.get_ipython() if ipython_module is not None else None
-    if shell is None or getattr(shell, "_tunebook_errors", False):
-        return
-
-    def show(shell, etype, value, tb, tb_offset=None):
-        print(f"tunebook: error: {value}", file=sys.stderr, flush=True)
-        return []
-
-    shell.set_custom_exc((TunebookError,), show)
-    shell._tunebook_errors = True
 
 
 def _should_print(error: BaseException) -> bool:
