@@ -34,8 +34,11 @@ class TunebookError(Exception):
 
     def _render_traceback_(self) -> list[str]:
         """IPython's (Jupyter's) hook for an exception's own display: the one line instead of a page of traceback,
-        with nothing of the kernel's changed (no custom handler installed on its shell)."""
-        print(f"tunebook: error: {self}", file=sys.stderr, flush=True)
+        with nothing of the kernel's changed (no custom handler installed on its shell). IPython asks twice (its
+        traceback, then the kernel's error reply): printed once."""
+        if not getattr(self, "_shown_in_ipython", False):
+            self._shown_in_ipython = True
+            print(f"tunebook: error: {self}", file=sys.stderr, flush=True)
         return []
 
 
