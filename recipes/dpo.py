@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from tunebook import compat
 from tunebook.config import DPOConfig, load_config
 from tunebook.data import PairCollator, fingerprint, format_loss_mask, train_and_eval_loaders
 from tunebook.distributed import prepare_then_join
@@ -110,7 +111,7 @@ def main(config: DPOConfig) -> dict:
                 log=log,
                 pad_to_multiple_of=config.pad_to_multiple_of,
             )
-        attn, dtype = model.config._attn_implementation, model.dtype
+        attn, dtype = compat.attn_implementation(model.config), model.dtype
         reference = None  # with LoRA: the policy with its adapters off
         use_reference = config.loss_type not in REFERENCE_FREE_LOSSES
         if not use_reference:  # simpo, orpo: no copy, no adapters-off pass, nothing precomputed

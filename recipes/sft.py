@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from tunebook import compat
 from tunebook.config import SFTConfig, load_config
 from tunebook.data import (
     PackedCollator,
@@ -108,7 +109,7 @@ def main(config: SFTConfig) -> dict:
     if config.use_peft:  # LoRA: the base stays frozen; checkpoints and the output hold only the adapters
         model = apply_lora(model, config)
     log.info("Model: %s, %s", type(model).__name__, describe_parameters(model))
-    attn, dtype = model.config._attn_implementation, model.dtype
+    attn, dtype = compat.attn_implementation(model.config), model.dtype
     if config.packing:  # on a CPU, sdpa becomes our per-example (varlen) SDPA
         attn = use_packed_attention(model, accelerator.device, config.max_seq_length)
         log.info("Packing with %s attention: %s", attn, packing_mechanism(attn))

@@ -9,7 +9,8 @@
 
 The recipes are the files in `recipes/`. In a checkout or an editable install they are that folder; an
 installed wheel carries them as the package `tunebook.recipes` (pyproject maps the folder there).
-Importing a recipe has no side effects: it trains only when `main` is called.
+Importing a recipe has no side effects: it trains only when `main` is called, and leaves the process's hooks,
+root logger and garbage collector as they were (tests/unit/test_side_effects.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from types import ModuleType
 from typing import Any
 
 from .config import parse_config
-from .errors import ConfigError, install_excepthook
+from .errors import ConfigError
 
 __all__ = ["RECIPES", "Recipe", "load_recipe", "recipe_config_class", "recipe_data", "recipe_file", "recipe_task"]
 
@@ -103,7 +104,6 @@ class Recipe:
 
 def load_recipe(name_or_path: str | Path) -> Recipe:
     """The recipe `name_or_path`: one of `RECIPES`, or the path of a recipe file with a `main(config)`."""
-    install_excepthook()  # in a notebook, Tunebook's errors then show as one line instead of a traceback
     path = Path(name_or_path)
     if str(name_or_path) in RECIPES:
         module = importlib.import_module(f"tunebook.recipes.{name_or_path}")

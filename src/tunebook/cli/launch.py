@@ -176,20 +176,13 @@ def _exit_without_teardown() -> None:
     """Ends a run that finished: what Python's own exit does for the program (its threads joined, its exit handlers,
     which close loggers and trackers, and flushed streams), without freeing every loaded module's objects one by one,
     which took torch's, transformers' and datasets' modules ~1.1 s at the end of every run."""
-    import atexit
-    import threading
+    from . import compat
 
     # The interpreter's own thread shutdown: it first runs the hooks that stop thread pools (concurrent.futures'
     # workers, which torch.compile's inductor leaves idle, wait for those hooks and would never end), then joins
     # every non-daemon thread. Joining the threads without the hooks hung every compiled run at its end.
-    shutdown = getattr(threading, "_shutdown", None)
-    if shutdown is not None:
-        shutdown()
-    else:  # pragma: no cover - a Python without the private hook: its public equivalent, less the pools' hooks
-        for thread in threading.enumerate():
-            if thread is not threading.main_thread() and not thread.daemon:
-                thread.join()
-    atexit._run_exitfuncs()
+    compat.shut_down_threads()
+    compat.run_exit_handlers()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -149,9 +149,9 @@ def _pop_option(argv: list[str], name: str, default: str) -> tuple[str, list[str
 
 
 def main(argv: list[str] | None = None) -> None:
-    from ..errors import install_excepthook
+    from ..errors import enter_command_line
 
-    install_excepthook()
+    enter_command_line()
     whole_process = argv is None  # the console script, not a caller in Python
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):

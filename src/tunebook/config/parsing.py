@@ -19,7 +19,7 @@ from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
-from ..errors import ConfigError, install_excepthook, same_on_every_rank
+from ..errors import ConfigError, enter_command_line, same_on_every_rank
 from .fields import check_bounds
 
 __all__ = [
@@ -53,11 +53,11 @@ def load_config(cls: type[C], argv: list[str] | None = None) -> C:
     """Build `cls` from `--config FILE` and `--key value` / `--key=value` arguments (default: `sys.argv[1:]`), and
     check the local files it names (`check_files`).
 
-    A boolean key may be given bare (`--packing`) or negated (`--no_packing`). Also installs the excepthook that
-    prints Tunebook's user errors without a traceback, since this is the first thing a recipe's `__main__` block
-    calls.
+    A boolean key may be given bare (`--packing`) or negated (`--no_packing`). Reading `sys.argv` (no `argv`), this is
+    a recipe's `__main__` block, its process's entry point: `enter_command_line` (one-line errors, the root logger).
     """
-    install_excepthook()
+    if argv is None:
+        enter_command_line()
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
         print(config_help(cls))

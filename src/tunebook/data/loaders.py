@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import atexit
 import copy
+import functools
+import inspect
 import multiprocessing
 import signal
 import sys
@@ -86,7 +88,7 @@ def _kill_workers_at_exit() -> None:
         child.join(timeout=5)
 
 
-atexit.register(_kill_workers_at_exit)
+_kill_workers_at_exit_registered = functools.cache(lambda: atexit.register(_kill_workers_at_exit))  # by a run
 
 
 def worker_start_method() -> str | None:
@@ -115,7 +117,7 @@ def _started_under_main_guard() -> bool:
 
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
-    frame, line = sys._getframe(), None
+    frame, line = inspect.currentframe(), None
     while frame is not None:
         if frame.f_code.co_name == "<module>" and frame.f_globals is getattr(main, "__dict__", None):
             line = frame.f_lineno
@@ -161,6 +163,7 @@ def worker_options(num_workers: int, prefetch_factor: int | None) -> dict:
     """The DataLoader arguments that only apply with workers: how they start, what they ignore, how far ahead."""
     if num_workers == 0:
         return {"multiprocessing_context": None, "prefetch_factor": None, "worker_init_fn": None}
+    _kill_workers_at_exit_registered()  # the run starts workers: they end with the process
     return {"multiprocessing_context": worker_start_method(), "prefetch_factor": prefetch_factor,
             "worker_init_fn": ignore_stop_signals}  # fmt: skip
 

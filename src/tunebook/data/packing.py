@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from datasets.table import InMemoryTable
 
+from .. import compat
 from ..errors import ConfigError
 from ..models.kernels import check_flex_attention
 from .tokenize import IGNORE_INDEX
@@ -47,7 +48,9 @@ __all__ = [
 def example_lengths(dataset: datasets.Dataset, column: str = "input_ids") -> np.ndarray:
     """Token count of every row, read from the Arrow column without materialising the rows in Python."""
     lengths = np.asarray(pc.list_value_length(dataset.data.column(column)), dtype=np.int64)
-    indices = dataset._indices  # a `select`ed view (e.g. a train/eval split) maps rows to the underlying table
+    indices = compat.indices_mapping(
+        dataset
+    )  # a `select`ed view (e.g. a train/eval split) maps rows to the underlying table
     if indices is not None:
         lengths = lengths[np.asarray(indices.column(0), dtype=np.int64)]
     return lengths
@@ -146,7 +149,7 @@ def pack_dataset(
         num_proc=num_proc,
         desc="Packing",
         cache_file_name=cache_file_name,
-        new_fingerprint=f"tunebook-pack-{dataset._fingerprint}-{max_seq_length}-{seed}",
+        new_fingerprint=f"tunebook-pack-{compat.fingerprint(dataset)}-{max_seq_length}-{seed}",
     )
     rows = len(offsets) - 1
     stats = {
@@ -270,7 +273,7 @@ def check_packable(model, fix: str = "set packing: false") -> None:
     name, model_type = type(model).__name__, getattr(config, "model_type", "")
     kinds = sorted({str(k) for k in getattr(config, "layer_types", None) or []
                     if "attention" not in str(k) or any(r in str(k) for r in _RECURRENT_KINDS)})  # fmt: skip
-    if kinds or getattr(model, "_is_stateful", False):  # transformers' flag for a cache with recurrent state
+    if kinds or compat.has_recurrent_cache(model):  # transformers' flag for a cache with recurrent state
         kinds = "/".join(kinds) or "a recurrent cache"
         raise ConfigError(f"packing: {name} has recurrent layers ({kinds}: state-space, convolution or linear "
                           "attention), which run across the whole packed row, so each example would see the ones "
@@ -315,7 +318,7 @@ def use_packed_attention(
     Models no path keeps apart stop with one line (`check_packable`) that ends with `fix`, what to do instead.
     """
     check_packable(model, fix)
-    attn = model.config._attn_implementation
+    attn = compat.attn_implementation(model.config)
     text_config = _text_config(model.config)
     chunk = getattr(text_config, "attention_chunk_size", None)
     if chunk and "chunked_attention" in (getattr(text_config, "layer_types", None) or []):
@@ -336,7 +339,7 @@ def use_packed_attention(
     # that path for sliding-window models, and for models switched to it by hand.
     # A model whose attention does not go through transformers' AttentionInterface (Falcon) cannot be switched: it
     # keeps its own SDPA, which the block-diagonal mask keeps exact, and only a window would be lost.
-    switchable = getattr(model, "_can_set_attn_implementation", lambda: True)()
+    switchable = compat.can_set_attn_implementation(model)
     if attn == "sdpa" and (torch.device(device).type == "cpu" or windowed) and switchable:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -344,7 +347,7 @@ def use_packed_attention(
         AttentionInterface.register(SEGMENT_SDPA, segment_sdpa_attention)
         AttentionMaskInterface.register(SEGMENT_SDPA, sdpa_mask)  # padded batches and generation get SDPA's masks
         model.set_attn_implementation(SEGMENT_SDPA)
-        attn = model.config._attn_implementation
+        attn = compat.attn_implementation(model.config)
     if windowed and attn == "sdpa":
         raise ConfigError(f"packing: {type(model).__name__} has sliding-window attention (window {window} < "
                           f"max_seq_length {max_length}) in its own attention code, which packing cannot give a "
@@ -463,7 +466,7 @@ def attention_inputs(batch: dict[str, torch.Tensor], attn_implementation: str, d
         # start instead of recompiling for the second batch. The example sizes ride on `cu` itself, read once per
         # batch (on CUDA a host sync) rather than in every layer; as int arguments the longest would be a constant
         # of the graph, recompiled for each new value.
-        torch._dynamo.maybe_mark_dynamic(cu, 0)
+        compat.mark_dynamic(cu, 0)
         setattr(cu, EXAMPLE_SIZES, (cu[1:] - cu[:-1]).tolist())
         inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu)
         return inputs

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from .. import compat
 from ..errors import ConfigError
 from ..locations import hub_name_of_snapshot
 from .wrappers import unwrap
@@ -175,15 +176,8 @@ def save_checkpoint_adapter(accelerator, peft_model, adapter_dir: Path, run_dir:
 
 
 def _dtensor_type() -> type | None:
-    """torch's DTensor class (public from torch 2.5, private in 2.4), or None in a build without it."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        try:
-            from torch.distributed._tensor import DTensor
-        except ImportError:
-            return None
-    return DTensor
+    """torch's DTensor class, or None in a build without it (`compat.dtensor_type`)."""
+    return compat.dtensor_type()
 
 
 def _is_sharded(module: torch.nn.Module) -> bool:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import copy
 import logging
 
+from .. import compat
 from ..models.build import is_partitioned, whole_weights
+from ..models.fused_cpu import fused_cpu_layers_of, set_fused_cpu_layers
 
 __all__ = ["frozen_copy", "partition_reference"]
 
@@ -20,9 +22,10 @@ def frozen_copy(model, device):
     hands it to an engine of its own."""
     if not is_partitioned(model):
         return copy.deepcopy(model).requires_grad_(False).eval().to(device)
-    reference = type(model)._from_config(copy.deepcopy(model.config), dtype=model.dtype)
+    reference = compat.model_from_config(type(model), copy.deepcopy(model.config), dtype=model.dtype)
     with whole_weights(reference):
         reference.load_state_dict(model.state_dict())
+    set_fused_cpu_layers(reference, fused_cpu_layers_of(model))  # fused as the policy is (a deep copy keeps them)
     return reference.requires_grad_(False).eval().to(device)
 
 

@@ -13,29 +13,45 @@ __all__ = ["log_run_start", "progress_bar", "setup_logging", "show_progress"]
 logger = logging.getLogger("tunebook")
 
 
-def setup_logging(is_main_process: bool, level: str = "INFO", disable_tqdm: bool = False) -> logging.Logger:
+def setup_logging(
+    is_main_process: bool, level: str = "INFO", disable_tqdm: bool = False, whole_process: bool | None = None
+) -> logging.Logger:
     """One format for Tunebook, the libraries and Python warnings; each message once, not once per process.
 
     The main process logs at `level`. Every process runs the same code and would repeat the same warnings, so
     the others keep only errors and records logged with `extra={"all_ranks": True}`, prefixed with their rank.
     Progress bars of datasets and transformers (data preparation, weight loading) show on the main process only,
     and not at all with `disable_tqdm` or when stderr is not a terminal (a log file, CI).
+
+    All of that is process-wide (the root logger, `warnings`, the libraries' verbosity and bars), so it is done only
+    where the process is the run's: `whole_process` (by default, a Tunebook command's process: `owns_process()`), and
+    every process other than the main one, which exists for the run. A caller's own interpreter (a notebook's
+    `main(config)`) gets the format on Tunebook's own logger only, and keeps its root logger, warnings and libraries.
     """
     import datasets
     import transformers
 
+    from .errors import owns_process
+
+    whole_process = (owns_process() if whole_process is None else whole_process) or not is_main_process
     rank = os.environ.get("RANK", "0")
     prefix = "" if is_main_process else f"[rank {rank}] "
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     if not is_main_process:
         handler.addFilter(_OtherRanksFilter())
+    for old in [h for h in logger.handlers if getattr(h, "tunebook", False)]:  # an earlier run's, in this process
+        logger.removeHandler(old)
+    logger.setLevel(level if is_main_process else "WARNING")
+    if not whole_process:
+        handler.tunebook = True
+        logger.addHandler(handler)
+        return logger
     logging.basicConfig(handlers=[handler], force=True)
     # warnings.warn goes through the handler and its filter too. Off first: captureWarnings(True) does nothing when an
     # earlier run in this process (a notebook's second run) captured already and warnings.showwarning was reset since.
     logging.captureWarnings(False)
     logging.captureWarnings(True)
-    logger.setLevel(level if is_main_process else "WARNING")
     if not is_main_process:
         datasets.utils.logging.set_verbosity_error()
         transformers.utils.logging.set_verbosity_error()

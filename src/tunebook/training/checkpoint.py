@@ -26,6 +26,7 @@ from typing import Any
 
 from accelerate import Accelerator
 
+from .. import compat
 from ..config import save_config
 from ..distributed import decided_by_main
 from ..errors import ConfigError, TrainingError, first_line, same_on_every_rank
@@ -278,7 +279,7 @@ def _expected_bytes(accelerator: Accelerator, output_dir: str | Path) -> int:
     if found and (previous := manifest_bytes(found[-1])) is not None:
         return previous
     total = 0
-    for optimizer in accelerator._optimizers:
+    for optimizer in compat.prepared_optimizers(accelerator):
         inner = getattr(optimizer, "optimizer", optimizer)
         tensors = [p for group in inner.param_groups for p in group["params"]]
         tensors += [t for state in inner.state.values() for t in state.values() if torch.is_tensor(t)]
@@ -302,9 +303,9 @@ def _save_model_config(accelerator: Accelerator, directory: Path) -> None:
     Face config (a plain `torch.nn.Module`) writes nothing. Config files only: no weights are gathered."""
     from ..models.lora import is_peft_model
 
-    if not accelerator._models:
+    if not compat.prepared_models(accelerator):
         return
-    model = unwrap(accelerator._models[0])
+    model = unwrap(compat.prepared_models(accelerator)[0])
     if is_peft_model(model):
         model = model.get_base_model()
     if not hasattr(getattr(model, "config", None), "save_pretrained"):

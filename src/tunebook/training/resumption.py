@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from .. import compat
 from ..config import config_to_dict
 from ..distributed import decided_by_main
 from ..errors import ConfigError, TrainingError, TunebookError, first_line, same_on_every_rank
@@ -206,7 +207,7 @@ def schedule_state(accelerator, lr_scheduler) -> dict[str, Any] | None:
     stay out: they are rebuilt from the config (`build_scheduler`), only where the schedule is (its step, its rates)
     is state. Saved as JSON so that resuming unpickles nothing (Accelerate's custom objects load with
     `weights_only=False`)."""
-    if lr_scheduler is None or lr_scheduler in accelerator._schedulers:
+    if lr_scheduler is None or lr_scheduler in compat.prepared_schedulers(accelerator):
         return None
     return {k: v for k, v in lr_scheduler.state_dict().items() if k != "lr_lambdas"}
 
@@ -259,7 +260,7 @@ def _apply_optimizer_config(config, optimizer, lr_scheduler) -> None:
     schedule.base_lrs = [config.learning_rate for _ in schedule.base_lrs]
     for group, multiplier in zip(optimizer.param_groups, schedule.lr_lambdas):
         group["lr"] = config.learning_rate * multiplier(schedule.last_epoch)
-    schedule._last_lr = [group["lr"] for group in optimizer.param_groups]
+    compat.set_last_lr(schedule, [group["lr"] for group in optimizer.param_groups])
     for index, group in enumerate(optimizer.param_groups):
         group["betas"], group["eps"] = (config.adam_beta1, config.adam_beta2), config.adam_epsilon
         if index == 0:  # the decayed matrices (build_optimizer): biases and norms never decay
