@@ -271,7 +271,7 @@ def _finish(model, tokenizer, model_name_or_path, gradient_checkpointing: bool, 
                     "embedding)", rows, _rows(model.get_input_embeddings().weight))  # fmt: skip
     # generate() and padding-aware code (sequence classification finds the last token by pad_token_id) read these.
     # A model's own EOS ids stay EOS ids in generation (Llama 3 Instruct has three); the tokenizer's comes first.
-    eos = _eos_ids(tokenizer.eos_token_id, model_name_or_path and getattr(model, "generation_config", None))
+    eos = eos_ids(tokenizer.eos_token_id, model_name_or_path and getattr(model, "generation_config", None))
     configs = [model.config] + ([model.generation_config] if getattr(model, "generation_config", None) else [])
     for cfg in configs:
         cfg.pad_token_id = tokenizer.pad_token_id
@@ -336,7 +336,9 @@ def whole_weights(module):
     return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
 
 
-def _eos_ids(eos_id: int | None, generation_config) -> int | list[int] | None:
+def eos_ids(eos_id: int | None, generation_config) -> int | list[int] | None:
+    """`eos_id` first, then every other EOS id of `generation_config` (None, or one id or a list): one id as an int,
+    several as a list, none as None."""
     previous = getattr(generation_config, "eos_token_id", None) if generation_config else None
     previous = previous if isinstance(previous, list) else [] if previous is None else [previous]
     ids = ([eos_id] if eos_id is not None else []) + [i for i in previous if i != eos_id]
