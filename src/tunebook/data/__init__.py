@@ -14,6 +14,7 @@ from .packing import (
     segment_sdpa_attention,
     use_packed_attention,
 )
+from .pipeline import Pipeline, PreparedData
 from .preference import (
     PreferenceData,
     prepare_preference_data,
@@ -29,6 +30,8 @@ from .text import TextData, chunk_documents, prepare_text_data
 from .tokenize import IGNORE_INDEX, assistant_spans, format_loss_mask, render_chat, tokenize_conversations
 
 __all__ = [
+    "Pipeline",
+    "PreparedData",
     "PromptData",
     "PromptRows",
     "prepare_prompt_data",

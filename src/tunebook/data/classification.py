@@ -42,6 +42,11 @@ class ClassificationPipeline(Pipeline):
     tokenizer), then each split tokenised with label ids; a seeded held-out split of examples."""
 
     write_synthetic = staticmethod(write_synthetic_classification)
+    # Read with the train data, before the tokenizer: the text, text pair and label columns, the train rows, and the
+    # class names (`label_names`, else the train labels').
+    columns: list[str]
+    train_raw: datasets.Dataset
+    label_names: list[str]
 
     def make_tokenizer(self):
         config = self.config
