@@ -68,7 +68,7 @@ def main(config: ClassifyConfig) -> dict:
     )
 
     # --- model, optimizer, loaders
-    model = build_sequence_classifier(tokenizer, data.label_names, **model_options(config))
+    model = build_sequence_classifier(tokenizer, data.label_names, model_options(config))
     if config.use_peft:  # LoRA: the base stays frozen; checkpoints and the output hold only the adapters
         model = apply_lora(model, config, "classification")
     log.info("Model: %s, %s", type(model).__name__, describe_parameters(model))

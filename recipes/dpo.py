@@ -95,7 +95,7 @@ def main(config: DPOConfig) -> dict:
     )
 
     # --- model: the policy; optionally a brief SFT warm-up; then the reference it is measured against
-    model = build_causal_lm(tokenizer, **model_options(config))
+    model = build_causal_lm(tokenizer, model_options(config))
     with whole_weights(model):  # under DeepSpeed ZeRO-3 the model is built partitioned: whole until prepare
         if config.sft_warmup_steps:  # on the chosen responses
             chosen = data.train.select_columns(["chosen_input_ids", "chosen_labels"])

@@ -146,7 +146,7 @@ def main(config: GRPOConfig) -> dict:
     tokenizer = data.tokenizer
 
     # --- model: the policy; optionally a brief SFT warm-up on the reference answers; the reference for the KL
-    model = build_causal_lm(tokenizer, **model_options(config))
+    model = build_causal_lm(tokenizer, model_options(config))
     with whole_weights(model):  # under DeepSpeed ZeRO-3 the model is built partitioned: whole until prepare
         if config.sft_warmup_steps:
             examples = reference_examples(data.train, tokenizer, config.reference_column, config.max_seq_length)

@@ -75,7 +75,7 @@ def main(config: PretrainConfig) -> dict:
     )
 
     # --- model, optimizer, loaders
-    model = build_causal_lm(tokenizer, **model_options(config))
+    model = build_causal_lm(tokenizer, model_options(config))
     if config.use_peft:  # LoRA: the base stays frozen; checkpoints and the output hold only the adapters
         model = apply_lora(model, config)
     log.info("Model: %s, %s", type(model).__name__, describe_parameters(model))

@@ -75,7 +75,7 @@ def main(config: RewardConfig) -> dict:
     )
 
     # --- model: a sequence classifier whose one output is the reward (a loaded model gets a fresh head)
-    model = build_sequence_classifier(tokenizer, ["reward"], problem_type="regression", **model_options(config))
+    model = build_sequence_classifier(tokenizer, ["reward"], model_options(config), problem_type="regression")
     if config.use_peft:  # LoRA: the base stays frozen; checkpoints and the output hold only the adapters (and head)
         model = apply_lora(model, config, "classification")
     log.info("Model: %s, %s", type(model).__name__, describe_parameters(model))

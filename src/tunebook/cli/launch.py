@@ -176,7 +176,7 @@ def _exit_without_teardown() -> None:
     """Ends a run that finished: what Python's own exit does for the program (its threads joined, its exit handlers,
     which close loggers and trackers, and flushed streams), without freeing every loaded module's objects one by one,
     which took torch's, transformers' and datasets' modules ~1.1 s at the end of every run."""
-    from . import compat
+    from .. import compat
 
     # The interpreter's own thread shutdown: it first runs the hooks that stop thread pools (concurrent.futures'
     # workers, which torch.compile's inductor leaves idle, wait for those hooks and would never end), then joins

@@ -14,6 +14,7 @@ from .packing import (
     segment_sdpa_attention,
     use_packed_attention,
 )
+from .pipeline import Pipeline, PreparedData
 from .sft import SFTData, conversation_texts, load_conversations, prepare_sft_data, prepare_sft_dataset, sft_cache_key
 from .sources import DataSource, fingerprint_sources, load_source, parse_sources
 from .synthetic import write_synthetic_task
@@ -21,6 +22,8 @@ from .text import TextData, chunk_documents, prepare_text_data
 from .tokenize import IGNORE_INDEX, assistant_spans, format_loss_mask, render_chat, tokenize_conversations
 
 __all__ = [
+    "Pipeline",
+    "PreparedData",
     "PairCollator",
     "TextData",
     "chunk_documents",

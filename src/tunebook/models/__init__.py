@@ -9,7 +9,7 @@ import importlib
 
 _LAZY = {
     "tunebook.models.build": [
-        "build_causal_lm", "build_sequence_classifier", "model_options", "read_model_config", "torch_dtype",
+        "ModelOptions", "build_causal_lm", "build_sequence_classifier", "model_options", "read_model_config", "torch_dtype",
         "whole_weights",
     ],
     "tunebook.models.lora": [

@@ -18,17 +18,16 @@ import json
 import logging
 import math
 import random
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import datasets
-from transformers import PreTrainedTokenizerBase
 
-from ..data.cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
+from ..data.cache import PREPROCESSING_VERSION, fingerprint, tokenizer_fingerprint
 from ..data.formats import as_messages, normalise_messages
-from ..data.sources import DataSource, config_sources, fingerprint_sources, load_source
+from ..data.pipeline import Pipeline, PreparedData, Tokenised
+from ..data.sources import DataSource, fingerprint_sources, load_source
 from ..data.synthetic import _write_disjoint, make_example
 from ..data.tokenize import (
     IGNORE_INDEX,
@@ -38,11 +37,12 @@ from ..data.tokenize import (
     longest_token_chars,
     render_chat,
 )
-from ..data.tokenizer import config_tokenizer, setup_chat_template
+from ..data.tokenizer import setup_chat_template
 from ..errors import DataError
 
 __all__ = [
     "PreferenceData",
+    "PreferencePipeline",
     "encode_texts",
     "prepare_preference_data",
     "prompt_and_response",
@@ -55,53 +55,58 @@ __all__ = [
 PAIR_COLUMNS = ("chosen", "rejected")  # and an optional prompt and margin
 
 
-@dataclass
-class PreferenceData:
-    """The prepared data of a DPO run."""
+@dataclass(kw_only=True)
+class PreferenceData(PreparedData):
+    """The prepared data of a DPO or reward model run: tokenised pairs."""
 
-    tokenizer: PreTrainedTokenizerBase
-    train: datasets.Dataset
-    eval: datasets.Dataset | None
     keys: dict[str, str]  # cache keys of the tokenised splits (reference log-probabilities are cached under them)
-    stats: dict[str, Any] = field(default_factory=dict)
-    built: list[str] = field(default_factory=list)
-    seconds: float = 0.0
 
 
 def prepare_preference_data(config, cache_dir: Path, log: logging.Logger) -> PreferenceData:
     """Sources -> tokenizer -> tokenised train and eval pairs, each from the cache when unchanged (`DPOConfig`)."""
-    start, built = time.perf_counter(), []
-    train_sources, eval_sources = config_sources(config, cache_dir, write_synthetic_preferences)
-    texts = lambda: _texts(train_sources, cache_dir, config.seed)  # noqa: E731
-    notes: dict[str, Any] = {}  # what tokenizer training left out
-    # A pair's text holds its prompt once and both responses: up to twice max_seq_length tokens of a pair that fits.
-    tokenizer = config_tokenizer(config, cache_dir, fingerprint_sources(train_sources), texts, built, log,
-                                 max_tokens=2 * config.max_seq_length, stats=notes)  # fmt: skip
-    tokenizer = setup_chat_template(tokenizer, config.chat_template, config.trust_remote_code, log)
-    keys, splits, stats = {}, {}, {}
-    for name, sources in (("train", train_sources), ("eval", eval_sources)):
-        if not sources:
-            continue
-        keys[name] = fingerprint(
-            {"pairs": fingerprint_sources(sources), "tokenizer": tokenizer_fingerprint(tokenizer),
+    return PreferencePipeline(config, cache_dir, log).prepare()
+
+
+class PreferencePipeline(Pipeline):
+    """Preference pairs' steps: pairs rendered with the chat template and tokenised; a seeded held-out split whose
+    keys name it (the reference log-probabilities are cached under them)."""
+
+    def write_synthetic(self, directory, num_train, num_eval, seed):
+        return write_synthetic_preferences(directory, num_train, num_eval, seed)
+
+    def make_tokenizer(self):
+        config = self.config
+        texts = lambda: _texts(self.train_sources, self.cache_dir, config.seed)  # noqa: E731
+        # A pair's text holds its prompt once and both responses: up to twice max_seq_length tokens of a pair that
+        # fits.
+        tokenizer = self.trained_tokenizer(fingerprint_sources(self.train_sources), texts, 2 * config.max_seq_length)
+        return setup_chat_template(tokenizer, config.chat_template, config.trust_remote_code, self.log)
+
+    def tokenise(self, sources: list[DataSource], name: str) -> Tokenised:
+        config, log = self.config, self.log
+        key = fingerprint(
+            {"pairs": fingerprint_sources(sources), "tokenizer": tokenizer_fingerprint(self.tokenizer),
              "max_seq_length": config.max_seq_length, "overlong": config.overlong_examples,
              "version": f"pairs-margin-{PREPROCESSING_VERSION}"}
         )  # fmt: skip
-        build = lambda scratch, s=sources: _build(s, tokenizer, config, cache_dir, scratch)  # noqa: E731
-        splits[name], split_stats, cached = cached_dataset(cache_dir, keys[name], build)
-        built += [] if cached else [f"{name} tokenisation"]
-        log.info("%s pairs: %d (%s); %s", name, len(splits[name]), "cached" if cached else "tokenised", split_stats)
-        if split_stats["truncated"] or split_stats["dropped"]:
+        build = lambda scratch: _build(sources, self.tokenizer, config, self.cache_dir, scratch)  # noqa: E731
+        dataset, stats, cached = self.cached(key, build, f"{name} tokenisation")
+        log.info("%s pairs: %d (%s); %s", name, len(dataset), "cached" if cached else "tokenised", stats)
+        if stats["truncated"] or stats["dropped"]:
             log.warning("%s pairs: %d truncated and %d dropped at max_seq_length=%d", name,
-                        split_stats["truncated"], split_stats["dropped"], config.max_seq_length)  # fmt: skip
-        stats = stats or dict(split_stats)
-    train, evaluation = splits["train"], splits.get("eval")
-    if evaluation is None and config.eval_split_ratio > 0:
-        parts = train.train_test_split(test_size=config.eval_split_ratio, seed=config.seed)
-        train, evaluation = parts["train"], parts["test"]
-        keys["eval"] = f"{keys['train']}-split{config.eval_split_ratio}-{config.seed}"
-        keys["train"] = f"{keys['train']}-rest{config.eval_split_ratio}-{config.seed}"
-    return PreferenceData(tokenizer, train, evaluation, keys, {**stats, **notes}, built, time.perf_counter() - start)
+                        stats["truncated"], stats["dropped"], config.max_seq_length)  # fmt: skip
+        return Tokenised(dataset, key, dict(stats))
+
+    def split(self, train: Tokenised) -> tuple[Tokenised, Tokenised]:
+        ratio, seed = self.config.eval_split_ratio, self.config.seed
+        parts = train.dataset.train_test_split(test_size=ratio, seed=seed)
+        return (Tokenised(parts["train"], f"{train.key}-rest{ratio}-{seed}", train.stats),
+                Tokenised(parts["test"], f"{train.key}-split{ratio}-{seed}", {}))  # fmt: skip
+
+    def finish(self, train: Tokenised, evaluation: Tokenised | None) -> PreferenceData:
+        keys = {"train": train.key, **({"eval": evaluation.key} if evaluation else {})}
+        return PreferenceData(tokenizer=self.tokenizer, train=train.dataset, eval=evaluation and evaluation.dataset,
+                              keys=keys, stats={**train.stats, **self.notes})  # fmt: skip
 
 
 def _texts(sources: list[DataSource], cache_dir: Path, seed: int):

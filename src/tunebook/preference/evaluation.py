@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..run.logging import progress_bar
+from ..evaluation.batches import gathered_batches
 from .losses import (
     REFERENCE_FREE_LOSSES,
     RewardStats,
@@ -24,20 +24,19 @@ def evaluate_preferences(
     """`eval_loss`, `eval_rewards/chosen`, `eval_rewards/rejected`, `eval_rewards/accuracy` (the share of pairs
     whose chosen response gets the higher implicit reward) and `eval_rewards/margin`, means over all pairs.
 
-    Per-pair values go through `gather_for_metrics`, which drops the duplicates Accelerate adds to even out the
-    last batch, so the result equals a single-process evaluation. The loss and rewards are `preference_loss`'s for
+    Per-pair values are gathered (`gathered_batches`), so the result equals a single-process evaluation. The loss and rewards are `preference_loss`'s for
     `loss_type` (the one training uses); a reference-free loss runs no reference.
     """
-    was_training = model.training
-    model.eval()
-    stats = RewardStats("cpu")
-    for batch in progress_bar(accelerator.is_main_process, disable_tqdm, iterable=loader, desc="Evaluating",
-                              leave=False):  # fmt: skip
-        use_reference = loss_type not in REFERENCE_FREE_LOSSES
+    use_reference = loss_type not in REFERENCE_FREE_LOSSES
+
+    def per_pair(batch):
         policy, ref = policy_and_reference_log_probs(model, reference, batch, attn, dtype, accelerator, use_reference)
         losses, chosen, rejected = preference_loss(
             policy, ref, response_lengths(batch["labels"]), loss_type, beta, label_smoothing, simpo_gamma, rpo_alpha
         )
-        stats.add(*(t.cpu() for t in accelerator.gather_for_metrics((losses, chosen, rejected))))  # all pairs once
-    model.train(was_training)
+        return losses, chosen, rejected
+
+    stats = RewardStats("cpu")
+    for losses, chosen, rejected in gathered_batches(model, loader, accelerator, per_pair, disable_tqdm=disable_tqdm):
+        stats.add(losses.cpu(), chosen.cpu(), rejected.cpu())
     return {**stats.means("eval_"), "eval_pairs": int(stats.sums[0].item())}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..run.logging import progress_bar
+from ..evaluation.batches import gathered_batches
 from .losses import RewardStats
 from .reward import REWARD_FIGURES, bradley_terry_loss, pair_rewards
 
@@ -17,15 +17,14 @@ def evaluate_reward_model(model, loader, accelerator, disable_tqdm: bool = True)
     """`eval_loss`, `eval_rewards/chosen`, `eval_rewards/rejected`, `eval_accuracy` (the share of pairs whose chosen
     response gets the higher reward) and `eval_margin` (chosen minus rejected reward), means over all pairs.
 
-    Per-pair values go through `gather_for_metrics`, which drops the duplicates Accelerate adds to even out the
-    last batch, so the result equals a single-process evaluation.
+    Per-pair values are gathered (`gathered_batches`), so the result equals a single-process evaluation.
     """
-    was_training = model.training
-    model.eval()
-    stats = RewardStats("cpu", REWARD_FIGURES)
-    for batch in progress_bar(accelerator.is_main_process, disable_tqdm, iterable=loader, desc="Evaluating",
-                              leave=False):  # fmt: skip
+
+    def per_pair(batch):
         losses, chosen, rejected = bradley_terry_loss(pair_rewards(model, batch), batch.get("margin"))
-        stats.add(*(t.cpu() for t in accelerator.gather_for_metrics((losses, chosen, rejected))))  # all pairs once
-    model.train(was_training)
+        return losses, chosen, rejected
+
+    stats = RewardStats("cpu", REWARD_FIGURES)
+    for losses, chosen, rejected in gathered_batches(model, loader, accelerator, per_pair, disable_tqdm=disable_tqdm):
+        stats.add(losses.cpu(), chosen.cpu(), rejected.cpu())
     return {**stats.means("eval_"), "eval_pairs": int(stats.sums[0].item())}

@@ -5,11 +5,13 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader
 
+from ..evaluation.batches import gathered_batches
+from ..evaluation.generate import stop_token_ids
+from ..evaluation.scores import exact_matches
 from ..models.wrappers import unwrap
-from ..run.logging import progress_bar
-from .grpo import sample_completions, stop_tokens
+from .grpo import sample_completions
 from .prompts import PromptRows, reward_inputs
-from .rewards import RewardFunction, combined, exact_match, score
+from .rewards import RewardFunction, combined, score
 
 __all__ = ["evaluate_completions"]
 
@@ -24,13 +26,12 @@ def evaluate_completions(model, tokenizer, dataset, functions: list[RewardFuncti
     once (the duplicates that even out the last batch are dropped). `when` goes into a failing reward's error."""
     loader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=batch_size, collate_fn=PromptRows()))
     unwrapped = unwrap(model)
-    eos = stop_tokens(unwrapped, tokenizer)
-    results, samples = [], []
-    for batch in progress_bar(accelerator.is_main_process, disable_tqdm, iterable=loader, desc="Generating",
-                              leave=False):  # fmt: skip
+    stop = stop_token_ids(unwrapped, tokenizer)
+
+    def scored(batch) -> list[tuple]:
         completions = sample_completions(
             unwrapped, batch["prompt_ids"], [0] * len(batch["prompt_ids"]), pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=eos, max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0, device=accelerator.device,
+            eos_token_id=stop, max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0, device=accelerator.device,
             greedy=True,
         )  # fmt: skip
         texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
@@ -38,10 +39,13 @@ def evaluate_completions(model, tokenizer, dataset, functions: list[RewardFuncti
         per_function = score(functions, prompts, texts, columns, "cpu", when)
         total = combined(per_function, functions)
         references = [str(r) for r in columns[reference_column]] if reference_column in columns else None
-        matches = exact_match(None, texts, reference=references) if references else [float("nan")] * len(texts)
-        rows = [(float(total[i]), per_function[i].tolist(), matches[i], len(completions[i]), texts[i],
+        matches = exact_matches(texts, references) if references else [float("nan")] * len(texts)
+        return [(float(total[i]), per_function[i].tolist(), matches[i], len(completions[i]), texts[i],
                  references[i] if references else None) for i in range(len(texts))]  # fmt: skip
-        rows = accelerator.gather_for_metrics(rows, use_gather_object=True)
+
+    results, samples = [], []
+    for rows in gathered_batches(unwrapped, loader, accelerator, scored, objects=True, desc="Generating",
+                                 disable_tqdm=disable_tqdm):  # fmt: skip
         results += rows
         samples += [{"prediction": r[4], "reference": r[5]} for r in rows[: max(0, 3 - len(samples))]]
     n = max(len(results), 1)

@@ -30,6 +30,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from ..data.collate import PadCollator, loss_positions
 from ..data.tokenize import IGNORE_INDEX
+from ..evaluation.generate import stop_token_ids as stop_tokens  # recipes' name for the one stop-token rule
 from ..training.compilation import eager
 from ..training.loss import causal_lm_token_losses
 
@@ -127,12 +128,6 @@ def sample_completions(model, prompt_ids: list[list[int]], seeds: list[int], *, 
         end = next((j + 1 for j, t in enumerate(row) if t in stops), len(row))
         completions.append(row[:end])
     return completions
-
-
-def stop_tokens(model, tokenizer) -> int | list[int]:
-    """What ends a completion: the model's generation config's EOS ids (a chat model may have several), else the
-    tokenizer's (the chat template's end of turn, see `setup_chat_template`)."""
-    return model.generation_config.eos_token_id or tokenizer.eos_token_id
 
 
 def rollout_rows(prompt_ids: list[list[int]], completions: list[list[int]], pad_token_id: int, device):

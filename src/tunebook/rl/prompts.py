@@ -11,25 +11,25 @@ from __future__ import annotations
 import json
 import logging
 import random
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import datasets
 import torch
-from transformers import PreTrainedTokenizerBase
 
-from ..data.cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
+from ..data.cache import PREPROCESSING_VERSION, fingerprint, tokenizer_fingerprint
 from ..data.formats import as_messages
-from ..data.sources import DataSource, config_sources, fingerprint_sources, load_source
+from ..data.pipeline import Pipeline, PreparedData, Tokenised
+from ..data.sources import DataSource, fingerprint_sources, load_source
 from ..data.synthetic import _write_disjoint, make_example
 from ..data.tokenize import cut_overlong, longest_token_chars, render_chat, tokenize_conversations
-from ..data.tokenizer import config_tokenizer, setup_chat_template
+from ..data.tokenizer import setup_chat_template
 from ..errors import DataError
 
 __all__ = [
     "PromptData",
+    "PromptPipeline",
     "PromptRows",
     "prepare_prompt_data",
     "reference_examples",
@@ -41,51 +41,55 @@ __all__ = [
 PROMPT_COLUMNS = ("prompt_ids", "row")
 
 
-@dataclass
-class PromptData:
-    """The prepared data of a GRPO run."""
-
-    tokenizer: PreTrainedTokenizerBase
-    train: datasets.Dataset  # prompt_ids, row (its index, which seeds its completions) and the source's columns
-    eval: datasets.Dataset | None
-    stats: dict[str, Any] = field(default_factory=dict)
-    built: list[str] = field(default_factory=list)
-    seconds: float = 0.0
+@dataclass(kw_only=True)
+class PromptData(PreparedData):
+    """The prepared data of a GRPO run: `train` has prompt_ids, row (its index, which seeds its completions) and the
+    source's columns."""
 
 
 def prepare_prompt_data(config, cache_dir: Path, log: logging.Logger) -> PromptData:
     """Sources -> tokenizer -> tokenised train and eval prompts, each from the cache when unchanged (`GRPOConfig`)."""
-    start, built = time.perf_counter(), []
-    train_sources, eval_sources = config_sources(config, cache_dir, write_synthetic_prompts)
-    texts = lambda: _texts(train_sources, cache_dir, config)  # noqa: E731
-    notes: dict[str, Any] = {}  # what tokenizer training left out
-    # A text holds a prompt (trained up to max_prompt_length tokens) and its reference answer (the SFT warm-up's).
-    tokenizer = config_tokenizer(config, cache_dir, fingerprint_sources(train_sources), texts, built, log,
-                                 max_tokens=config.max_prompt_length + config.max_seq_length, stats=notes)  # fmt: skip
-    tokenizer = setup_chat_template(tokenizer, config.chat_template, config.trust_remote_code, log)
-    splits, stats = {}, {}
-    for name, sources in (("train", train_sources), ("eval", eval_sources)):
-        if not sources:
-            continue
+    return PromptPipeline(config, cache_dir, log).prepare()
+
+
+class PromptPipeline(Pipeline):
+    """Prompts' steps: prompts rendered with the chat template's generation prompt and tokenised, every other column
+    kept; a seeded held-out split; train rows numbered by their position."""
+
+    def write_synthetic(self, directory, num_train, num_eval, seed):
+        return write_synthetic_prompts(directory, num_train, num_eval, seed)
+
+    def make_tokenizer(self):
+        config = self.config
+        texts = lambda: _texts(self.train_sources, self.cache_dir, config)  # noqa: E731
+        # A text holds a prompt (trained up to max_prompt_length tokens) and its reference answer (the SFT warm-up's).
+        tokenizer = self.trained_tokenizer(fingerprint_sources(self.train_sources), texts,
+                                           config.max_prompt_length + config.max_seq_length)  # fmt: skip
+        return setup_chat_template(tokenizer, config.chat_template, config.trust_remote_code, self.log)
+
+    def tokenise(self, sources: list[DataSource], name: str) -> Tokenised:
+        config, log = self.config, self.log
         key = fingerprint(
-            {"prompts": fingerprint_sources(sources), "tokenizer": tokenizer_fingerprint(tokenizer),
+            {"prompts": fingerprint_sources(sources), "tokenizer": tokenizer_fingerprint(self.tokenizer),
              "max_prompt_length": config.max_prompt_length, "version": PREPROCESSING_VERSION}
         )  # fmt: skip
-        build = lambda scratch, s=sources: _build(s, tokenizer, config, cache_dir, scratch)  # noqa: E731
-        splits[name], split_stats, cached = cached_dataset(cache_dir, key, build)
-        built += [] if cached else [f"{name} tokenisation"]
-        log.info("%s prompts: %d (%s); %s", name, len(splits[name]), "cached" if cached else "tokenised", split_stats)
-        if split_stats["dropped"]:
-            log.warning("%s prompts: %d longer than max_prompt_length=%d dropped", name, split_stats["dropped"],
+        build = lambda scratch: _build(sources, self.tokenizer, config, self.cache_dir, scratch)  # noqa: E731
+        dataset, stats, cached = self.cached(key, build, f"{name} tokenisation")
+        log.info("%s prompts: %d (%s); %s", name, len(dataset), "cached" if cached else "tokenised", stats)
+        if stats["dropped"]:
+            log.warning("%s prompts: %d longer than max_prompt_length=%d dropped", name, stats["dropped"],
                         config.max_prompt_length)  # fmt: skip
-        stats = stats or dict(split_stats)
-    train, evaluation = splits["train"], splits.get("eval")
-    if evaluation is None and config.eval_split_ratio > 0:
-        parts = train.train_test_split(test_size=config.eval_split_ratio, seed=config.seed)
-        train, evaluation = parts["train"], parts["test"]
-    # `row` seeds a prompt's completions: its position in the split, whatever the order of the loader.
-    train = train.remove_columns("row").add_column("row", list(range(len(train))))
-    return PromptData(tokenizer, train, evaluation, {**stats, **notes}, built, time.perf_counter() - start)
+        return Tokenised(dataset, key, dict(stats))
+
+    def split(self, train: Tokenised) -> tuple[Tokenised, Tokenised]:
+        parts = train.dataset.train_test_split(test_size=self.config.eval_split_ratio, seed=self.config.seed)
+        return train._replace(dataset=parts["train"]), Tokenised(parts["test"], train.key, {})
+
+    def finish(self, train: Tokenised, evaluation: Tokenised | None) -> PromptData:
+        # `row` seeds a prompt's completions: its position in the split, whatever the order of the loader.
+        rows = train.dataset.remove_columns("row").add_column("row", list(range(len(train.dataset))))
+        return PromptData(tokenizer=self.tokenizer, train=rows, eval=evaluation and evaluation.dataset,
+                          stats={**train.stats, **self.notes})  # fmt: skip
 
 
 def _load_prompts(source: DataSource, cache_dir: Path, seed: int) -> datasets.Dataset:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError, TunebookError
+from ..evaluation.scores import exact_matches
 from ..user_code import load_function, user_failure
 
 __all__ = [
@@ -46,8 +47,8 @@ class RewardFunction:
     spec: str = ""  # as the config gives it: a built-in's name, path/to/file.py:function, or reward_model
 
 
-def exact_match(prompts, completions, *, reference: Sequence[str], **_) -> list[float]:
-    return [float(c.strip() == str(r).strip()) for c, r in zip(completions, reference)]
+def exact_match(prompts, completions, *, reference: Sequence, **_) -> list[float]:
+    return exact_matches(completions, [str(r) for r in reference])  # the rule of eval_exact_match
 
 
 def format_regex(prompts, completions, *, pattern: str, **_) -> list[float]:

@@ -31,7 +31,7 @@ def setup_logging(
     import datasets
     import transformers
 
-    from .errors import owns_process
+    from ..errors import owns_process
 
     whole_process = (owns_process() if whole_process is None else whole_process) or not is_main_process
     rank = os.environ.get("RANK", "0")

@@ -48,16 +48,16 @@ def _padded_equals_alone(model, data):
 def test_a_tokenizer_that_pads_on_the_left_pads_on_the_right_for_absolute_positions(tmp_path, monkeypatch):
     """GPT-2 and BERT count positions from the row's start: left padding (as chat tokenizers ship) would shift them
     for every shorter example, in training and in evaluation alike."""
-    import tunebook.data.classification as classification
+    import tunebook.data.pipeline as pipeline
 
-    config_tokenizer = classification.config_tokenizer
+    config_tokenizer = pipeline.config_tokenizer
 
     def left_padding(*args, **kwargs):
         tokenizer = config_tokenizer(*args, **kwargs)
         tokenizer.padding_side = "left"
         return tokenizer
 
-    monkeypatch.setattr(classification, "config_tokenizer", left_padding)
+    monkeypatch.setattr(pipeline, "config_tokenizer", left_padding)
     data = _data(tmp_path, ["x", "y", "z"] * 4)
     assert data.tokenizer.padding_side == "right"
     for model_type in ("gpt2", "bert"):
