@@ -19,11 +19,11 @@ import pyarrow.compute as pc
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import ConfigError, DataError
+from ..models.tokenizer import config_tokenizer
 from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
 from .sources import DataSource, config_sources, fingerprint_sources, load_source, raise_unless_text
 from .synthetic import write_synthetic_classification
 from .tokenize import cut_overlong, longest_token_chars
-from .tokenizer import config_tokenizer
 
 __all__ = ["ClassificationData", "label_names_of", "prepare_classification_data"]
 

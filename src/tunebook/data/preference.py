@@ -27,6 +27,7 @@ import datasets
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import DataError
+from ..models.tokenizer import config_tokenizer, setup_chat_template
 from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
 from .formats import as_messages, normalise_messages
 from .sources import DataSource, config_sources, fingerprint_sources, load_source
@@ -39,7 +40,6 @@ from .tokenize import (
     longest_token_chars,
     render_chat,
 )
-from .tokenizer import config_tokenizer, setup_chat_template
 
 __all__ = [
     "PreferenceData",

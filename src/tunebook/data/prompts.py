@@ -21,12 +21,12 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import DataError
+from ..models.tokenizer import config_tokenizer, setup_chat_template
 from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
 from .formats import as_messages
 from .sources import DataSource, config_sources, fingerprint_sources, load_source
 from .synthetic import _write_disjoint, make_example
 from .tokenize import cut_overlong, longest_token_chars, render_chat, tokenize_conversations
-from .tokenizer import config_tokenizer, setup_chat_template
 
 __all__ = [
     "PromptData",

@@ -21,11 +21,12 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import ConfigError, DataError
+from ..models.tokenizer import config_tokenizer, setup_chat_template
 from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
 from .formats import detect_format, to_conversations
 from .packing import example_lengths, pack_dataset
 from .sources import DataSource, config_sources, fingerprint_sources, load_source
-from .streaming import (
+from .stream import (
     ChatRows,
     Mixture,
     TokenStream,
@@ -37,7 +38,6 @@ from .streaming import (
 )
 from .synthetic import write_synthetic_task
 from .tokenize import longest_token_chars, tokenize_conversations
-from .tokenizer import config_tokenizer, setup_chat_template
 
 __all__ = [
     "SFTData",

@@ -20,10 +20,11 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import ConfigError, DataError
+from ..models.tokenizer import config_tokenizer, text_pieces, tokenizer_max_chars
 from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
 from .packing import example_lengths
 from .sources import DataSource, config_sources, fingerprint_sources, load_source, raise_unless_text
-from .streaming import (
+from .stream import (
     Mixture,
     TextRows,
     TokenStream,
@@ -35,7 +36,6 @@ from .streaming import (
 )
 from .synthetic import write_synthetic_text
 from .tokenize import IGNORE_INDEX
-from .tokenizer import config_tokenizer, text_pieces, tokenizer_max_chars
 
 __all__ = ["TextData", "chunk_documents", "prepare_text_data"]
 

@@ -6,8 +6,8 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 
-from ..data.packing import attention_inputs
 from ..logging import progress_bar
+from ..models.attention import attention_inputs
 from ..training.loss import causal_lm_token_losses
 from .scores import perplexity
 

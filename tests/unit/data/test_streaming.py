@@ -13,7 +13,7 @@ import torch
 from conftest import TINY_TEST_MODEL
 
 from tunebook.data import PackedCollator, attention_inputs, prepare_sft_data, prepare_text_data
-from tunebook.data.streaming import reader_rows
+from tunebook.data.stream import reader_rows
 from tunebook.errors import ConfigError, DataError
 from tunebook.recipe_configs import ClassifyConfig, PretrainConfig, SFTConfig
 

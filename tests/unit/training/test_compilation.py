@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tunebook.data.collate import PackedCollator
-from tunebook.data.packing import attention_inputs, use_packed_attention
 from tunebook.errors import ConfigError
 from tunebook.models import apply_lora, build_causal_lm
+from tunebook.models.attention import attention_inputs, use_packed_attention
 from tunebook.recipe_configs import SFTConfig
 from tunebook.training.compilation import compile_blocks, eager, transformer_blocks
 
