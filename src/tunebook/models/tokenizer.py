@@ -17,7 +17,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 from ..errors import ModelError, first_line
 from ..locations import looks_like_local_path
-from ..distributed import preparation_lock
+from ..preparation import preparation_lock
 
 __all__ = [
     "CHATML_TEMPLATE",
