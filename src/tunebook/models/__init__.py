@@ -14,7 +14,7 @@ _LAZY = {
     ],
     "tunebook.models.lora": [
         "apply_lora", "describe_parameters", "is_peft_model", "merge_adapter_dir", "parameter_counts",
-        "register_adapter_checkpoints", "save_adapter",
+        "register_adapter_checkpoints",
     ],
     "tunebook.models.tiny": ["TINY_BERT", "TINY_LLAMA"],
     "tunebook.models.wrappers": ["unwrap"],
