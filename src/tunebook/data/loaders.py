@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from .collate import PackedCollator
 from .resumable import ResumableLoader, resumable
 from .stream import StreamLoader, TokenStream
 from .workers import start_worker_server, worker_options
@@ -112,7 +113,7 @@ def train_and_eval_loaders(
     # Packed rows get one shape for compiled blocks: under torch_compile: true, and under auto where CUDA may compile
     # them (`should_compile` decides once the run's length is known; rows padded to max_seq_length cost little).
     compiling = config.torch_compile is True or (config.torch_compile == "auto" and torch.cuda.is_available())
-    if compiling and hasattr(collate_fn, "row_length"):
+    if compiling and isinstance(collate_fn, PackedCollator):
         train_collate = copy.copy(collate_fn)
         train_collate.row_length, train_collate.rows = config.max_seq_length, config.per_device_train_batch_size
     common = {
@@ -139,5 +140,6 @@ def fixed_batch_shape(loader: DataLoader | ResumableLoader) -> tuple[int, int] |
     """(rows, length) of every batch of `loader` (packed rows under torch_compile), or None where batches change
     shape."""
     collate = resumable(loader).collate
-    rows, length = getattr(collate, "rows", None), getattr(collate, "row_length", None)
-    return (rows, length) if rows and length else None
+    if isinstance(collate, PackedCollator) and collate.rows and collate.row_length:
+        return collate.rows, collate.row_length
+    return None
