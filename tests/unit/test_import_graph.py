@@ -98,7 +98,7 @@ def import_edges(package: Path) -> list[Edge]:
                     if reached in modules and reached not in inside and reached != name:
                         where = f"{path.relative_to(package.parent)}:{node.lineno}"
                         edges.append(Edge(name, reached, where, lazy))
-    return edges
+    return list(dict.fromkeys(edges))  # one edge per import statement and module reached
 
 
 def find_circles(edges: list[Edge]) -> list[list[Edge]]:
