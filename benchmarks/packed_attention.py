@@ -43,6 +43,9 @@ CUDA_BACKENDS = ("sdpa", "tunebook_segment_sdpa", "flex_attention", "flash_atten
 
 
 def shapes() -> dict[str, dict]:
+    # The model shapes are gpu_vs_peers.py's, so the two GPU measurements describe the same models.
+    if str(ROOT / "benchmarks" / "gpu") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
     from gpu_vs_peers import LLAMA_32_1B, SMOLLM2_135M, TINY
 
     from tunebook.models import TINY_LLAMA

@@ -23,40 +23,37 @@ from __future__ import annotations
 import torch
 
 from tunebook.config import load_config
-from tunebook.data import (
-    PairCollator,
-    PreferenceData,
-    fingerprint,
-    format_loss_mask,
-    prepare_preference_data,
-    train_and_eval_loaders,
-)
+from tunebook.data import PairCollator, fingerprint, format_loss_mask, train_and_eval_loaders
 from tunebook.distributed import prepare_then_join
-from tunebook.evaluation import evaluate_preferences
 from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options, whole_weights
+from tunebook.preference import (
+    REFERENCE_FREE_LOSSES,
+    PreferenceData,
+    RewardStats,
+    evaluate_preferences,
+    frozen_copy,
+    partition_reference,
+    policy_and_reference_log_probs,
+    precompute_reference_log_probs,
+    preference_loss,
+    prepare_preference_data,
+    response_lengths,
+    weights_fingerprint,
+)
 from tunebook.recipe_configs import DPOConfig
 from tunebook.training import (
-    REFERENCE_FREE_LOSSES,
-    RewardStats,
     accumulation_windows,
     after_step,
     apply_update,
     build_optimizer,
     epochs,
     finish,
-    frozen_copy,
     micro_batch,
-    partition_reference,
     plan_training,
-    policy_and_reference_log_probs,
-    precompute_reference_log_probs,
-    preference_loss,
-    response_lengths,
     resume,
     sft_warmup,
     start_run,
     step_loss_scale,
-    weights_fingerprint,
 )
 
 

@@ -14,7 +14,7 @@ answers when GRPO starts and at the end.
 Each row of the data has a `prompt` (text or messages); its other columns reach the reward functions. Every
 optimizer step: the window's prompts (each process its own, whole groups) -> `num_generations` sampled completions
 each -> rewards -> advantages within each group -> `num_iterations` updates of the clipped objective
-(`tunebook.training.grpo`). Outputs in `output_dir` as for the other recipes; `metrics.jsonl` adds reward mean/std
+(`tunebook.rl.grpo`). Outputs in `output_dir` as for the other recipes; `metrics.jsonl` adds reward mean/std
 per function, the fraction of groups with one reward for all, completion lengths, clip ratio, KL, and generation
 vs. training seconds.
 """
@@ -26,35 +26,14 @@ import time
 import torch
 
 from tunebook.config import load_config
-from tunebook.data import (
-    PromptData,
-    PromptRows,
-    prepare_prompt_data,
-    reference_examples,
-    reward_inputs,
-    train_and_eval_loaders,
-)
+from tunebook.data import train_and_eval_loaders
 from tunebook.distributed import prepare_then_join
-from tunebook.evaluation.completions import evaluate_completions
 from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options, unwrap, whole_weights
+from tunebook.preference import frozen_copy, partition_reference
 from tunebook.recipe_configs import GRPOConfig
-from tunebook.training import (
-    accumulation_windows,
-    after_step,
-    apply_update,
-    build_optimizer,
-    epochs,
-    finish,
-    frozen_copy,
-    micro_batch,
-    partition_reference,
-    plan_training,
-    resume,
-    sft_warmup,
-    start_run,
-    step_loss_scale,
-)
-from tunebook.training.grpo import (
+from tunebook.rl import PromptData, PromptRows, prepare_prompt_data, reference_examples, reward_inputs
+from tunebook.rl.evaluation import evaluate_completions
+from tunebook.rl.grpo import (
     GRPOStats,
     Rollouts,
     completion_log_probs,
@@ -67,7 +46,21 @@ from tunebook.training.grpo import (
     step_normaliser,
     stop_tokens,
 )
-from tunebook.training.rewards import combined, describe, load_reward_functions, score
+from tunebook.rl.rewards import combined, describe, load_reward_functions, score
+from tunebook.training import (
+    accumulation_windows,
+    after_step,
+    apply_update,
+    build_optimizer,
+    epochs,
+    finish,
+    micro_batch,
+    plan_training,
+    resume,
+    sft_warmup,
+    start_run,
+    step_loss_scale,
+)
 
 
 def generate_rollouts(config: GRPOConfig, run, model, reference, window, rewards, figures, tokenizer) -> list:

@@ -22,23 +22,27 @@ from __future__ import annotations
 import torch
 
 from tunebook.config import load_config
-from tunebook.data import PairCollator, PreferenceData, prepare_preference_data, train_and_eval_loaders
+from tunebook.data import PairCollator, train_and_eval_loaders
 from tunebook.distributed import prepare_then_join
-from tunebook.evaluation import evaluate_reward_model
 from tunebook.models import apply_lora, build_sequence_classifier, describe_parameters, model_options
+from tunebook.preference import (
+    REWARD_FIGURES,
+    PreferenceData,
+    RewardStats,
+    bradley_terry_loss,
+    evaluate_reward_model,
+    pair_rewards,
+    prepare_preference_data,
+)
 from tunebook.recipe_configs import RewardConfig
 from tunebook.training import (
-    REWARD_FIGURES,
-    RewardStats,
     accumulation_windows,
     after_step,
     apply_update,
-    bradley_terry_loss,
     build_optimizer,
     epochs,
     finish,
     micro_batch,
-    pair_rewards,
     plan_training,
     resume,
     start_run,

@@ -344,7 +344,7 @@ TRACKERS = ("tensorboard", "trackio", "wandb", "mlflow")  # each installs as the
 
 def report_to_names(report_to: str | list[str]) -> list[str]:
     """The names in a `report_to` value (a name, a comma-separated string or a list), checked: each one a tracker of
-    `TRACKERS`, `auto` or `none`, and `none` alone. Whether they are installed is `tunebook.trackers`' question."""
+    `TRACKERS`, `auto` or `none`, and `none` alone. Whether they are installed is `tunebook.run.trackers`' question."""
     names = report_to if isinstance(report_to, list) else str(report_to).split(",")
     names = [str(n).strip().lower() for n in names if str(n).strip()]
     for name in names:

@@ -31,17 +31,17 @@ __all__ = ["RECIPES", "Recipe", "load_recipe", "recipe_config_class", "recipe_da
 # tunebook.data), by name, so neither the recipe nor torch is imported to check a command line; and what it trains
 # with the Hub's pipeline tag of its model (for model cards).
 _PARTS = {
-    "sft": ("SFTConfig", "prepare_sft_data",
+    "sft": ("SFTConfig", "data:prepare_sft_data",
             "supervised fine-tuning (SFT) of a causal language model on instruction or chat data", "text-generation"),
-    "classify": ("ClassifyConfig", "prepare_classification_data", "fine-tuning of a text classifier",
+    "classify": ("ClassifyConfig", "data:prepare_classification_data", "fine-tuning of a text classifier",
                  "text-classification"),
-    "pretrain": ("PretrainConfig", "prepare_text_data",
+    "pretrain": ("PretrainConfig", "data:prepare_text_data",
                  "continued pretraining of a causal language model on plain text", "text-generation"),
-    "dpo": ("DPOConfig", "prepare_preference_data",
+    "dpo": ("DPOConfig", "preference:prepare_preference_data",
             "Direct Preference Optimization (DPO) of a causal language model on preference pairs", "text-generation"),
-    "reward": ("RewardConfig", "prepare_preference_data",
+    "reward": ("RewardConfig", "preference:prepare_preference_data",
                "a reward model (one-output sequence classifier) trained on preference pairs", "text-classification"),
-    "grpo": ("GRPOConfig", "prepare_prompt_data",
+    "grpo": ("GRPOConfig", "rl:prepare_prompt_data",
              "Group Relative Policy Optimization (GRPO) of a causal language model with reward functions",
              "text-generation"),
 }  # fmt: skip
@@ -65,9 +65,8 @@ def recipe_config_class(name: str) -> type:
 def recipe_data(name: str):
     """The function that prepares recipe `name`'s data (`prepare(config, cache_dir, log)`): what the recipe runs first
     and `tunebook prepare` runs alone."""
-    from . import data
-
-    return getattr(data, _part(name, 1))
+    package, function = _part(name, 1).split(":")  # the task's package under tunebook, and its function
+    return getattr(importlib.import_module(f"tunebook.{package}"), function)
 
 
 def recipe_task(name: str) -> tuple[str, str] | None:

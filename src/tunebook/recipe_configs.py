@@ -499,7 +499,7 @@ class RewardConfig(ChatModelConfig):
     synthetic_eval_size: int = new_default(200, "Held-out pairs of the synthetic task (when train_data is None).")
 
 
-# GRPO's built-in reward functions (tunebook.training.rewards), named here so a config is checked without torch.
+# GRPO's built-in reward functions (tunebook.rl.rewards), named here so a config is checked without torch.
 BUILTIN_REWARDS = ("exact_match", "format_regex", "length_penalty")
 
 

@@ -14,12 +14,12 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, TINY_TEST_MODEL, assert_png, launch
+from support import ROOT, TINY_TEST_MODEL, assert_png, launch
 
 from tunebook import load_recipe
 from tunebook.errors import DataError
 
-from test_guarantees import COMMON, TASKS, _records, _without_rates  # isort: skip
+from recipe_runs import COMMON, TASKS, _records, _without_rates  # isort: skip
 
 REWARDS = ROOT / "tests" / "recipes" / "grpo_rewards.py"
 TINY = {**COMMON, **TASKS["grpo"], "max_steps": 4}  # the guarantees' tiny run (a reward random answers earn)
@@ -108,7 +108,7 @@ def test_config_mistakes_are_one_line(tmp_path, args, message):
 
     with pytest.raises(ConfigError, match=message):
         config = load_config(GRPOConfig, [*args, "--output_dir", str(tmp_path / "run")])
-        from tunebook.training.rewards import load_reward_functions
+        from tunebook.rl.rewards import load_reward_functions
 
         load_reward_functions(config)  # names are checked when the run loads them
 

@@ -17,47 +17,15 @@ import json
 import signal
 
 import pytest
-from conftest import ROOT, TINY_TEST_MODEL, hold_lock
+from recipe_runs import COMMON, EVAL_METRIC, _rates, _records, _run, _weights, _without_rates
+from support import ROOT, TINY_TEST_MODEL, hold_lock
 
 from tunebook import load_recipe
-from tunebook.checkpoint import list_checkpoints, resolve_checkpoint
 from tunebook.errors import TrainingError
 from tunebook.recipe import RECIPES
+from tunebook.training.checkpoint import list_checkpoints, resolve_checkpoint
 
 pytestmark = pytest.mark.slow
-COMMON = {"disable_tqdm": True, "report_to": "none", "dataloader_num_workers": 0, "logging_steps": 1,
-          "eval_on_start": False, "per_device_train_batch_size": 4, "per_device_eval_batch_size": 8,
-          "log_level": "WARNING", "max_steps": 6, "learning_rate": 1e-3}  # fmt: skip
-TASKS = {
-    "sft": {"model_config": TINY_TEST_MODEL, "synthetic_train_size": 64, "synthetic_eval_size": 8,
-            "generation_eval": False},
-    "classify": {"synthetic_train_size": 64, "synthetic_eval_size": 16},
-    "pretrain": {"model_config": TINY_TEST_MODEL, "synthetic_train_size": 40, "synthetic_eval_size": 8,
-                 "max_seq_length": 64},
-    "dpo": {"model_config": TINY_TEST_MODEL, "synthetic_train_size": 64, "synthetic_eval_size": 8,
-            "sft_warmup_steps": 0},
-    "reward": {"model_config": TINY_TEST_MODEL, "synthetic_train_size": 64, "synthetic_eval_size": 8},
-    # A reward that random completions sometimes earn, so advantages, gradients and updates are not all zero.
-    "grpo": {"model_config": TINY_TEST_MODEL, "synthetic_train_size": 64, "synthetic_eval_size": 8,
-             "sft_warmup_steps": 0, "num_generations": 2, "max_new_tokens": 4,
-             "reward_functions": [str(ROOT / "tests" / "recipes" / "grpo_rewards.py") + ":text_length"]},
-}  # fmt: skip
-# What evaluation reports to choose the best model by (GRPO's evaluation has rewards, not a loss).
-EVAL_METRIC = {"grpo": "reward"}
-
-
-def _run(name, out, cache, **overrides):
-    recipe = load_recipe(name)
-    config = recipe.config(**{**COMMON, **TASKS[name], "output_dir": str(out), "cache_dir": str(cache), **overrides})
-    return recipe.main(config)
-
-
-def _records(out) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def _weights(out) -> bytes:
-    return (out / "model.safetensors").read_bytes()
 
 
 def _signal_at(monkeypatch, name: str, step: int, signum=signal.SIGTERM) -> None:
@@ -106,25 +74,6 @@ def test_a_stop_signal_then_resume_equals_the_uninterrupted_run(name, tmp_path, 
     assert _weights(tmp_path / "cut") == _weights(tmp_path / "full")
     assert resumed["eval"] == full["eval"] and resumed["train_steps"] == full["train_steps"] == 6
     assert resumed["resumed_from"].endswith("step-3") and resumed["final_train_loss"] == full["final_train_loss"]
-
-
-RATES = (
-    "tokens_per_second",
-    "samples_per_second",
-    "data_wait_fraction",
-    "peak_rss_mb",
-    "mfu",
-    "generation_seconds",
-    "training_seconds",
-)
-
-
-def _rates(record: dict) -> dict:
-    return {k: v for k, v in record.items() if k in RATES}
-
-
-def _without_rates(record: dict) -> dict:
-    return {k: v for k, v in record.items() if k not in RATES}
 
 
 def _paired(tmp_path):
@@ -417,6 +366,6 @@ def test_a_stop_signal_on_two_processes_then_resume_equals_the_uninterrupted_run
 
 
 def _free_port() -> int:
-    from conftest import free_port
+    from support import free_port
 
     return free_port()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from conftest import ROOT
+from support import ROOT
 
 from tunebook.config import parse_config
 from tunebook.data import prepare_sft_data

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from conftest import ROOT
+from support import ROOT
 
 from tunebook import ConfigError, load_recipe
 from tunebook.recipe import RECIPES, recipe_config_class

@@ -9,14 +9,6 @@ from .collate import PackedCollator, PadCollator, PairCollator, PromptCollator, 
 from .formats import FORMAT_COLUMNS, detect_format, normalise_messages, to_conversations
 from .loaders import LengthGroupedSampler, build_loader, train_and_eval_loaders
 from .packing import best_fit_decreasing, example_lengths, pack_dataset
-from .preference import (
-    PreferenceData,
-    prepare_preference_data,
-    prompt_and_response,
-    prompt_and_response_ids,
-    write_synthetic_preferences,
-)
-from .prompts import PromptData, PromptRows, prepare_prompt_data, reference_examples, reward_inputs
 from .sft import SFTData, conversation_texts, load_conversations, prepare_sft_data, prepare_sft_dataset, sft_cache_key
 from .sources import DataSource, fingerprint_sources, load_source, parse_sources
 from .synthetic import write_synthetic_task
@@ -24,17 +16,7 @@ from .text import TextData, chunk_documents, prepare_text_data
 from .tokenize import IGNORE_INDEX, assistant_spans, format_loss_mask, render_chat, tokenize_conversations
 
 __all__ = [
-    "PromptData",
-    "PromptRows",
-    "prepare_prompt_data",
-    "reference_examples",
-    "reward_inputs",
     "PairCollator",
-    "PreferenceData",
-    "prepare_preference_data",
-    "prompt_and_response",
-    "prompt_and_response_ids",
-    "write_synthetic_preferences",
     "TextData",
     "chunk_documents",
     "prepare_text_data",

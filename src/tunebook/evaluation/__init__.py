@@ -5,16 +5,12 @@ from .classification import classifier_inputs, evaluate_classifier
 from .generate import generation_exact_match
 from .loss import evaluate_loss
 from .metrics import LOCAL_METRICS, load_metric, load_metrics
-from .preference import evaluate_preferences
-from .reward_model import evaluate_reward_model
 
 __all__ = [
     "LOCAL_METRICS",
     "classifier_inputs",
     "evaluate_classifier",
     "evaluate_loss",
-    "evaluate_preferences",
-    "evaluate_reward_model",
     "generation_exact_match",
     "load_metric",
     "load_metrics",

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 
-from ..logging import progress_bar
+from ..run.logging import progress_bar
 from .metrics import load_metrics
 
 __all__ = ["classifier_inputs", "evaluate_classifier"]

@@ -9,8 +9,8 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from ..data.collate import PromptCollator
-from ..logging import progress_bar
 from ..models.wrappers import unwrap
+from ..run.logging import progress_bar
 from .metrics import load_metric
 
 __all__ = ["generation_exact_match"]

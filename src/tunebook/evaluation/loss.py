@@ -6,8 +6,8 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 
-from ..logging import progress_bar
 from ..models.attention import attention_inputs
+from ..run.logging import progress_bar
 from ..training.loss import causal_lm_token_losses
 from .scores import perplexity
 

@@ -15,20 +15,6 @@ from .loss import (
     token_loss_sum,
 )
 from .optim import build_optimizer, build_scheduler
-from .preference import (
-    LOSS_TYPES,
-    REFERENCE_FREE_LOSSES,
-    RewardStats,
-    dpo_loss,
-    policy_and_reference_log_probs,
-    precompute_reference_log_probs,
-    preference_loss,
-    response_lengths,
-    sequence_log_probs,
-    weights_fingerprint,
-)
-from .reference import frozen_copy, partition_reference
-from .reward_model import REWARD_FIGURES, RewardModel, bradley_terry_loss, load_reward_model, pair_rewards
 from .steps import accumulation_windows, eval_due, micro_batch, save_due, total_optimizer_steps
 from .throughput import Throughput, peak_memory
 from .warmup import sft_warmup
@@ -46,23 +32,6 @@ __all__ = [
     "start_run",
     "recipe_accelerator",
     "Throughput",
-    "RewardStats",
-    "REWARD_FIGURES",
-    "RewardModel",
-    "bradley_terry_loss",
-    "load_reward_model",
-    "pair_rewards",
-    "dpo_loss",
-    "LOSS_TYPES",
-    "REFERENCE_FREE_LOSSES",
-    "preference_loss",
-    "response_lengths",
-    "policy_and_reference_log_probs",
-    "frozen_copy",
-    "partition_reference",
-    "precompute_reference_log_probs",
-    "sequence_log_probs",
-    "weights_fingerprint",
     "peak_memory",
     "sft_warmup",
     "model_flops_per_token",

@@ -75,7 +75,7 @@ class Run:
     recipe: str
     accelerator: Accelerator
     log: logging.Logger
-    timer: Any  # tunebook.logging.RunTimer
+    timer: Any  # tunebook.run.logging.RunTimer
     output_dir: Path
     cache_dir: Path
     total_steps: int = 0
@@ -91,7 +91,7 @@ class Run:
     figures: Any = None  # the window's logged training figures: add(...), pop(accelerator) -> {"loss": ...}
     counters: TrainCounters | None = None
     best: BestModel | None = None
-    metrics: Any = None  # tunebook.logging.MetricsWriter
+    metrics: Any = None  # tunebook.run.logging.MetricsWriter
     progress: Any = None
     throughput: Any = None  # tunebook.training.Throughput
     compiled: Any = None  # tunebook.training.compilation.CompiledBlocks, with torch_compile
@@ -99,19 +99,19 @@ class Run:
     grad_norm: Any = None  # of the last step
     learning_rate: float = 0.0  # the rate the last step trained at
     stop: BaseException | None = None  # what ends the run early, raised by `finish` once the model is freed
-    output_lock: Any = None  # tunebook.output_lock.OutputDirLock, released when the run ends
+    output_lock: Any = None  # tunebook.run.output_lock.OutputDirLock, released when the run ends
 
 
 def start_run(config, recipe: str) -> Run:
     """Timer, Accelerator, logging, seed, output and cache folders, `config.yaml`, the start-up log."""
     from accelerate.utils import set_seed
 
+    from ..cli.launch import resume_collector
     from ..config import save_config
     from ..data.loaders import start_worker_server
-    from ..launch import resume_collector
-    from ..logging import log_run_start, setup_logging
-    from ..output_lock import lock_run_output_dir
-    from ..record import RunTimer
+    from ..run.logging import log_run_start, setup_logging
+    from ..run.output_lock import lock_run_output_dir
+    from ..run.record import RunTimer
     from .accelerator import recipe_accelerator
     from .resumption import prepare_output_dir
 
@@ -173,9 +173,9 @@ def resume(run: Run, data, figures, evaluate: Callable[[], dict] | None) -> None
     best model, logged `figures`) when asked to resume, else fresh; the trackers and `metrics.jsonl`; an evaluation
     before training (`eval_on_start`). `data` is the prepared data (its tokenizer goes into checkpoints, its training
     rows give the FLOPs per token); `evaluate()` runs the recipe's evaluation (None: there is no eval data)."""
-    from ..logging import progress_bar
-    from ..record import MetricsWriter
-    from ..trackers import start_trackers
+    from ..run.logging import progress_bar
+    from ..run.record import MetricsWriter
+    from ..run.trackers import start_trackers
     from .resumption import resume_training
     from .throughput import Throughput
 
@@ -283,7 +283,7 @@ def _scaled_update(run: Run, step_loss: torch.Tensor) -> bool:
 def after_step(run: Run) -> bool:
     """Log, evaluate, note the best model, honour a stop signal, save, stop early, as each falls due after an
     optimizer step. Returns True when the epoch's loop should end (the run stops or is done)."""
-    from ..logging import show_progress
+    from ..run.logging import show_progress
 
     config, state = run.config, run.state
     if run.stop is not None:  # a non-finite step under nan_policy: stop (nothing logged or saved after it)
@@ -368,8 +368,8 @@ def finish(run: Run, data, headline: tuple[str, str, str] | None = None, **extra
     `load_best_model_at_end` finds a better one, the model is saved, and the summary, report and model card are
     written. `headline` = (metric, name, format) logs "Eval <name>: <before> before training -> <after> after".
     Returns the summary (`extra` adds recipe-specific keys to it)."""
-    from ..checkpoint import save_final_model
-    from ..record import finish_run, run_summary
+    from ..run.record import finish_run, run_summary
+    from .checkpoint import save_final_model
 
     config, state, accelerator, log = run.config, run.state, run.accelerator, run.log
     run.progress.close()
@@ -429,8 +429,8 @@ def finish(run: Run, data, headline: tuple[str, str, str] | None = None, **extra
 def _load_best(run: Run, best: BestModel, final_eval: dict[str, Any]) -> dict[str, Any]:
     """Load the best checkpoint's weights, once it is verified (on the main process, for all); a damaged one is
     not loaded: the final step's weights are kept, and said so. Returns the evaluation of the weights kept."""
-    from ..checkpoint import decided_by_main
-    from ..manifest import verify_checkpoint
+    from ..distributed import decided_by_main
+    from .manifest import verify_checkpoint
 
     checkpoint = Path(best.best_checkpoint)
     problem = decided_by_main(run.accelerator, lambda: verify_checkpoint(checkpoint, run.log))

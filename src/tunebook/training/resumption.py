@@ -18,18 +18,18 @@ from typing import Any
 
 import yaml
 
-from ..checkpoint import (
+from ..config import config_to_dict
+from ..distributed import decided_by_main
+from ..errors import ConfigError, TrainingError, TunebookError, first_line, same_on_every_rank
+from .checkpoint import (
     SCHEDULE,
     checkpoint_path,
-    decided_by_main,
     list_checkpoints,
     load_process_state,
     load_trainer_state,
     resolve_checkpoint,
     save_checkpoint,
 )
-from ..config import config_to_dict
-from ..errors import ConfigError, TrainingError, TunebookError, first_line, same_on_every_rank
 
 __all__ = [
     "RUN_CONTROL_KEYS",

@@ -40,7 +40,7 @@ def accumulation_windows(
     first backward. The last window is yielded while the loader is still suspended on its final batch: an
     Accelerate loader then still reports `end_of_dataloader`, which `accelerator.accumulate` needs to sync
     gradients at the end of a shorter final window (once the loader is exhausted, it no longer does).
-    With a `timer` (`tunebook.logging.RunTimer`), the time spent waiting for each batch is added to it.
+    With a `timer` (`tunebook.run.logging.RunTimer`), the time spent waiting for each batch is added to it.
     """
     window: list[Any] = []
     batches = iter(loader)

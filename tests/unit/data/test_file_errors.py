@@ -11,10 +11,11 @@ import logging
 import pytest
 
 from tunebook.data import load_conversations, parse_sources
-from tunebook.data.preference import prepare_preference_data
-from tunebook.data.sources import EXTENSIONS, load_source
+from tunebook.data.files import EXTENSIONS
+from tunebook.data.sources import load_source
 from tunebook.errors import DataError
 from tunebook.locations import DATA_FILE_ENDINGS
+from tunebook.preference.data import prepare_preference_data
 from tunebook.recipe_configs import ClassifyConfig, RewardConfig
 
 
@@ -62,9 +63,9 @@ def test_bytes_that_are_not_utf8_are_named_by_file_line_and_column(tmp_path, nam
 
 
 def test_utf8_text_with_every_width_of_character_loads(tmp_path, monkeypatch):
-    import tunebook.data.sources as sources
+    import tunebook.data.files as files
 
-    monkeypatch.setattr(sources, "UTF8_CHUNK", 7)  # characters of 2, 3 and 4 bytes cut by the chunks' ends
+    monkeypatch.setattr(files, "UTF8_CHUNK", 7)  # characters of 2, 3 and 4 bytes cut by the chunks' ends
     text = "é ü ✓ 日本 🙂 " * 50
     path = _write_jsonl(tmp_path / "ok.jsonl", [{"prompt": text, "completion": text[::-1]}] * 5)
     assert max(open(path, "rb").read()) > 127  # the characters as UTF-8 bytes, not JSON escapes
@@ -152,8 +153,8 @@ def test_pretraining_text_that_is_not_text_names_the_row(tmp_path):
 
 
 def test_grpo_reference_answers_of_mixed_types_reach_the_rewards_as_written(tmp_path):
-    from tunebook.data import prepare_prompt_data
     from tunebook.recipe_configs import GRPOConfig
+    from tunebook.rl import prepare_prompt_data
 
     rows = [{"prompt": f"q{i}", "answer": "0000" if i % 2 else 42} for i in range(8)]
     path = _write_jsonl(tmp_path / "prompts.jsonl", rows)

@@ -17,10 +17,10 @@ from transformers import PreTrainedTokenizerBase
 
 import tunebook.models.tokenizer as tokenizer_module
 from tunebook.data import synthetic
-from tunebook.data.preference import write_synthetic_preferences
-from tunebook.data.prompts import write_synthetic_prompts
 from tunebook.models.tokenizer import train_chat_tokenizer, train_encoder_tokenizer
+from tunebook.preference.data import write_synthetic_preferences
 from tunebook.recipe import RECIPES, recipe_config_class, recipe_data
+from tunebook.rl.prompts import write_synthetic_prompts
 
 LOG = logging.getLogger("test")
 BIG = "a" * 10_000_000

@@ -12,7 +12,7 @@ import json
 import logging
 
 import pytest
-from conftest import ASSETS
+from support import ASSETS
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -170,7 +170,7 @@ def test_the_end_of_turn_token_becomes_eos_and_phi3_still_closes_with_its_own(tm
 
 
 def test_preference_pairs_get_the_same_checks_and_closing():
-    from tunebook.data.preference import prompt_and_response_texts
+    from tunebook.preference.data import prompt_and_response_texts
 
     chosen, rejected = [A1], [{"role": "assistant", "content": "A1 wrong."}]
     _, rests = prompt_and_response_texts(_tokenizer("phi-3.5-mini-instruct"), [U1], [chosen, rejected], None, "p")
@@ -297,7 +297,7 @@ def test_split_turns_makes_no_example_of_a_prompts_assistant_turn():
 def test_the_grpo_warm_up_trains_on_the_answer_not_on_the_prompts_assistant_turns():
     import datasets
 
-    from tunebook.data.prompts import reference_examples
+    from tunebook.rl.prompts import reference_examples
 
     tokenizer = _tokenizer("llama-3.1-instruct")
     prompts = datasets.Dataset.from_list([{"prompt": [U1, A1, U2], "answer": "A2 second."}])

@@ -11,11 +11,11 @@ import pandas as pd
 import pytest
 
 from tunebook.data import load_conversations, parse_sources
-from tunebook.data.preference import preference_pair, prompt_and_response_ids, tokenize_pairs
 from tunebook.data.sft import prepare_sft_dataset
 from tunebook.data.sources import fingerprint_sources, load_source
 from tunebook.data.tokenize import IGNORE_INDEX
 from tunebook.errors import DataError
+from tunebook.preference.data import preference_pair, prompt_and_response_ids, tokenize_pairs
 
 
 def _chat(i: int, answer: str = "") -> list[dict]:

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from conftest import base_tokenizer
+from support import base_tokenizer
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from tunebook.errors import ModelError

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from conftest import base_tokenizer
+from support import base_tokenizer
 from transformers import AutoTokenizer
 
 from tunebook.errors import ConfigError
