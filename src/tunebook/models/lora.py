@@ -133,10 +133,10 @@ def register_adapter_checkpoints(accelerator, run_dir: str | Path) -> None:
 
 
 def adapter_writer(accelerator, model, tokenizer, output_dir: str | Path, merge: bool = False):
-    """The final save of a LoRA model (`tunebook.training.checkpoint.save_adapter`), as (write, bytes it writes): gathers the
-    adapter weights (sharded states, on every process) and returns `write()`, which writes the adapter directory
-    (adapters, `adapter_config.json`, tokenizer) into `output_dir` and, with `merge`, the merged model into
-    `output_dir/merged` (on the main process)."""
+    """The final save of a LoRA model (`tunebook.training.checkpoint.save_adapter`), as (write, bytes it writes):
+    gathers the adapter weights (sharded states, on every process) and returns `write()`, which writes the adapter
+    directory (adapters, `adapter_config.json`, tokenizer) into `output_dir` and, with `merge`, the merged model
+    into `output_dir/merged` (on the main process)."""
     output_dir = Path(output_dir)
     state_dict = accelerator.get_state_dict(model)
     peft_model = unwrap(model)
