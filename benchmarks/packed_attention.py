@@ -127,7 +127,7 @@ def measure(
             from transformers import AttentionInterface
             from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-            from tunebook.data.packing import SEGMENT_SDPA, segment_sdpa_attention
+            from tunebook.models.attention import SEGMENT_SDPA, segment_sdpa_attention
 
             AttentionInterface.register(SEGMENT_SDPA, segment_sdpa_attention)
             AttentionMaskInterface.register(SEGMENT_SDPA, sdpa_mask)
@@ -203,7 +203,7 @@ def mask_timings(batch: dict, device: str, repeats: int = 5) -> dict:
     import torch.nn.functional as F
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from tunebook.data.packing import document_kv_blocks
+    from tunebook.models.attention import document_kv_blocks
 
     seq = batch["seq_ids"]
     length = seq.shape[1]

@@ -17,12 +17,12 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Callable
-from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, TrainingError, TunebookError, first_line, same_on_every_rank
+from .preparation import preparation_lock
 
 __all__ = [
     "PreflightError",
@@ -38,32 +38,6 @@ logger = logging.getLogger("tunebook")
 
 class PreflightError(ConfigError):
     """The processes of a launch could not meet, or do not agree on what they are about to train."""
-
-
-@contextmanager
-def preparation_lock(cache_dir: str | Path, key: str, what: str = "data"):
-    """Hold the lock of the cache entry `key` (its fingerprint) in `cache_dir` while looking for it and building it:
-    of the processes that need the same entry, the first builds it and the others wait, then map what it wrote.
-
-    One lock file per entry, not one per cache: a run that builds slowly (a large data set, a pathological row) holds
-    up only the runs that need what it builds. A file lock, not a collective: waiting for another process's
-    tokenisation has no timeout. On a shared file system the lock also orders the nodes; with node-local caches each
-    node prepares its own copy, and the preflight check then verifies that all copies hold the same data.
-    """
-    from filelock import FileLock, Timeout
-
-    path = Path(cache_dir).expanduser() / "locks" / f"{key}.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(path))
-    try:
-        lock.acquire(timeout=2)
-    except Timeout:
-        logger.info("Waiting for another process to finish building %s in %s (lock: %s)", what, cache_dir, path)
-        lock.acquire()
-    try:
-        yield
-    finally:
-        lock.release()
 
 
 def data_fingerprint(dataset) -> str | None:

@@ -91,7 +91,7 @@ def prepare(argv: list[str]) -> dict:
 
 
 def _write_shards(recipe: str, config, data, output: str, num_shards: str) -> str:
-    from ..data.streaming import write_prepared_shards
+    from ..data.stream import write_prepared_shards
 
     if not output or not num_shards.isdigit() or recipe not in ("pretrain", "sft"):
         print(

@@ -320,7 +320,7 @@ class ModelDataConfig(TrainConfig):
 
     # The model a recipe builds when the config names none: the embedded default's (tunebook.models.tiny).
     tiny_model: ClassVar[dict] = TINY_LLAMA
-    # Whether the recipe reads streamed training data (streaming: true on a source; tunebook.data.streaming).
+    # Whether the recipe reads streamed training data (streaming: true on a source; tunebook.data.stream).
     streams: ClassVar[bool] = False
 
     def __post_init__(self) -> None:

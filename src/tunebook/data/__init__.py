@@ -1,19 +1,14 @@
-"""The data path: sources -> formats -> tokenisation and loss masks -> cache -> collators and loaders."""
+"""The data path: sources -> formats -> tokenisation and loss masks -> cache -> collators and loaders; streamed
+sources in `stream`. The packed-attention names (`attention_inputs`, `use_packed_attention`, ...) live in
+`tunebook.models.attention` and are re-exported here, where recipes import them with the collators."""
 
+from ..models.attention import attention_inputs, packing_mechanism, segment_sdpa_attention, use_packed_attention
 from .cache import cached_dataset, default_cache_dir, fingerprint, tokenizer_fingerprint
 from .classification import ClassificationData, label_names_of, prepare_classification_data
 from .collate import PackedCollator, PadCollator, PairCollator, PromptCollator, loss_positions
 from .formats import FORMAT_COLUMNS, detect_format, normalise_messages, to_conversations
 from .loaders import LengthGroupedSampler, build_loader, train_and_eval_loaders
-from .packing import (
-    attention_inputs,
-    best_fit_decreasing,
-    example_lengths,
-    pack_dataset,
-    packing_mechanism,
-    segment_sdpa_attention,
-    use_packed_attention,
-)
+from .packing import best_fit_decreasing, example_lengths, pack_dataset
 from .pipeline import Pipeline, PreparedData
 from .sft import SFTData, conversation_texts, load_conversations, prepare_sft_data, prepare_sft_dataset, sft_cache_key
 from .sources import DataSource, fingerprint_sources, load_source, parse_sources

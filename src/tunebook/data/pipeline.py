@@ -19,10 +19,10 @@ from typing import Any, NamedTuple
 import datasets
 from transformers import PreTrainedTokenizerBase
 
+from ..models.tokenizer import config_tokenizer
 from .cache import cached_dataset
 from .sources import DataSource, config_sources
-from .streaming import is_streamed
-from .tokenizer import config_tokenizer
+from .stream import is_streamed
 
 __all__ = ["Pipeline", "PreparedData", "Tokenised"]
 

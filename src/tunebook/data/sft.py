@@ -20,12 +20,13 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import ConfigError, DataError
+from ..models.tokenizer import setup_chat_template
 from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
 from .formats import detect_format, to_conversations
 from .packing import example_lengths, pack_dataset
 from .pipeline import Pipeline, PreparedData, Tokenised
 from .sources import DataSource, fingerprint_sources, load_source
-from .streaming import (
+from .stream import (
     ChatRows,
     Mixture,
     TokenStream,
@@ -36,7 +37,6 @@ from .streaming import (
 )
 from .synthetic import write_synthetic_task
 from .tokenize import longest_token_chars, tokenize_conversations
-from .tokenizer import setup_chat_template
 
 __all__ = [
     "SFTData",

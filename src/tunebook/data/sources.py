@@ -13,7 +13,7 @@ folder names (`train.jsonl`/`test.jsonl`, `data/train_sft-00000-of-00001.parquet
 a Hub cache snapshot; a `save_to_disk` folder with `load_from_disk`. A folder or Hub data set with several splits
 needs `split`: they are never merged. `columns` renames columns before the format is detected. `weight` is a multiple
 of the rows (0.5 a seeded half, 2.0 twice), `samples` a row count (a seeded subset, or whole copies then a subset).
-`streaming: true` reads the source as it trains instead of caching it first (`tunebook.data.streaming`); a streamed
+`streaming: true` reads the source as it trains instead of caching it first (`tunebook.data.stream`); a streamed
 source's `weight` is its share of a mixture's rows.
 
 CSV and TSV cells are read as text, exactly as written: `0043` stays `0043` and `NA`, `null` or an empty cell stay

@@ -17,11 +17,12 @@ import datasets
 import numpy as np
 
 from ..errors import ConfigError, DataError
+from ..models.tokenizer import text_pieces, tokenizer_max_chars
 from .cache import PREPROCESSING_VERSION, fingerprint, tokenizer_fingerprint
 from .packing import example_lengths
 from .pipeline import Pipeline, PreparedData, Tokenised
 from .sources import DataSource, fingerprint_sources, load_source, raise_unless_text
-from .streaming import (
+from .stream import (
     Mixture,
     TextRows,
     TokenStream,
@@ -32,7 +33,6 @@ from .streaming import (
 )
 from .synthetic import write_synthetic_text
 from .tokenize import IGNORE_INDEX
-from .tokenizer import text_pieces, tokenizer_max_chars
 
 __all__ = ["TextData", "TextPipeline", "chunk_documents", "prepare_text_data"]
 

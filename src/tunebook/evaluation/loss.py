@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 
-from ..data.packing import attention_inputs
+from ..models.attention import attention_inputs
 from ..training.loss import causal_lm_token_losses
 from .batches import gathered_batches
 from .scores import perplexity

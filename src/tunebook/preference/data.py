@@ -37,8 +37,8 @@ from ..data.tokenize import (
     longest_token_chars,
     render_chat,
 )
-from ..data.tokenizer import setup_chat_template
 from ..errors import DataError
+from ..models.tokenizer import setup_chat_template
 
 __all__ = [
     "PreferenceData",

@@ -19,8 +19,8 @@ import datasets
 import torch
 import torch.nn.functional as F
 
-from ..data.packing import attention_inputs
 from ..data.tokenize import IGNORE_INDEX
+from ..models.attention import attention_inputs
 from ..models.wrappers import unwrap
 from ..training.loss import causal_lm_token_losses
 

@@ -24,8 +24,8 @@ from ..data.pipeline import Pipeline, PreparedData, Tokenised
 from ..data.sources import DataSource, fingerprint_sources, load_source
 from ..data.synthetic import _write_disjoint, make_example
 from ..data.tokenize import cut_overlong, longest_token_chars, render_chat, tokenize_conversations
-from ..data.tokenizer import setup_chat_template
 from ..errors import DataError
+from ..models.tokenizer import setup_chat_template
 
 __all__ = [
     "PromptData",

@@ -41,6 +41,7 @@ __all__ = [
     "load_trainer_state",
     "resolve_checkpoint",
     "save_checkpoint",
+    "save_adapter",
     "save_final_model",
 ]
 
@@ -342,11 +343,11 @@ def save_final_model(accelerator: Accelerator, model, tokenizer, output_dir: str
     """Save a Hugging Face model directory (safetensors) and tokenizer that `from_pretrained` loads.
 
     `get_state_dict` gathers sharded states (FSDP, ZeRO-3) on every process; only the main process writes. A LoRA
-    model is saved as its adapter directory instead, and with `merge_adapter` also merged (`models.save_adapter`).
+    model is saved as its adapter directory instead, and with `merge_adapter` also merged (`save_adapter`).
     A disk without room for it stops the run with one line on every process, naming the checkpoint to export the
     model from once there is room (the run's checkpoints are not touched).
     """
-    from ..models.lora import is_peft_model, save_adapter
+    from ..models.lora import is_peft_model
 
     if is_peft_model(unwrap(model)):
         save_adapter(accelerator, model, tokenizer, output_dir, merge=merge_adapter)
@@ -360,6 +361,21 @@ def save_final_model(accelerator: Accelerator, model, tokenizer, output_dir: str
             tokenizer.save_pretrained(output_dir)
 
     decided_by_main(accelerator, write)  # the main process writes; every process learns how that went
+
+
+def save_adapter(accelerator, model, tokenizer, output_dir: str | Path, merge: bool = False) -> Path:
+    """Write the adapter directory (adapters, `adapter_config.json`, tokenizer) into `output_dir`; with `merge`,
+    also the merged model into `output_dir/merged`. Call on every process (sharded states are gathered)."""
+    from ..models.lora import adapter_writer
+
+    write_files, needed = adapter_writer(accelerator, model, tokenizer, output_dir, merge)
+
+    def write() -> None:
+        with final_save(output_dir, needed):
+            write_files()
+
+    decided_by_main(accelerator, write)  # the main process writes; every process learns how that went
+    return Path(output_dir)
 
 
 @contextmanager

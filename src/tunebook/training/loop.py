@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
+from ..data.resumable import resumable
 from ..errors import TrainingError
 from ..models.kernels import check_flex_attention
 from .best import BestModel
@@ -182,7 +183,7 @@ def resume(run: Run, data, figures, evaluate: Callable[[], dict] | None) -> None
     run.evaluate, run.tokenizer, run.figures = evaluate, data.tokenizer, figures
     run.counters = TrainCounters.zeros(accelerator.device)
     run.best = BestModel.from_config(config) if evaluate is not None else None  # best checkpoint, early stopping
-    stream = run.train_loader if getattr(run.train_loader, "resumes_itself", False) else None
+    stream = run.train_loader if resumable(run.train_loader).streams else None
     run.checkpoint, state = resume_training(
         accelerator, config, run.counters, run.best, figures, run.log, run.optimizer, run.lr_scheduler, stream
     )
@@ -213,7 +214,7 @@ def epochs(run: Run, train_loader) -> Iterator[Any]:
     with run.signals:
         while state.global_step < run.total_steps and run.stop is None and not (run.best and run.best.should_stop()):
             train_loader.set_epoch(state.epoch)
-            skip = 0 if getattr(train_loader, "resumes_itself", False) else state.batches_in_epoch
+            skip = 0 if resumable(train_loader).streams else state.batches_in_epoch
             loader = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
             loader.set_epoch(state.epoch)
             yield loader
@@ -326,9 +327,9 @@ def after_step(run: Run) -> bool:
 
 def _mixture_shares(run: Run) -> dict[str, float]:
     """A streamed mixture's share of the tokens trained on so far, per source (what was delivered, not asked)."""
-    if not hasattr(run.train_loader, "delivered") or len(run.train_loader.stream.source_names) < 2:
+    if len(resumable(run.train_loader).source_names) < 2:  # a map-style loader names none
         return {}
-    return {f"mixture/{name}": d["share"] for name, d in run.train_loader.delivered(run.accelerator).items()}
+    return {f"mixture/{n}": d["share"] for n, d in resumable(run.train_loader).delivered(run.accelerator).items()}
 
 
 def _evaluate(run: Run, step: int, label: str) -> bool:
@@ -348,7 +349,7 @@ def _save(run: Run, reason: str) -> bool:
     error, raised by `finish` once the model is freed, on every process alike."""
     from .resumption import save_training_state
 
-    data = run.train_loader.state_dict() if getattr(run.train_loader, "resumes_itself", False) else None
+    data = resumable(run.train_loader).state_dict()  # None for a map-style loader: the run state is its position
     try:
         with run.timer.paused():
             path = save_training_state(run.accelerator, run.output_dir, run.state.global_step, run.config,
@@ -390,7 +391,7 @@ def finish(run: Run, data, headline: tuple[str, str, str] | None = None, **extra
         except TrainingError:  # no room for it: one line, raised once the model is freed
             _free(run)
             raise
-    if hasattr(run.train_loader, "delivered"):  # streamed: the tokens each source actually gave
+    if resumable(run.train_loader).streams:  # the tokens each source actually gave
         extra = {**extra, "mixture_delivered": run.train_loader.delivered(accelerator)}
         read = run.train_loader.examples_read(accelerator)
         if read["examples_read"]:  # sft: what the cached path reports before training, known only now

@@ -136,7 +136,7 @@ def resume_training(accelerator, config, counters, best, figures, log: logging.L
     counters.load_state_dict(process)
     if process.get("figures"):
         figures.load_state_dict(process["figures"])
-    if stream is not None:  # a stream continues from its saved position (tunebook.data.streaming), not by skipping
+    if stream is not None:  # a stream continues from its saved position (tunebook.data.stream), not by skipping
         stream.load_state_dict(process["data"])
     if best is not None and state.get("best"):
         best.load_state_dict(state["best"])

@@ -222,9 +222,9 @@ def test_a_source_weight_must_be_a_finite_positive_number(weight):
 def test_a_data_file_given_as_model_or_tokenizer_is_called_a_file_by_the_library_too(tmp_path, tiny_tokenizer):
     """The config check stops such a config first; code that calls the library directly gets the same line (before:
     "could not load a tokenizer from directory '...train.jsonl'")."""
-    from tunebook.data.tokenizer import load_tokenizer
     from tunebook.errors import ModelError
     from tunebook.models import build_causal_lm
+    from tunebook.models.tokenizer import load_tokenizer
 
     path = _write_jsonl(tmp_path / "train.jsonl", [{"text": "x"}])
     with pytest.raises(ModelError, match=rf"^{path} is a file, not a tokenizer directory"):

@@ -18,8 +18,8 @@ from transformers import PreTrainedTokenizerFast
 
 from tunebook.data.formats import normalise_messages, to_conversations
 from tunebook.data.tokenize import IGNORE_INDEX, tokenize_conversations
-from tunebook.data.tokenizer import setup_chat_template
 from tunebook.errors import DataError
+from tunebook.models.tokenizer import setup_chat_template
 
 TEMPLATES = ASSETS / "chat_templates"
 # bos, eos (as the model's tokenizer has them), and the template's other markers

@@ -14,7 +14,7 @@ from support import TINY_TEST_MODEL
 
 from tunebook.config import ClassifyConfig, PretrainConfig, SFTConfig
 from tunebook.data import PackedCollator, attention_inputs, prepare_sft_data, prepare_text_data
-from tunebook.data.streaming import reader_rows
+from tunebook.data.stream import reader_rows
 from tunebook.errors import ConfigError, DataError
 
 LOG = logging.getLogger("test")

@@ -10,9 +10,9 @@ import torch
 from support import base_tokenizer
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from tunebook.data.tokenizer import setup_chat_template
 from tunebook.errors import ModelError
 from tunebook.models import build_causal_lm
+from tunebook.models.tokenizer import setup_chat_template
 
 log = logging.getLogger("test")
 

@@ -9,8 +9,8 @@ import pytest
 from support import base_tokenizer
 from transformers import AutoTokenizer
 
-from tunebook.data.tokenizer import setup_chat_template
 from tunebook.errors import ConfigError
+from tunebook.models.tokenizer import setup_chat_template
 
 log = logging.getLogger("test")
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from ..distributed import preparation_lock
 from ..errors import ModelError, first_line
 from ..locations import looks_like_local_path
+from ..preparation import preparation_lock
 
 __all__ = [
     "CHATML_TEMPLATE",
