@@ -20,7 +20,7 @@ import torch
 
 from ..models.wrappers import unwrap
 
-__all__ = ["AUTO_MIN_MICRO_BATCHES", "CompiledBlocks", "compile_blocks", "eager", "should_compile"]
+__all__ = ["AUTO_MIN_MICRO_BATCHES", "CompiledBlocks", "compile_blocks", "compile_model", "eager", "should_compile"]
 
 logger = logging.getLogger("tunebook")
 
@@ -179,6 +179,26 @@ def compile_blocks(model: torch.nn.Module, static: bool = False, fallback: bool 
         block.forward = torch.compile(block.forward, dynamic=None if static else True, backend=BACKEND)
     name = next(c.__name__ for c in type(blocks[0]).__mro__ if not c.__name__.startswith("FSDP"))
     return CompiledBlocks(len(blocks), name, static, fallback)
+
+
+def compile_model(config, accelerator, model, train_loader, micro_batches: int, log) -> CompiledBlocks | None:
+    """`torch_compile` (true, or auto where it pays back): compile the prepared model's transformer blocks in place,
+    after the model is wrapped and any frozen reference copied from it; `micro_batches` is the run's forward passes
+    per process (`auto` weighs the first compile against them). Returns what was compiled, or None (eager)."""
+    if not config.torch_compile:
+        return None
+    from ..data.loaders import fixed_batch_shape
+
+    static = fixed_batch_shape(train_loader) is not None
+    compile_it, why = should_compile(config, accelerator, static, micro_batches)
+    if config.torch_compile == "auto":
+        log.info(why)
+    if not compile_it:
+        return None
+    compiled = compile_blocks(model, static=static, fallback=config.torch_compile == "auto")
+    log.info("torch_compile: %d %s blocks, compiled in the first step (%s shapes)", compiled.blocks,
+             compiled.block_class, compiled.shapes)  # fmt: skip
+    return compiled
 
 
 def eager():
