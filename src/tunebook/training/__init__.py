@@ -3,10 +3,10 @@ call by name."""
 
 from .accelerator import build_accelerator, has_accelerator_device, recipe_accelerator
 from .best import BestModel, infer_greater_is_better
+from .compilation import compile_model
 from .counters import LossWindow, TrainCounters
 from .flops import model_flops_per_token
 from .guard import StopSignals, exit_code, is_nonfinite, nonfinite_stop
-from .compilation import compile_model
 from .loop import (
     Checkpointed,
     Plan,
