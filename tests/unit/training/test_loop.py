@@ -63,7 +63,11 @@ def _fake(events: _Events, config, step: int = 1, signal: int | None = None, bes
     saved = SimpleNamespace(state=RunState(global_step=step - 1), best=best,
                             figures=SimpleNamespace(pop=lambda accelerator: events.append("log") or {"loss": 0.5}))  # fmt: skip
     run = SimpleNamespace(
-        config=config, accelerator=None, log=logging.getLogger("tunebook"), output_dir=Path("unused"), stop=None,
+        config=config,
+        accelerator=None,
+        log=logging.getLogger("tunebook"),
+        output_dir=Path("unused"),
+        stop=None,
         timer=SimpleNamespace(step_done=lambda: events.append("count"), paused=contextlib.nullcontext),
         signals=SimpleNamespace(requested=lambda accelerator: events.append("signal") or signal),
     )

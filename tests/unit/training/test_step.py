@@ -53,7 +53,9 @@ def _weights(model) -> list[torch.Tensor]:
                                  (1.0, INF, False)]
 )  # fmt: skip
 def test_the_finite_check_judges_the_loss_and_the_gradient_norm(loss, norm, finite):
-    assert finite_on_every_process(torch.tensor(loss, dtype=torch.float64), torch.tensor(norm), _accelerator()) is finite
+    assert (
+        finite_on_every_process(torch.tensor(loss, dtype=torch.float64), torch.tensor(norm), _accelerator()) is finite
+    )
 
 
 def test_under_fp16_scaling_only_the_loss_is_judged():
