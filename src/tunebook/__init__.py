@@ -10,8 +10,9 @@ blocks the recipes use, all importable from here (loaded on first use, so `impor
   `accumulation_windows`, `count_loss_tokens`, `step_loss_scale`, `causal_lm_token_losses`, `token_loss_sum`,
   `Throughput`, `dpo_loss`, `preference_loss` (every DPO loss type), `sequence_log_probs`, `bradley_terry_loss`,
   `load_reward_model` (a trained reward model as a scoring function);
-- the loop's bookkeeping: `start_run`, `plan_training`, `resume`, `epochs`, `apply_update`, `after_step`,
-  `finish` (`tunebook.training.loop`);
+- the loop's bookkeeping: `start_run`, `plan_steps`, `load_checkpoint_or_start`, `start_training`, `epochs`,
+  `after_step`, `finish` (`tunebook.training.loop`); the step's guard: `finite_on_every_process`,
+  `optimizer_step_or_skip` (`tunebook.training.step`); `compile_model`;
 - checkpoints: `save_checkpoint`, `resume_training`, `save_final_model`, `list_checkpoints`, `export_checkpoint`;
 - evaluation: `evaluate_loss`, `generation_exact_match`, `evaluate_classifier`, `load_metric`;
 - models: `build_causal_lm`, `build_sequence_classifier`, `train_chat_tokenizer`, `apply_lora`;

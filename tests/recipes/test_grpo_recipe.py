@@ -203,20 +203,19 @@ def test_a_stop_between_the_updates_of_one_generation_batch_resumes_on_its_rollo
     common = {"num_iterations": 2, "max_steps": 6, "eval_steps": 2}
     _run(tmp_path / "full", tmp_path / "cache", **common)
     module = load_recipe("grpo").module
-    real = module.apply_update
+    real = module.after_step
 
-    def apply_then_signal(run, step_loss, window):
-        updated = real(run, step_loss, window)
-        if run.state.global_step == 3:
+    def signal_then_after_step(run, loop, *args, **kwargs):
+        if loop.state.global_step + 1 == 3:  # step 3 is taken, not yet counted
             signal.raise_signal(signal.SIGTERM)
-        return updated
+        return real(run, loop, *args, **kwargs)
 
     with monkeypatch.context() as patch:
-        patch.setattr(module, "apply_update", apply_then_signal)
+        patch.setattr(module, "after_step", signal_then_after_step)
         with pytest.raises(SystemExit):
             _run(tmp_path / "cut", tmp_path / "cache", **common)
     state = json.loads((tmp_path / "cut" / "checkpoints" / "step-3" / "process_state_0.json").read_text())
-    assert state["figures"]["pending"]["iteration"] == 1  # mid-batch: its rollouts are in the checkpoint
+    assert state["pending_rollouts"]["iteration"] == 1  # mid-batch: its rollouts are in the checkpoint
     _run(tmp_path / "cut", tmp_path / "cache", resume_from_checkpoint="latest", **common)
     assert _untimed(_records(tmp_path / "cut")) == _untimed(_records(tmp_path / "full"))
     assert (tmp_path / "cut" / "model.safetensors").read_bytes() == (
@@ -273,15 +272,15 @@ def test_memory_stays_flat_over_50_steps(tmp_path, monkeypatch):
     """Peak RSS grows by less than 50 MB from step 10 to step 50: nothing accumulates per step (rollouts, graphs,
     logged tensors)."""
     module = load_recipe("grpo").module
-    real, peaks = module.apply_update, {}
+    real, peaks = module.after_step, {}
 
-    def apply_and_measure(run, step_loss, window):
-        updated = real(run, step_loss, window)
-        if run.state.global_step in (10, 50):
-            peaks[run.state.global_step] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        return updated
+    def after_step_and_measure(run, loop, *args, **kwargs):
+        ended = real(run, loop, *args, **kwargs)
+        if loop.state.global_step in (10, 50):
+            peaks[loop.state.global_step] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return ended
 
-    monkeypatch.setattr(module, "apply_update", apply_and_measure)
+    monkeypatch.setattr(module, "after_step", after_step_and_measure)
     _run(tmp_path / "run", tmp_path / "cache", max_steps=50, eval_steps=25, logging_steps=5)
     assert peaks[50] - peaks[10] < 50, peaks
 

@@ -36,6 +36,7 @@ from ..training.loss import causal_lm_token_losses
 
 __all__ = [
     "GRPOStats",
+    "PendingRollouts",
     "Rollouts",
     "completion_log_probs",
     "group_advantages",
@@ -217,8 +218,7 @@ def step_normaliser(rollouts: list[Rollouts], loss_type: str, max_new_tokens: in
 
 
 class GRPOStats:
-    """Running sums of a logging window (this process) for the logged figures, and the rollouts still to train on
-    when a checkpoint falls between the `num_iterations` updates of one generation batch."""
+    """Running sums of a logging window (this process) for the logged figures."""
 
     FIELDS = ("steps", "loss", "completions", "reward", "reward_sq", "zero_std_groups", "groups", "tokens",
               "max_length", "trained_tokens", "clipped", "kl", "generation_seconds", "training_seconds")  # fmt: skip
@@ -226,7 +226,6 @@ class GRPOStats:
     def __init__(self, device, reward_names: list[str]):
         self.reward_names = reward_names
         self.sums = torch.zeros(len(self.FIELDS) + 3 * len(reward_names), dtype=torch.float64, device=device)
-        self.pending: dict[str, Any] | None = None  # {"iteration": i, "rollouts": [Rollouts.state_dict(), ...]}
 
     def add(self, **values: float | torch.Tensor) -> None:
         for key, value in values.items():
@@ -279,21 +278,34 @@ class GRPOStats:
         })  # fmt: skip
         return {prefix + k: v for k, v in out.items()}
 
-    def keep_pending(self, iteration: int, rollouts: list[Rollouts], iterations: int) -> None:
+    def state_dict(self) -> dict[str, Any]:
+        return {"sums": self.sums.tolist()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sums.copy_(torch.tensor(state["sums"], dtype=torch.float64))
+
+
+class PendingRollouts:
+    """The rollouts still to train on when a checkpoint falls between the `num_iterations` updates of one generation
+    batch: registered for checkpointing (this process's), so a run resumed there trains on them, not on new ones."""
+
+    def __init__(self):
+        self.pending: dict[str, Any] | None = None  # {"iteration": i, "rollouts": [Rollouts.state_dict(), ...]}
+
+    def keep(self, iteration: int, rollouts: list[Rollouts], iterations: int) -> None:
         """After update `iteration` of a generation batch: the rollouts a checkpoint must keep (none after the
-        last update), so a run resumed between updates trains on them, not on new ones."""
+        last update)."""
         done = iteration + 1 == iterations
         self.pending = None if done else {"iteration": iteration + 1, "rollouts": [r.state_dict() for r in rollouts]}
 
-    def take_pending(self, device) -> tuple[int, list[Rollouts]] | None:
-        """(the next update's index, the rollouts) saved by `keep_pending` in the checkpoint resumed from."""
+    def take(self, device) -> tuple[int, list[Rollouts]] | None:
+        """(the next update's index, the rollouts) kept by `keep` in the checkpoint resumed from, or None."""
         if not self.pending:
             return None
         return self.pending["iteration"], [Rollouts.from_state_dict(r, device) for r in self.pending["rollouts"]]
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"sums": self.sums.tolist(), "pending": self.pending}
+    def state_dict(self) -> dict[str, Any] | None:
+        return self.pending
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.sums.copy_(torch.tensor(state["sums"], dtype=torch.float64))
-        self.pending = state.get("pending")
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        self.pending = state

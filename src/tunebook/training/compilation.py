@@ -23,7 +23,7 @@ from .. import compat
 from ..models.fused_cpu import set_fused_cpu_layers
 from ..models.wrappers import unwrap
 
-__all__ = ["AUTO_MIN_MICRO_BATCHES", "CompiledBlocks", "compile_blocks", "eager", "should_compile"]
+__all__ = ["AUTO_MIN_MICRO_BATCHES", "CompiledBlocks", "compile_blocks", "compile_model", "eager", "should_compile"]
 
 logger = logging.getLogger("tunebook")
 
@@ -191,6 +191,26 @@ def _falling_back(compiled):
             return compiled(*args, **kwargs)
 
     return forward
+
+
+def compile_model(config, accelerator, model, train_loader, micro_batches: int, log) -> CompiledBlocks | None:
+    """`torch_compile` (true, or auto where it pays back): compile the prepared model's transformer blocks in place,
+    after the model is wrapped and any frozen reference copied from it; `micro_batches` is the run's forward passes
+    per process (`auto` weighs the first compile against them). Returns what was compiled, or None (eager)."""
+    if not config.torch_compile:
+        return None
+    from ..data.loaders import fixed_batch_shape
+
+    static = fixed_batch_shape(train_loader) is not None
+    compile_it, why = should_compile(config, accelerator, static, micro_batches)
+    if config.torch_compile == "auto":
+        log.info(why)
+    if not compile_it:
+        return None
+    compiled = compile_blocks(model, static=static, fallback=config.torch_compile == "auto")
+    log.info("torch_compile: %d %s blocks, compiled in the first step (%s shapes)", compiled.blocks,
+             compiled.block_class, compiled.shapes)  # fmt: skip
+    return compiled
 
 
 def eager():

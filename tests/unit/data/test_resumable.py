@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 from accelerate import Accelerator
-from tunebook.recipe_configs import SFTConfig
 
+from tunebook.config import SFTConfig
 from tunebook.data.collate import PadCollator
 from tunebook.data.loaders import fixed_batch_shape, train_and_eval_loaders
 from tunebook.data.resumable import MapLoader, ResumableLoader, resumable

@@ -106,8 +106,7 @@ def test_model_options_come_from_the_config_in_one_object_and_keywords_override_
 ):
     from dataclasses import fields
 
-    from tunebook.recipe_configs import SFTConfig
-
+    from tunebook.config import SFTConfig
     from tunebook.models import ModelOptions, model_options
 
     config = SFTConfig(gradient_checkpointing=True, use_peft=True, model_revision="v2", fused_cpu_layers=False)
