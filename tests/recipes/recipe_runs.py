@@ -4,6 +4,7 @@ what it wrote. A plain module, so that no test module imports another."""
 from __future__ import annotations
 
 import json
+import signal
 
 from support import ROOT, TINY_TEST_MODEL
 
@@ -61,3 +62,16 @@ def _rates(record: dict) -> dict:
 
 def _without_rates(record: dict) -> dict:
     return {k: v for k, v in record.items() if k not in RATES}
+
+
+def _signal_at(monkeypatch, name: str, step: int, signum=signal.SIGTERM) -> None:
+    """Deliver a real `signum` to this process right after optimizer step `step` of recipe `name`."""
+    module = load_recipe(name).module
+    real = module.after_step
+
+    def signal_then_after_step(run, loop, *args, **kwargs):
+        if loop.state.global_step + 1 == step and run.stop is None:  # the step is taken, not yet counted
+            signal.raise_signal(signum)
+        return real(run, loop, *args, **kwargs)
+
+    monkeypatch.setattr(module, "after_step", signal_then_after_step)

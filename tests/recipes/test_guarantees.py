@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import ast
 import json
-import signal
 
 import pytest
-from recipe_runs import COMMON, EVAL_METRIC, _rates, _records, _run, _weights, _without_rates
+from recipe_runs import COMMON, EVAL_METRIC, _rates, _records, _run, _signal_at, _weights, _without_rates
 from support import ROOT, TINY_TEST_MODEL, hold_lock
 
 from tunebook import load_recipe
@@ -26,19 +25,6 @@ from tunebook.recipe import RECIPES
 from tunebook.training.checkpoint import list_checkpoints, resolve_checkpoint
 
 pytestmark = pytest.mark.slow
-
-
-def _signal_at(monkeypatch, name: str, step: int, signum=signal.SIGTERM) -> None:
-    """Deliver a real `signum` to this process right after optimizer step `step` of recipe `name`."""
-    module = load_recipe(name).module
-    real = module.after_step
-
-    def signal_then_after_step(run, loop, *args, **kwargs):
-        if loop.state.global_step + 1 == step and run.stop is None:  # the step is taken, not yet counted
-            signal.raise_signal(signum)
-        return real(run, loop, *args, **kwargs)
-
-    monkeypatch.setattr(module, "after_step", signal_then_after_step)
 
 
 def _rates_used(monkeypatch, name: str) -> dict[int, float]:

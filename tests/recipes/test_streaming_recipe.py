@@ -75,8 +75,7 @@ def test_sigterm_then_resume_on_two_processes_with_workers_equals_the_uninterrup
 def test_streamed_packed_sft_stopped_by_sigterm_resumes_exactly(tmp_path, monkeypatch):
     """In-process sft, 2 loader workers, packing over buffers of 40 examples, evaluation on cached eval_data."""
     from recipe_runs import _records as records
-    from recipe_runs import _run, _weights, _without_rates
-    from test_guarantees import _signal_at
+    from recipe_runs import _run, _signal_at, _weights, _without_rates
 
     rng = random.Random(0)
     for name, rows in (("train", 300), ("eval", 16)):

@@ -50,7 +50,7 @@ def main(work: str, workers: int) -> None:
     import transformers  # noqa: F401
 
     before = state()
-    from conftest import TINY_TEST_MODEL
+    from support import TINY_TEST_MODEL
 
     from tunebook import load_recipe
 

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 import torch
-from conftest import ROOT
+from support import ROOT
 
 from tunebook import compat
 
@@ -120,9 +120,10 @@ def test_liger_instance_patch_is_importable():
     from liger_kernel.transformers import _apply_liger_kernel_to_instance  # noqa: F401
 
 
-# Underscore attributes that are Tunebook's own (its marks on a hook and a shell, a config's, a lock's), and the
-# documented `os._exit`.
-ALLOWED = {"_tunebook", "_tunebook_errors", "_aliases_used", "_fd", "_exit"}
+# Underscore attributes that are Tunebook's own (its marks on a hook, a shell and an error, a config's, a lock's), and
+# documented API: `os._exit`, a named tuple's `_replace`, IPython's `_render_traceback_` protocol.
+ALLOWED = {"_tunebook", "_tunebook_errors", "_aliases_used", "_fd", "_exit", "_replace", "_shown_in_ipython",
+           "_render_traceback_"}  # fmt: skip
 PRIVATE = re.compile(r"(?<![\w.])([A-Za-z_][\w\]\)]*(?:\.[A-Za-z_]\w*)*)\.(_[a-z]\w*)")
 PRIVATE_NAME = re.compile(r"(?:getattr|hasattr|setattr)\([^,]+,\s*[\"'](_[a-z]\w*)[\"']")
 
