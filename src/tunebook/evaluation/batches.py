@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..run.logging import progress_bar
+from ..progress import progress_bar
 
 __all__ = ["gathered_batches"]
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["log_run_start", "progress_bar", "setup_logging", "show_progress"]
+__all__ = ["log_run_start", "setup_logging", "show_progress"]
 
 logger = logging.getLogger("tunebook")
 
@@ -74,14 +74,6 @@ class _SharedTensorNote(logging.Filter):
 class _OtherRanksFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return record.levelno >= logging.ERROR or getattr(record, "all_ranks", False)
-
-
-def progress_bar(main_process: bool, disable: bool, **kwargs):
-    """A tqdm bar on the main process only; off with `disable` (disable_tqdm) and when stderr is not a terminal."""
-    from tqdm.auto import tqdm
-
-    # tqdm's disable=None means: off when the output is not a TTY.
-    return tqdm(disable=True if disable or not main_process else None, dynamic_ncols=True, **kwargs)
 
 
 def show_progress(progress, record: dict[str, Any], total_steps: int, log: logging.Logger = logger) -> None:

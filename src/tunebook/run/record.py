@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import yaml
 
-from ..cli.launch import launch_time
+from ..process import launch_time
 from .report import flatten, format_table, render_report
 
 __all__ = [
@@ -74,7 +74,7 @@ class MetricsWriter:
 class RunTimer:
     """Wall-clock bookkeeping of a training run.
 
-    Time from the command's start (`tunebook.cli.launch.launch_time`) to the first optimizer step; training time that excludes evaluation and
+    Time from the command's start (`tunebook.process.launch_time`) to the first optimizer step; training time that excludes evaluation and
     checkpointing inside the loop (`paused()`); the time the loop waited for its next batch (`add_data_wait`);
     and, per logging window, the training time and data wait that `tunebook.training.Throughput` turns into rates.
     """

@@ -63,9 +63,9 @@ def start_run(config, recipe: str) -> Run:
     """Timer, Accelerator, logging, seed, output and cache folders, `config.yaml`, the start-up log."""
     from accelerate.utils import set_seed
 
-    from ..cli.launch import resume_collector
     from ..config import save_config
     from ..data.loaders import start_worker_server
+    from ..process import resume_collector
     from ..run.logging import log_run_start, setup_logging
     from ..run.output_lock import lock_run_output_dir
     from ..run.record import RunTimer
@@ -133,7 +133,7 @@ def start_training(
     """What logs the run: the trackers (tensorboard etc.: the config now, every metrics record later) and
     `metrics.jsonl`; then the evaluation before training (`eval_on_start`, on a fresh run), the progress bar and
     the throughput. `data` is the prepared data (its training rows give the FLOPs per token)."""
-    from ..run.logging import progress_bar
+    from ..progress import progress_bar
     from ..run.record import MetricsWriter
     from ..run.trackers import start_trackers
     from .throughput import Throughput

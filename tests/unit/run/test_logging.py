@@ -5,7 +5,8 @@ import warnings
 
 import pytest
 
-from tunebook.run.logging import progress_bar, setup_logging, show_progress
+from tunebook.progress import progress_bar
+from tunebook.run.logging import setup_logging, show_progress
 
 
 @pytest.fixture
