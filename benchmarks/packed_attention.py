@@ -48,7 +48,7 @@ def shapes() -> dict[str, dict]:
         sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
     from gpu_vs_peers import LLAMA_32_1B, SMOLLM2_135M, TINY
 
-    from tunebook.models import TINY_LLAMA
+    from tunebook.config.tiny import TINY_LLAMA
 
     return {
         "tiny-llama (vs_peers)": {**TINY_LLAMA, "vocab_size": 2048},

@@ -1,4 +1,5 @@
-"""Tunebook's modules import one another without a circle.
+"""Tunebook's modules import one another without a circle, and only downwards through the layers of
+docs/architecture.md.
 
 A circle (a imports b, b imports a) makes the order of imports matter: which module may use which at import time
 depends on who was imported first, and a lazy import hides one only until the day it is moved to the top. The walk
@@ -30,8 +31,7 @@ PACKAGE = Path(tunebook.__file__).parent
 # (importer, imported): why the import waits inside a function. Edges listed here do not count in the graph of all
 # imports; the module-level graph never contains them anyway.
 _SUBCOMMAND = ("the CLI imports a subcommand's stack only when it runs: `tunebook --help`, `report` and the config "
-               "check load no torch. (It closes a circle because run.record and training.loop import launch helpers "
-               "from tunebook.cli.launch, whose package imports cli.main; those helpers belong below cli.)")  # fmt: skip
+               "check load no torch")  # fmt: skip
 LAZY: dict[tuple[str, str], str] = {
     ("tunebook.cli.main", "tunebook.distributed"): _SUBCOMMAND,
     ("tunebook.cli.main", "tunebook.run.export"): _SUBCOMMAND,
@@ -231,3 +231,52 @@ def test_the_walk_finds_relative_lazy_and_package_circles(tmp_path):
     named = describe(next(c for c in find_circles(edges) if c[0].source.startswith("pkg.a")))
     assert named.startswith("pkg.a.loaders -> pkg.a.stream -> pkg.a.loaders")
     assert "pkg/a/loaders.py:2 (in a function)" in named and "pkg/a/stream.py:1" in named
+
+
+# The layers of docs/architecture.md, lowest first: a module imports only from its own layer and those below. A layer
+# is a subpackage of tunebook (or a top-level module) by name.
+LAYERS = [
+    {"errors", "locations", "compat", "progress", "process", "preparation", "user_code"},
+    {"config", "recipe"},
+    {"models"},
+    {"data"},
+    {"distributed"},
+    {"run"},
+    {"training"},
+    {"evaluation"},
+    {"preference"},
+    {"rl"},
+    {"cli", "recipes", "tunebook"},
+]
+# (importer, imported): why it reaches up a layer.
+UPWARDS: dict[tuple[str, str], str] = {
+    ("tunebook.run.export", "tunebook.training"): "export reads a training checkpoint",
+    ("tunebook.run.export", "tunebook.training.checkpoint"): "export reads a training checkpoint",
+    ("tunebook.run.export", "tunebook.training.manifest"): "export verifies the checkpoint it reads",
+    ("tunebook.distributed", "tunebook.run"): "the preflight compares the library versions the run record reads",
+    (
+        "tunebook.distributed",
+        "tunebook.run.record",
+    ): "the preflight compares the library versions the run record reads",
+}
+
+
+def _layer(module: str) -> int:
+    name = module.split(".")[1] if "." in module else module
+    return next(rank for rank, layer in enumerate(LAYERS) if name in layer)
+
+
+def test_imports_go_down_the_layers():
+    upwards = [
+        f"{edge.where}: {edge.source} imports {edge.target}"
+        for edge in import_edges(PACKAGE)
+        if _layer(edge.target) > _layer(edge.source) and (edge.source, edge.target) not in UPWARDS
+    ]
+    assert not upwards, "imports up the layers of docs/architecture.md:\n" + "\n".join(upwards)
+
+
+def test_every_module_has_a_layer_and_every_exception_is_used():
+    for module in package_modules(PACKAGE):
+        _layer(module)  # StopIteration names a module no layer holds
+    edges = {(edge.source, edge.target) for edge in import_edges(PACKAGE)}
+    assert set(UPWARDS) <= edges, f"exceptions for imports that no longer exist: {sorted(set(UPWARDS) - edges)}"

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from ..models.tiny import TINY_BERT
 from .checks import MODEL_DATA_CHECKS, TRAINING_CHECKS, check_label_names
 from .fields import config_field, new_default
 from .shared import ModelDataConfig
+from .tiny import TINY_BERT
 
 __all__ = ["ClassifyConfig"]
 

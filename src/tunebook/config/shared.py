@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from ..models.tiny import TINY_LLAMA
 from .checks import MODEL_DATA_CHECKS, TRAINING_CHECKS, check_data_files
 from .fields import config_field, inherit_new_defaults
+from .tiny import TINY_LLAMA
 
 __all__ = ["ChatModelConfig", "ModelDataConfig", "TrainConfig", "fill_cache_dir", "fill_tiny_model"]
 
@@ -318,7 +318,7 @@ class ModelDataConfig(TrainConfig):
         "Held-out examples of the synthetic task (when train_data is None).", 200, bounds="[1, inf)"
     )
 
-    # The model a recipe builds when the config names none: the embedded default's (tunebook.models.tiny).
+    # The model a recipe builds when the config names none: the embedded default's (tunebook.config.tiny).
     tiny_model: ClassVar[dict] = TINY_LLAMA
     # Whether the recipe reads streamed training data (streaming: true on a source; tunebook.data.stream).
     streams: ClassVar[bool] = False

@@ -1,7 +1,7 @@
-"""Model construction: build or load models (`build`), LoRA (`lora`), the tiny default configs (`tiny`), GGUF
+"""Model construction: build or load models (`build`), LoRA (`lora`), GGUF
 conversion (`gguf`), the model inside distributed and compiled wrappers (`wrappers`), the tokenizer set-up
 (`tokenizer`), attention over packed rows and the choice of its backend (`attention`). Names load on first use:
-`from tunebook.models import TINY_LLAMA` imports no model code."""
+`import tunebook.models` imports no model code."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ _LAZY = {
         "apply_lora", "describe_parameters", "is_peft_model", "merge_adapter_dir", "parameter_counts",
         "register_adapter_checkpoints",
     ],
-    "tunebook.models.tiny": ["TINY_BERT", "TINY_LLAMA"],
     "tunebook.models.wrappers": ["unwrap"],
     "tunebook.models.attention": ["attention_inputs", "packing_mechanism", "use_packed_attention"],
     "tunebook.models.tokenizer": [

@@ -121,7 +121,8 @@ def _rebuild_model(checkpoint: Path, recipe: str | None, tokenizer, trust_remote
             model.generation_config = GenerationConfig.from_pretrained(model_dir)
         return model
     from ..config import parse_config
-    from ..models import TINY_BERT, TINY_LLAMA, build_causal_lm, build_sequence_classifier
+    from ..config.tiny import TINY_BERT, TINY_LLAMA
+    from ..models import build_causal_lm, build_sequence_classifier
     from ..recipe import RECIPES, recipe_config_class
 
     if recipe is None:
