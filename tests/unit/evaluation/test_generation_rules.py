@@ -14,7 +14,7 @@ from tunebook.evaluation.batches import gathered_batches
 from tunebook.evaluation.generate import stop_token_ids
 from tunebook.evaluation.scores import exact_match, exact_matches
 from tunebook.models import build_causal_lm
-from tunebook.training import grpo, rewards
+from tunebook.rl import grpo, rewards
 
 
 def test_stop_tokens_are_the_tokenizers_eos_then_the_generation_configs(tiny_tokenizer, tiny_model_config):
