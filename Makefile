@@ -1,13 +1,14 @@
 # The two commands of the quick start:
 #   make train   set up .venv if needed and run the default SFT recipe (tunebook train: accelerate launch)
-#   make test    set up .venv (with the dev extras) and run the whole test suite
+#   make test    set up .venv (with the dev extras) and run the whole test suite (what CI runs)
+# and, while working: make test-fast (the unit and equivalence tests that launch nothing, under 5 minutes).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
 
-.PHONY: train test lint format clean
+.PHONY: train test test-fast lint format clean docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +29,10 @@ train: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest tests $(ARGS)
 
+# Everything that needs no launch and no end-to-end recipe run: the tier to run after each edit.
+test-fast: $(VENV)/.installed
+	$(BIN)/python -m pytest tests/unit tests/equivalence tests/configs -m "not slow and not multiprocess" $(ARGS)
+
 lint: $(VENV)/.installed
 	$(BIN)/ruff check src recipes tests benchmarks
 	$(BIN)/ruff format --check src recipes tests benchmarks
@@ -35,6 +40,17 @@ lint: $(VENV)/.installed
 format: $(VENV)/.installed
 	$(BIN)/ruff format src recipes tests
 	$(BIN)/ruff check --fix src recipes tests
+
+# mkdocs in a virtual environment of its own: the docs need none of the training stack, and .venv stays as
+# `make test` expects it.
+DOCS_VENV ?= .venv-docs
+
+$(DOCS_VENV)/bin/mkdocs:
+	$(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/python -m pip install -q "mkdocs>=1.6"
+
+docs: $(DOCS_VENV)/bin/mkdocs
+	$(DOCS_VENV)/bin/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

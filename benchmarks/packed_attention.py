@@ -43,9 +43,12 @@ CUDA_BACKENDS = ("sdpa", "tunebook_segment_sdpa", "flex_attention", "flash_atten
 
 
 def shapes() -> dict[str, dict]:
+    # The model shapes are gpu_vs_peers.py's, so the two GPU measurements describe the same models.
+    if str(ROOT / "benchmarks" / "gpu") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
     from gpu_vs_peers import LLAMA_32_1B, SMOLLM2_135M, TINY
 
-    from tunebook.models import TINY_LLAMA
+    from tunebook.config.tiny import TINY_LLAMA
 
     return {
         "tiny-llama (vs_peers)": {**TINY_LLAMA, "vocab_size": 2048},
@@ -124,7 +127,7 @@ def measure(
             from transformers import AttentionInterface
             from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-            from tunebook.data.packing import SEGMENT_SDPA, segment_sdpa_attention
+            from tunebook.models.attention import SEGMENT_SDPA, segment_sdpa_attention
 
             AttentionInterface.register(SEGMENT_SDPA, segment_sdpa_attention)
             AttentionMaskInterface.register(SEGMENT_SDPA, sdpa_mask)
@@ -200,7 +203,7 @@ def mask_timings(batch: dict, device: str, repeats: int = 5) -> dict:
     import torch.nn.functional as F
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from tunebook.data.packing import document_kv_blocks
+    from tunebook.models.attention import document_kv_blocks
 
     seq = batch["seq_ids"]
     length = seq.shape[1]

@@ -72,14 +72,14 @@ def main():
         schedule=schedule(wait=0, warmup=warmup, active=args.steps, repeat=1),
         on_trace_ready=lambda p: captured.append(p.key_averages()),
     )
-    real = recipe.module.apply_update
+    real = recipe.module.optimizer_step_or_skip
 
-    def apply_update_and_tick(run, step_loss, window):
-        updated = real(run, step_loss, window)
+    def step_and_tick(run, state, optimizer, finite):
+        updated = real(run, state, optimizer, finite)
         prof.step()
         return updated
 
-    recipe.module.apply_update = apply_update_and_tick
+    recipe.module.optimizer_step_or_skip = step_and_tick
     with prof:
         recipe.main(config)
     events = captured[0]

@@ -50,8 +50,9 @@ def prepare_assets(work: Path, examples: int, dataset: str) -> tuple[Path, Path]
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from tunebook.config.tiny import TINY_LLAMA
     from tunebook.data.formats import to_conversations
-    from tunebook.models import TINY_LLAMA, train_chat_tokenizer
+    from tunebook.models import train_chat_tokenizer
 
     records = json.loads(DATA[dataset][0].read_text())[:examples]
     if dataset == "sharegpt":  # as chat messages, which every system reads (Tunebook also reads ShareGPT itself)

@@ -20,24 +20,27 @@ import torch
 import torch.nn.functional as F
 from transformers import DataCollatorWithPadding
 
-from tunebook.config import load_config
+from tunebook.config import ClassifyConfig, load_config
 from tunebook.data import ClassificationData, prepare_classification_data, train_and_eval_loaders
 from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import classifier_inputs, evaluate_classifier
 from tunebook.models import apply_lora, build_sequence_classifier, describe_parameters, model_options
-from tunebook.recipe_configs import ClassifyConfig
 from tunebook.training import (
     LossWindow,
     accumulation_windows,
     after_step,
-    apply_update,
     build_optimizer,
+    build_scheduler,
+    compile_model,
     epochs,
     finish,
+    finite_on_every_process,
+    load_checkpoint_or_start,
     micro_batch,
-    plan_training,
-    resume,
+    optimizer_step_or_skip,
+    plan_steps,
     start_run,
+    start_training,
     step_loss_scale,
 )
 
@@ -69,7 +72,7 @@ def main(config: ClassifyConfig) -> dict:
     )
 
     # --- model, optimizer, loaders
-    model = build_sequence_classifier(tokenizer, data.label_names, **model_options(config))
+    model = build_sequence_classifier(tokenizer, data.label_names, model_options(config))
     if config.use_peft:  # LoRA: the base stays frozen; checkpoints and the output hold only the adapters
         model = apply_lora(model, config, "classification")
     log.info("Model: %s, %s", type(model).__name__, describe_parameters(model))
@@ -78,16 +81,22 @@ def main(config: ClassifyConfig) -> dict:
     )
     train_loader, eval_loader = build_dataloaders(config, data)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
-    plan_training(run, model, optimizer, train_loader)  # optimizer steps and the learning-rate schedule
+    plan = plan_steps(run, model, train_loader)  # optimizer steps, in all and per epoch
+    compiled = compile_model(config, accelerator, model, train_loader, plan.micro_batches, log)  # torch_compile
+    schedule = build_scheduler(config.lr_scheduler_type, optimizer, plan.total_steps, config.warmup_ratio)
+    lr_scheduler = accelerator.prepare(schedule)
 
-    # --- resume (or start), then train: the loop's bookkeeping is tunebook.training.loop, the loss is here
+    # --- resume (or start), then train: the loop's bookkeeping is tunebook.training.loop
     def run_evaluation() -> dict:
         return evaluate(config, model, data, eval_loader, accelerator)
 
+    evaluation = run_evaluation if eval_loader is not None else None
     figures = LossWindow(accelerator.device)  # the logged loss: a mean over examples
-    resume(run, data, figures, run_evaluation if eval_loader is not None else None)
+    saved = load_checkpoint_or_start(run, optimizer, lr_scheduler, train_loader, figures, evaluation is not None)
+    loop = start_training(run, plan, saved, model, optimizer, lr_scheduler, train_loader, data, evaluation, compiled)
+    model.train()
     k = config.gradient_accumulation_steps
-    for loader in epochs(run, train_loader):
+    for loader in epochs(run, loop):
         for window in accumulation_windows(loader, k, run.timer):
             # Mean over the examples of the whole step (all micro-batches and processes), not per micro-batch.
             local_examples = sum(torch.tensor(len(b["labels"]), device=accelerator.device) for b in window)
@@ -99,14 +108,21 @@ def main(config: ClassifyConfig) -> dict:
                     loss_sum = F.cross_entropy(logits.float(), batch["labels"], reduction="sum")
                     accelerator.backward(loss_sum * scale)
                 step_loss += loss_sum.detach().double()
-                run.counters.add_batch(batch)  # tokens, padding and examples, for the logs and the summary
-            if apply_update(run, step_loss, window):  # clip, non-finite check on every process, step
+                loop.counters.add_batch(batch)  # tokens, padding and examples, for the logs and the summary
+            # The step: clip, the finite check on every process, the update (or nan_policy's skip), the schedule.
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm or float("inf"))
+            finite = finite_on_every_process(step_loss, grad_norm, accelerator)
+            updated = optimizer_step_or_skip(run, loop.state, optimizer, finite)  # fp16: the scaler's step
+            learning_rate = lr_scheduler.get_last_lr()[0]  # the rate this step trained at
+            lr_scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            if updated:
                 figures.add(step_loss, local_examples)
-            if after_step(run):  # log, evaluate, best model, stop signals, save, early stopping
+            if after_step(run, loop, window, grad_norm, learning_rate):  # log, evaluate, save, stop
                 break
 
     # --- final evaluation (the best checkpoint's weights with load_best_model_at_end) and outputs
-    return finish(run, data, headline=("eval_accuracy", "accuracy", ".3f"), labels=data.label_names)
+    return finish(run, loop, headline=("eval_accuracy", "accuracy", ".3f"), labels=data.label_names)
 
 
 if __name__ == "__main__":

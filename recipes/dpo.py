@@ -22,41 +22,42 @@ from __future__ import annotations
 
 import torch
 
-from tunebook.config import load_config
-from tunebook.data import (
-    PairCollator,
-    PreferenceData,
-    fingerprint,
-    format_loss_mask,
-    prepare_preference_data,
-    train_and_eval_loaders,
-)
+from tunebook import compat
+from tunebook.config import DPOConfig, load_config
+from tunebook.data import PairCollator, fingerprint, format_loss_mask, train_and_eval_loaders
 from tunebook.distributed import prepare_then_join
-from tunebook.evaluation import evaluate_preferences
 from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options, whole_weights
-from tunebook.recipe_configs import DPOConfig
-from tunebook.training import (
+from tunebook.preference import (
     REFERENCE_FREE_LOSSES,
+    PreferenceData,
     RewardStats,
-    accumulation_windows,
-    after_step,
-    apply_update,
-    build_optimizer,
-    epochs,
-    finish,
+    evaluate_preferences,
     frozen_copy,
-    micro_batch,
     partition_reference,
-    plan_training,
     policy_and_reference_log_probs,
     precompute_reference_log_probs,
     preference_loss,
+    prepare_preference_data,
     response_lengths,
-    resume,
+    weights_fingerprint,
+)
+from tunebook.training import (
+    accumulation_windows,
+    after_step,
+    build_optimizer,
+    build_scheduler,
+    compile_model,
+    epochs,
+    finish,
+    finite_on_every_process,
+    load_checkpoint_or_start,
+    micro_batch,
+    optimizer_step_or_skip,
+    plan_steps,
     sft_warmup,
     start_run,
+    start_training,
     step_loss_scale,
-    weights_fingerprint,
 )
 
 
@@ -83,6 +84,30 @@ def evaluate(config: DPOConfig, model, reference, eval_loader, attn: str, dtype,
     )
 
 
+def precompute_reference(config: DPOConfig, model, data: PreferenceData, accelerator, cache_dir, attn: str, log):
+    """The reference's log-probabilities of every pair, once, by the model as it is now: added to `data`'s splits and
+    cached with the tokenised pairs."""
+    model.to(accelerator.device)
+    collate = PairCollator(data.tokenizer.pad_token_id, config.pad_to_multiple_of)
+    reference_key = weights_fingerprint(model)
+    for split in ("train", "eval"):
+        if getattr(data, split) is not None:
+            key = fingerprint({"pairs": data.keys[split], "reference": reference_key})
+            # Under the lock of its cache entry: the first process computes, the others read its result.
+            dataset, cached = precompute_reference_log_probs(
+                model,
+                getattr(data, split),
+                collate,
+                accelerator.device,
+                cache_dir,
+                key,
+                config.per_device_eval_batch_size,
+                attn,
+            )
+            setattr(data, split, dataset)
+            log.info("Reference log-probabilities %s (%s)", "loaded from the cache" if cached else "computed", split)
+
+
 def main(config: DPOConfig) -> dict:
     run = start_run(config, "dpo")  # Accelerator, logging, seed, output_dir, config.yaml
     accelerator, log = run.accelerator, run.log
@@ -98,7 +123,7 @@ def main(config: DPOConfig) -> dict:
     )
 
     # --- model: the policy; optionally a brief SFT warm-up; then the reference it is measured against
-    model = build_causal_lm(tokenizer, **model_options(config))
+    model = build_causal_lm(tokenizer, model_options(config))
     with whole_weights(model):  # under DeepSpeed ZeRO-3 the model is built partitioned: whole until prepare
         if config.sft_warmup_steps:  # on the chosen responses
             chosen = data.train.select_columns(["chosen_input_ids", "chosen_labels"])
@@ -114,33 +139,13 @@ def main(config: DPOConfig) -> dict:
                 log=log,
                 pad_to_multiple_of=config.pad_to_multiple_of,
             )
-        attn, dtype = model.config._attn_implementation, model.dtype
+        attn, dtype = compat.attn_implementation(model.config), model.dtype
         reference = None  # with LoRA: the policy with its adapters off
         use_reference = config.loss_type not in REFERENCE_FREE_LOSSES
         if not use_reference:  # simpo, orpo: no copy, no adapters-off pass, nothing precomputed
             log.info("Loss %s uses no reference model: none built", config.loss_type)
         elif config.precompute_ref_log_probs:  # once, by the model as it is now, cached with the tokenised pairs
-            model.to(accelerator.device)
-            collate = PairCollator(tokenizer.pad_token_id, config.pad_to_multiple_of)
-            reference_key = weights_fingerprint(model)
-            for split in ("train", "eval"):
-                if getattr(data, split) is not None:
-                    key = fingerprint({"pairs": data.keys[split], "reference": reference_key})
-                    # Under the lock of its cache entry: the first process computes, the others read its result.
-                    dataset, cached = precompute_reference_log_probs(
-                        model,
-                        getattr(data, split),
-                        collate,
-                        accelerator.device,
-                        run.cache_dir,
-                        key,
-                        config.per_device_eval_batch_size,
-                        attn,
-                    )
-                    setattr(data, split, dataset)
-                    log.info(
-                        "Reference log-probabilities %s (%s)", "loaded from the cache" if cached else "computed", split
-                    )
+            precompute_reference(config, model, data, accelerator, run.cache_dir, attn, log)
         elif not config.use_peft:  # a frozen copy of the starting model
             reference = frozen_copy(model, accelerator.device)
     if config.use_peft:  # LoRA: the base stays frozen; checkpoints and the output hold only the adapters
@@ -154,17 +159,23 @@ def main(config: DPOConfig) -> dict:
     train_loader, eval_loader = build_dataloaders(config, data)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     reference = partition_reference(accelerator, reference)  # under ZeRO-3 sharded as the policy is
-    plan_training(run, model, optimizer, train_loader, "pairs")  # optimizer steps and the learning-rate schedule
+    plan = plan_steps(run, model, train_loader, "pairs")  # optimizer steps, in all and per epoch
+    compiled = compile_model(config, accelerator, model, train_loader, plan.micro_batches, log)  # torch_compile
+    schedule = build_scheduler(config.lr_scheduler_type, optimizer, plan.total_steps, config.warmup_ratio)
+    lr_scheduler = accelerator.prepare(schedule)
     log.info("DPO loss %s, beta %g, label smoothing %g", config.loss_type, config.beta, config.label_smoothing)
 
-    # --- resume (or start), then train: the loop's bookkeeping is tunebook.training.loop, the loss is here
+    # --- resume (or start), then train: the loop's bookkeeping is tunebook.training.loop
     def run_evaluation() -> dict:
         return evaluate(config, model, reference, eval_loader, attn, dtype, accelerator)
 
+    evaluation = run_evaluation if eval_loader is not None else None
     figures = RewardStats(accelerator.device)  # loss, rewards and reward accuracy: means over the window's pairs
-    resume(run, data, figures, run_evaluation if eval_loader is not None else None)
+    saved = load_checkpoint_or_start(run, optimizer, lr_scheduler, train_loader, figures, evaluation is not None)
+    loop = start_training(run, plan, saved, model, optimizer, lr_scheduler, train_loader, data, evaluation, compiled)
+    model.train()
     k = config.gradient_accumulation_steps
-    for loader in epochs(run, train_loader):
+    for loader in epochs(run, loop):
         for window in accumulation_windows(loader, k, run.timer):
             # The loss is the mean over the pairs of the whole step (all micro-batches and processes).
             local_pairs = sum(torch.tensor(b["input_ids"].shape[0] // 2, device=accelerator.device) for b in window)
@@ -190,17 +201,24 @@ def main(config: DPOConfig) -> dict:
                     accelerator.backward(losses.sum() * scale)
                 step_loss += losses.detach().sum().double()
                 step_rewards.append((losses.detach(), chosen_rewards, rejected_rewards))
-                run.counters.add_batch(batch)  # tokens, padding and sequences (2 per pair), for the logs and summary
-            if apply_update(run, step_loss, window):  # clip, non-finite check on every process, step
+                loop.counters.add_batch(batch)  # tokens, padding and sequences (2 per pair), for the logs and summary
+            # The step: clip, the finite check on every process, the update (or nan_policy's skip), the schedule.
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm or float("inf"))
+            finite = finite_on_every_process(step_loss, grad_norm, accelerator)
+            updated = optimizer_step_or_skip(run, loop.state, optimizer, finite)  # fp16: the scaler's step
+            learning_rate = lr_scheduler.get_last_lr()[0]  # the rate this step trained at
+            lr_scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            if updated:
                 for rewards in step_rewards:
                     figures.add(*rewards)
-            if after_step(run):  # log, evaluate, best model, stop signals, save, early stopping
+            if after_step(run, loop, window, grad_norm, learning_rate):  # log, evaluate, save, stop
                 break
 
     # --- final evaluation (the best checkpoint's weights with load_best_model_at_end) and outputs
     kind = "precomputed" if config.precompute_ref_log_probs else "adapters off" if config.use_peft else "copy"
     kind = kind if use_reference else "none"
-    return finish(run, data, headline=("eval_rewards/accuracy", "reward accuracy", ".3f"), reference=kind)
+    return finish(run, loop, headline=("eval_rewards/accuracy", "reward accuracy", ".3f"), reference=kind)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ answers when GRPO starts and at the end.
 Each row of the data has a `prompt` (text or messages); its other columns reach the reward functions. Every
 optimizer step: the window's prompts (each process its own, whole groups) -> `num_generations` sampled completions
 each -> rewards -> advantages within each group -> `num_iterations` updates of the clipped objective
-(`tunebook.training.grpo`). Outputs in `output_dir` as for the other recipes; `metrics.jsonl` adds reward mean/std
+(`tunebook.rl.grpo`). Outputs in `output_dir` as for the other recipes; `metrics.jsonl` adds reward mean/std
 per function, the fraction of groups with one reward for all, completion lengths, clip ratio, KL, and generation
 vs. training seconds.
 """
@@ -25,37 +25,16 @@ import time
 
 import torch
 
-from tunebook.config import load_config
-from tunebook.data import (
-    PromptData,
-    PromptRows,
-    prepare_prompt_data,
-    reference_examples,
-    reward_inputs,
-    train_and_eval_loaders,
-)
+from tunebook.config import GRPOConfig, load_config
+from tunebook.data import train_and_eval_loaders
 from tunebook.distributed import prepare_then_join
-from tunebook.evaluation.completions import evaluate_completions
 from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options, unwrap, whole_weights
-from tunebook.recipe_configs import GRPOConfig
-from tunebook.training import (
-    accumulation_windows,
-    after_step,
-    apply_update,
-    build_optimizer,
-    epochs,
-    finish,
-    frozen_copy,
-    micro_batch,
-    partition_reference,
-    plan_training,
-    resume,
-    sft_warmup,
-    start_run,
-    step_loss_scale,
-)
-from tunebook.training.grpo import (
+from tunebook.preference import frozen_copy, partition_reference
+from tunebook.rl import PromptData, PromptRows, prepare_prompt_data, reference_examples, reward_inputs
+from tunebook.rl.evaluation import evaluate_completions
+from tunebook.rl.grpo import (
     GRPOStats,
+    PendingRollouts,
     Rollouts,
     completion_log_probs,
     completion_seed,
@@ -67,10 +46,28 @@ from tunebook.training.grpo import (
     step_normaliser,
     stop_tokens,
 )
-from tunebook.training.rewards import combined, describe, load_reward_functions, score
+from tunebook.rl.rewards import combined, describe, load_reward_functions, score
+from tunebook.training import (
+    accumulation_windows,
+    after_step,
+    build_optimizer,
+    build_scheduler,
+    compile_model,
+    epochs,
+    finish,
+    finite_on_every_process,
+    load_checkpoint_or_start,
+    micro_batch,
+    optimizer_step_or_skip,
+    plan_steps,
+    sft_warmup,
+    start_run,
+    start_training,
+    step_loss_scale,
+)
 
 
-def generate_rollouts(config: GRPOConfig, run, model, reference, window, rewards, figures, tokenizer) -> list:
+def generate_rollouts(config: GRPOConfig, run, state, model, reference, window, rewards, figures, tokenizer) -> list:
     """Completions of the window's prompts, their rewards and advantages, and the log-probs the loss compares to."""
     accelerator, G = run.accelerator, config.num_generations
     policy = unwrap(model)
@@ -79,7 +76,7 @@ def generate_rollouts(config: GRPOConfig, run, model, reference, window, rewards
         start = time.perf_counter()
         prompt_ids = [p for p in batch["prompt_ids"] for _ in range(G)]  # a group's completions stay together
         seeds = [
-            completion_seed(config.seed, run.state.global_step, int(row), g) for row in batch["row"] for g in range(G)
+            completion_seed(config.seed, state.global_step, int(row), g) for row in batch["row"] for g in range(G)
         ]
         completions = sample_completions(
             policy,
@@ -94,7 +91,7 @@ def generate_rollouts(config: GRPOConfig, run, model, reference, window, rewards
         )
         texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
         prompts, columns = reward_inputs(batch, completions, G)
-        when = f"at step {run.state.global_step + 1}"  # what a failing reward's error says
+        when = f"at step {state.global_step + 1}"  # what a failing reward's error says
         per_function = score(rewards, prompts, texts, columns, accelerator.device, when)
         figures.add_rewards(per_function)
         parts.append((prompt_ids, completions, combined(per_function, rewards), time.perf_counter() - start))
@@ -145,6 +142,23 @@ def evaluate(config: GRPOConfig, model, data: PromptData, rewards, accelerator, 
     return metrics
 
 
+def warm_up(config: GRPOConfig, model, data: PromptData, accelerator, log) -> None:
+    """A brief SFT on the reference answers, which teaches the answer format before GRPO rewards it."""
+    examples = reference_examples(data.train, data.tokenizer, config.reference_column, config.max_seq_length)
+    sft_warmup(
+        model,
+        examples,
+        data.tokenizer.pad_token_id,
+        steps=config.sft_warmup_steps,
+        seed=config.seed,
+        batch_size=32,
+        device=accelerator.device,
+        log=log,
+        learning_rate=config.sft_warmup_learning_rate,  # constant: GRPO goes on from an unannealed model
+        max_grad_norm=1.0,
+    )
+
+
 def main(config: GRPOConfig) -> dict:
     run = start_run(config, "grpo")  # Accelerator, logging, seed, output_dir, config.yaml
     accelerator, log = run.accelerator, run.log
@@ -154,22 +168,10 @@ def main(config: GRPOConfig) -> dict:
     tokenizer = data.tokenizer
 
     # --- model: the policy; optionally a brief SFT warm-up on the reference answers; the reference for the KL
-    model = build_causal_lm(tokenizer, **model_options(config))
+    model = build_causal_lm(tokenizer, model_options(config))
     with whole_weights(model):  # under DeepSpeed ZeRO-3 the model is built partitioned: whole until prepare
         if config.sft_warmup_steps:
-            examples = reference_examples(data.train, tokenizer, config.reference_column, config.max_seq_length)
-            sft_warmup(
-                model,
-                examples,
-                tokenizer.pad_token_id,
-                steps=config.sft_warmup_steps,
-                seed=config.seed,
-                batch_size=32,
-                device=accelerator.device,
-                log=log,
-                learning_rate=config.sft_warmup_learning_rate,  # constant: GRPO goes on from an unannealed model
-                max_grad_norm=1.0,
-            )
+            warm_up(config, model, data, accelerator, log)
         reference = None  # beta 0: none; with LoRA: the policy with its adapters off
         if config.beta > 0 and not config.use_peft:
             reference = frozen_copy(model, accelerator.device)
@@ -192,21 +194,30 @@ def main(config: GRPOConfig) -> dict:
     train_loader, _ = train_and_eval_loaders(config, data.train, None, PromptRows())
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     reference = partition_reference(accelerator, reference)  # under ZeRO-3 sharded as the policy is
-    plan_training(run, model, optimizer, train_loader, "prompts", updates_per_window=config.num_iterations)
+    plan = plan_steps(run, model, train_loader, "prompts", updates_per_window=config.num_iterations)
+    compiled = compile_model(config, accelerator, model, train_loader, plan.micro_batches, log)  # torch_compile
+    schedule = build_scheduler(config.lr_scheduler_type, optimizer, plan.total_steps, config.warmup_ratio)
+    lr_scheduler = accelerator.prepare(schedule)
 
-    # --- resume (or start), then train: the loop's bookkeeping is tunebook.training.loop, the loss is here
+    # --- resume (or start), then train: the loop's bookkeeping is tunebook.training.loop
     def run_evaluation() -> dict:
-        return evaluate(config, model, data, rewards, accelerator, log, run.state.global_step)
+        return evaluate(config, model, data, rewards, accelerator, log, saved.state.global_step)
 
-    figures = GRPOStats(accelerator.device, [f.name for f in rewards])  # and the rollouts a checkpoint keeps
-    resume(run, data, figures, run_evaluation if data.eval is not None else None)
+    evaluation = run_evaluation if data.eval is not None else None
+    figures = GRPOStats(accelerator.device, [f.name for f in rewards])
+    pending = PendingRollouts()  # a checkpoint between the updates of one generation batch keeps its rollouts
+    saved = load_checkpoint_or_start(
+        run, optimizer, lr_scheduler, train_loader, figures, evaluation is not None, pending_rollouts=pending
+    )
+    loop = start_training(run, plan, saved, model, optimizer, lr_scheduler, train_loader, data, evaluation, compiled)
+    model.train()
     k, device = config.gradient_accumulation_steps, accelerator.device
-    for loader in epochs(run, train_loader):
+    for loader in epochs(run, loop):
         for window in accumulation_windows(loader, k, run.timer):
             # Sample, score and compare within groups once; then num_iterations updates on these rollouts.
-            first, rollouts = figures.take_pending(device) or (
+            first, rollouts = pending.take(device) or (
                 0,
-                generate_rollouts(config, run, model, reference, window, rewards, figures, tokenizer),
+                generate_rollouts(config, run, loop.state, model, reference, window, rewards, figures, tokenizer),
             )
             # The loss is normalised over the whole step (all micro-batches and processes), per loss_type.
             normaliser, tokens = step_normaliser(rollouts, config.loss_type, config.max_new_tokens, accelerator)
@@ -233,10 +244,15 @@ def main(config: GRPOConfig) -> dict:
                         accelerator.backward(numerator * scale)
                     step_loss += (numerator.detach() / normaliser).double()
                     clipped, kl = clipped + token_clipped.sum(), kl + token_kl.sum()
-                    run.counters.add_batch({"attention_mask": r.attention_mask})  # tokens, completions trained
-                figures.keep_pending(iteration, rollouts, config.num_iterations)  # what a checkpoint here needs
-                last = iteration == config.num_iterations - 1
-                if apply_update(run, step_loss, window if last else []):  # the data moves on after the last
+                    loop.counters.add_batch({"attention_mask": r.attention_mask})  # tokens, completions trained
+                pending.keep(iteration, rollouts, config.num_iterations)  # what a checkpoint here needs
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm or float("inf"))
+                finite = finite_on_every_process(step_loss, grad_norm, accelerator)
+                updated = optimizer_step_or_skip(run, loop.state, optimizer, finite)  # fp16: the scaler's step
+                learning_rate = lr_scheduler.get_last_lr()[0]  # the rate this step trained at
+                lr_scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                if updated:
                     figures.add(
                         steps=1,
                         loss=step_loss,
@@ -245,14 +261,15 @@ def main(config: GRPOConfig) -> dict:
                         kl=kl,
                         training_seconds=time.perf_counter() - start,
                     )
-                ended = after_step(run)  # log, evaluate, best model, stop signals, save, early stopping
+                last = iteration == config.num_iterations - 1  # the data moves on after the last update only
+                ended = after_step(run, loop, window, grad_norm, learning_rate, data_advanced=last)
                 if ended:
                     break
             if ended:
                 break
 
     # --- final evaluation (the best checkpoint's weights with load_best_model_at_end) and outputs
-    return finish(run, data, headline=("eval_exact_match", "exact match", ".3f"))
+    return finish(run, loop, headline=("eval_exact_match", "exact match", ".3f"))
 
 
 if __name__ == "__main__":

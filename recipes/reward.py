@@ -21,27 +21,34 @@ from __future__ import annotations
 
 import torch
 
-from tunebook.config import load_config
-from tunebook.data import PairCollator, PreferenceData, prepare_preference_data, train_and_eval_loaders
+from tunebook.config import RewardConfig, load_config
+from tunebook.data import PairCollator, train_and_eval_loaders
 from tunebook.distributed import prepare_then_join
-from tunebook.evaluation import evaluate_reward_model
 from tunebook.models import apply_lora, build_sequence_classifier, describe_parameters, model_options
-from tunebook.recipe_configs import RewardConfig
-from tunebook.training import (
+from tunebook.preference import (
     REWARD_FIGURES,
+    PreferenceData,
     RewardStats,
+    bradley_terry_loss,
+    evaluate_reward_model,
+    pair_rewards,
+    prepare_preference_data,
+)
+from tunebook.training import (
     accumulation_windows,
     after_step,
-    apply_update,
-    bradley_terry_loss,
     build_optimizer,
+    build_scheduler,
+    compile_model,
     epochs,
     finish,
+    finite_on_every_process,
+    load_checkpoint_or_start,
     micro_batch,
-    pair_rewards,
-    plan_training,
-    resume,
+    optimizer_step_or_skip,
+    plan_steps,
     start_run,
+    start_training,
     step_loss_scale,
 )
 
@@ -72,7 +79,7 @@ def main(config: RewardConfig) -> dict:
     )
 
     # --- model: a sequence classifier whose one output is the reward (a loaded model gets a fresh head)
-    model = build_sequence_classifier(tokenizer, ["reward"], problem_type="regression", **model_options(config))
+    model = build_sequence_classifier(tokenizer, ["reward"], model_options(config), problem_type="regression")
     if config.use_peft:  # LoRA: the base stays frozen; checkpoints and the output hold only the adapters (and head)
         model = apply_lora(model, config, "classification")
     log.info("Model: %s, %s", type(model).__name__, describe_parameters(model))
@@ -83,16 +90,22 @@ def main(config: RewardConfig) -> dict:
     )
     train_loader, eval_loader = build_dataloaders(config, data)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
-    plan_training(run, model, optimizer, train_loader, "pairs")  # optimizer steps and the learning-rate schedule
+    plan = plan_steps(run, model, train_loader, "pairs")  # optimizer steps, in all and per epoch
+    compiled = compile_model(config, accelerator, model, train_loader, plan.micro_batches, log)  # torch_compile
+    schedule = build_scheduler(config.lr_scheduler_type, optimizer, plan.total_steps, config.warmup_ratio)
+    lr_scheduler = accelerator.prepare(schedule)
 
-    # --- resume (or start), then train: the loop's bookkeeping is tunebook.training.loop, the loss is here
+    # --- resume (or start), then train: the loop's bookkeeping is tunebook.training.loop
     def run_evaluation() -> dict:
         return evaluate(config, model, eval_loader, accelerator)
 
+    evaluation = run_evaluation if eval_loader is not None else None
     figures = RewardStats(accelerator.device, REWARD_FIGURES)  # loss, rewards, accuracy: means over the pairs
-    resume(run, data, figures, run_evaluation if eval_loader is not None else None)
+    saved = load_checkpoint_or_start(run, optimizer, lr_scheduler, train_loader, figures, evaluation is not None)
+    loop = start_training(run, plan, saved, model, optimizer, lr_scheduler, train_loader, data, evaluation, compiled)
+    model.train()
     k = config.gradient_accumulation_steps
-    for loader in epochs(run, train_loader):
+    for loader in epochs(run, loop):
         for window in accumulation_windows(loader, k, run.timer):
             # The loss is the mean over the pairs of the whole step (all micro-batches and processes).
             local_pairs = sum(torch.tensor(b["input_ids"].shape[0] // 2, device=accelerator.device) for b in window)
@@ -106,15 +119,22 @@ def main(config: RewardConfig) -> dict:
                     accelerator.backward(losses.sum() * scale)
                 step_loss += losses.detach().sum().double()
                 step_rewards.append((losses.detach(), chosen, rejected))
-                run.counters.add_batch(batch)  # tokens, padding and sequences (2 per pair), for the logs and summary
-            if apply_update(run, step_loss, window):  # clip, non-finite check on every process, step
+                loop.counters.add_batch(batch)  # tokens, padding and sequences (2 per pair), for the logs and summary
+            # The step: clip, the finite check on every process, the update (or nan_policy's skip), the schedule.
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm or float("inf"))
+            finite = finite_on_every_process(step_loss, grad_norm, accelerator)
+            updated = optimizer_step_or_skip(run, loop.state, optimizer, finite)  # fp16: the scaler's step
+            learning_rate = lr_scheduler.get_last_lr()[0]  # the rate this step trained at
+            lr_scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            if updated:
                 for rewards in step_rewards:
                     figures.add(*rewards)
-            if after_step(run):  # log, evaluate, best model, stop signals, save, early stopping
+            if after_step(run, loop, window, grad_norm, learning_rate):  # log, evaluate, save, stop
                 break
 
     # --- final evaluation (the best checkpoint's weights with load_best_model_at_end) and outputs
-    return finish(run, data, headline=("eval_accuracy", "pairwise accuracy", ".3f"))
+    return finish(run, loop, headline=("eval_accuracy", "pairwise accuracy", ".3f"))
 
 
 if __name__ == "__main__":

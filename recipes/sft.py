@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from tunebook.config import load_config
+from tunebook import compat
+from tunebook.config import SFTConfig, load_config
 from tunebook.data import (
     PackedCollator,
     PadCollator,
@@ -38,21 +39,24 @@ from tunebook.data import (
 from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import evaluate_loss, generation_exact_match
 from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options
-from tunebook.recipe_configs import SFTConfig
 from tunebook.training import (
     LossWindow,
     accumulation_windows,
     after_step,
-    apply_update,
     build_optimizer,
+    build_scheduler,
     causal_lm_token_losses,
+    compile_model,
     count_loss_tokens,
     epochs,
     finish,
+    finite_on_every_process,
+    load_checkpoint_or_start,
     micro_batch,
-    plan_training,
-    resume,
+    optimizer_step_or_skip,
+    plan_steps,
     start_run,
+    start_training,
     step_loss_scale,
 )
 
@@ -105,11 +109,11 @@ def main(config: SFTConfig) -> dict:
     )
 
     # --- model, optimizer, loaders
-    model = build_causal_lm(tokenizer, **model_options(config))
+    model = build_causal_lm(tokenizer, model_options(config))
     if config.use_peft:  # LoRA: the base stays frozen; checkpoints and the output hold only the adapters
         model = apply_lora(model, config)
     log.info("Model: %s, %s", type(model).__name__, describe_parameters(model))
-    attn, dtype = model.config._attn_implementation, model.dtype
+    attn, dtype = compat.attn_implementation(model.config), model.dtype
     if config.packing:  # on a CPU, sdpa becomes our per-example (varlen) SDPA
         attn = use_packed_attention(model, accelerator.device, config.max_seq_length)
         log.info("Packing with %s attention: %s", attn, packing_mechanism(attn))
@@ -118,16 +122,22 @@ def main(config: SFTConfig) -> dict:
     )
     train_loader, eval_loader = build_dataloaders(config, data, accelerator.num_processes, attn)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
-    plan_training(run, model, optimizer, train_loader)  # optimizer steps and the learning-rate schedule
+    plan = plan_steps(run, model, train_loader)  # optimizer steps, in all and per epoch
+    compiled = compile_model(config, accelerator, model, train_loader, plan.micro_batches, log)  # torch_compile
+    schedule = build_scheduler(config.lr_scheduler_type, optimizer, plan.total_steps, config.warmup_ratio)
+    lr_scheduler = accelerator.prepare(schedule)
 
-    # --- resume (or start), then train: the loop's bookkeeping is tunebook.training.loop, the loss is here
+    # --- resume (or start), then train: the loop's bookkeeping is tunebook.training.loop
     def run_evaluation() -> dict:
         return evaluate(config, model, data, eval_loader, attn, accelerator, log)
 
+    evaluation = run_evaluation if eval_loader is not None else None
     figures = LossWindow(accelerator.device)  # the logged loss: a mean over loss tokens
-    resume(run, data, figures, run_evaluation if eval_loader is not None else None)
+    saved = load_checkpoint_or_start(run, optimizer, lr_scheduler, train_loader, figures, evaluation is not None)
+    loop = start_training(run, plan, saved, model, optimizer, lr_scheduler, train_loader, data, evaluation, compiled)
+    model.train()
     k = config.gradient_accumulation_steps
-    for loader in epochs(run, train_loader):
+    for loader in epochs(run, loop):
         for window in accumulation_windows(loader, k, run.timer):
             # Normalise by the loss tokens of the whole step (all micro-batches and processes), not per micro-batch.
             local_tokens = sum(count_loss_tokens(b["labels"]) for b in window)
@@ -139,14 +149,21 @@ def main(config: SFTConfig) -> dict:
                     loss_sum = causal_lm_token_losses(model, attention_inputs(batch, attn, dtype), batch)[0].sum()
                     accelerator.backward(loss_sum * scale)
                 step_loss += loss_sum.detach().double()
-                run.counters.add_batch(batch)  # tokens, padding and examples, for the logs and the summary
-            if apply_update(run, step_loss, window):  # clip, non-finite check on every process, step
+                loop.counters.add_batch(batch)  # tokens, padding and examples, for the logs and the summary
+            # The step: clip, the finite check on every process, the update (or nan_policy's skip), the schedule.
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm or float("inf"))
+            finite = finite_on_every_process(step_loss, grad_norm, accelerator)
+            updated = optimizer_step_or_skip(run, loop.state, optimizer, finite)  # fp16: the scaler's step
+            learning_rate = lr_scheduler.get_last_lr()[0]  # the rate this step trained at
+            lr_scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            if updated:
                 figures.add(step_loss, local_tokens)
-            if after_step(run):  # log, evaluate, best model, stop signals, save, early stopping
+            if after_step(run, loop, window, grad_norm, learning_rate):  # log, evaluate, save, stop
                 break
 
     # --- final evaluation (the best checkpoint's weights with load_best_model_at_end) and outputs
-    return finish(run, data, headline=("eval_exact_match", "exact match", ".3f"))
+    return finish(run, loop, headline=("eval_exact_match", "exact match", ".3f"))
 
 
 if __name__ == "__main__":

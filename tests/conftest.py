@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -16,8 +13,7 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-ROOT = Path(__file__).resolve().parents[1]
-ASSETS = Path(__file__).parent / "assets"
+from support import TINY_TEST_MODEL  # noqa: E402
 
 _real_connect = socket.socket.connect
 
@@ -47,160 +43,6 @@ def tiny_tokenizer():
     return train_chat_tokenizer(texts * 20, vocab_size=300)
 
 
-TINY_TEST_MODEL = {
-    "model_type": "llama",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": False,
-}
-
-
 @pytest.fixture
 def tiny_model_config() -> dict:
     return dict(TINY_TEST_MODEL)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def assert_png(path) -> None:
-    """`path` is a PNG image that matplotlib reads back, of a plausible size."""
-    from matplotlib.image import imread
-
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
-    height, width, _ = imread(path).shape
-    assert width >= 600 and height >= 400, (width, height)
-
-
-def launch_command(
-    script: str,
-    args: list[str],
-    accelerate_config: str = "cpu.yaml",
-    launcher_args: tuple[str, ...] = (),
-    launcher: str = "tunebook",
-) -> list[str]:
-    """`tunebook train` (or, with `launcher="accelerate"`, `accelerate launch`) `--config_file
-    accelerate_configs/<cfg> <script> <args>` as an argument list.
-
-    `tunebook train` is what the README shows: `accelerate launch` with one process run in the launcher's own
-    interpreter, which saves every single-process test launch a second interpreter and its imports (~2.5 s) and the
-    interpreter's teardown (~1 s). Each recipe's default-run test keeps `accelerate launch`, so that stays tested."""
-    entry = {"tunebook": ["tunebook.cli", "train"], "accelerate": ["accelerate.commands.launch"]}[launcher]
-    return [
-        sys.executable,
-        "-m",
-        *entry,
-        "--quiet",
-        "--config_file",
-        str(ROOT / "accelerate_configs" / accelerate_config),
-        "--main_process_port",
-        str(free_port()),
-        *launcher_args,
-        str(ROOT / script),
-        *args,
-    ]
-
-
-def launch(
-    script: str,
-    args: list[str],
-    accelerate_config: str = "cpu.yaml",
-    timeout: int = 300,
-    env=None,
-    launcher_args: tuple[str, ...] = (),
-    launcher: str = "tunebook",
-    in_process: bool | None = None,
-):
-    """Run `launch_command(...)` and return the CompletedProcess.
-
-    A single-process `tunebook train` on `cpu.yaml` runs in this interpreter (`in_process`, the default where it
-    can): `tunebook train` runs one process in its own interpreter anyway, and this one has imported torch,
-    transformers and datasets already, which a new process pays ~5 s for at every launch. Its errors propagate as
-    exceptions, and its time limit is the suite's (pytest-timeout), not `timeout`; a test of how a failure looks
-    from outside (exit code, the one-line error, no traceback), of signals or of the launcher passes
-    `in_process=False`."""
-    cmd = launch_command(script, args, accelerate_config, launcher_args, launcher)
-    if in_process is None:
-        in_process = launcher == "tunebook" and accelerate_config == "cpu.yaml" and not launcher_args
-    if in_process:
-        return _train_in_process(cmd, env or {})
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
-
-
-def _train_in_process(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    """`tunebook.cli.main` with `cmd`'s arguments in this interpreter, its output captured, and what a run leaves in
-    the process undone after it: environment (accelerate's launch variables), torch's thread count, argv, sys.path,
-    signal handlers and Accelerate's process-wide state."""
-    import contextlib
-    import io
-    import signal
-
-    import torch
-    from accelerate.state import AcceleratorState, GradientState
-
-    from tunebook import cli
-
-    saved_env, saved_argv, saved_path, threads = dict(os.environ), sys.argv[:], sys.path[:], torch.get_num_threads()
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    stdout, stderr, code = io.StringIO(), io.StringIO(), 0
-    cwd = os.getcwd()
-    try:
-        os.environ.update(env)
-        os.chdir(ROOT)
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-            try:
-                cli.main(cmd[cmd.index("tunebook.cli") + 1 :])
-            except SystemExit as ended:
-                code = ended.code if isinstance(ended.code, int) else (0 if ended.code is None else 1)
-    except BaseException:
-        print(f"{stdout.getvalue()[-4000:]}{stderr.getvalue()[-4000:]}")  # the run's log, in pytest's report
-        raise
-    finally:
-        os.chdir(cwd)
-        os.environ.clear()
-        os.environ.update(saved_env)
-        sys.argv[:], sys.path[:] = saved_argv, saved_path
-        torch.set_num_threads(threads)
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-    return subprocess.CompletedProcess(cmd, code, stdout.getvalue(), stderr.getvalue())
-
-
-def base_tokenizer(eos: str = "<|endoftext|>", extra: tuple[str, ...] = ()):
-    """A base model's tokenizer: byte-level BPE, an EOS token, no chat template, no ChatML markers."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    texts = ["user assistant question answer 0123456789 Reverse the digits. Sort the digits."] * 20
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[eos, *extra], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
-    tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=eos)
-
-
-_HOLD_LOCK = (
-    "import sys, time\nfrom tunebook.output_lock import lock_output_dir\n"
-    "lock = lock_output_dir(sys.argv[1], 'sft')\nprint('locked', flush=True)\ntime.sleep(600)\n"
-)
-
-
-def hold_lock(directory: Path) -> subprocess.Popen:
-    """Another process that holds `directory`'s output-dir lock, as a live sft run would, until it is killed."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(directory)], stdout=subprocess.PIPE, text=True,
-                              env=env)  # fmt: skip
-    assert holder.stdout.readline().strip() == "locked"
-    return holder

@@ -1,7 +1,7 @@
 """What the peer scripts share: the chat rendering of an Alpaca record, the model, the training settings, and the
 clocks and counters behind the figures they report.
 
-The options after `--bf16 ... --cache_dir` serve benchmarks/gpu_vs_peers.py (fixed steps on a GPU, LoRA, steady-state
+The options after `--bf16 ... --cache_dir` serve benchmarks/gpu/gpu_vs_peers.py (fixed steps on a GPU, LoRA, steady-state
 tokens/s, peak GPU memory); their defaults keep benchmarks/vs_peers.py's CPU runs as they were.
 """
 
@@ -126,7 +126,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--max_length", type=int, default=512)
     parser.add_argument("--cache_dir", default=None)
-    # --- for benchmarks/gpu_vs_peers.py
+    # --- for benchmarks/gpu/gpu_vs_peers.py
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--max_steps", type=int, default=-1, help="optimizer steps (-1: one epoch)")
     parser.add_argument("--grad_accum", type=int, default=1, help="micro-batches per optimizer step")

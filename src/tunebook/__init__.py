@@ -10,8 +10,9 @@ blocks the recipes use, all importable from here (loaded on first use, so `impor
   `accumulation_windows`, `count_loss_tokens`, `step_loss_scale`, `causal_lm_token_losses`, `token_loss_sum`,
   `Throughput`, `dpo_loss`, `preference_loss` (every DPO loss type), `sequence_log_probs`, `bradley_terry_loss`,
   `load_reward_model` (a trained reward model as a scoring function);
-- the loop's bookkeeping: `start_run`, `plan_training`, `resume`, `epochs`, `apply_update`, `after_step`,
-  `finish` (`tunebook.training.loop`);
+- the loop's bookkeeping: `start_run`, `plan_steps`, `load_checkpoint_or_start`, `start_training`, `epochs`,
+  `after_step`, `finish` (`tunebook.training.loop`); the step's guard: `finite_on_every_process`,
+  `optimizer_step_or_skip` (`tunebook.training.step`); `compile_model`;
 - checkpoints: `save_checkpoint`, `resume_training`, `save_final_model`, `list_checkpoints`, `export_checkpoint`;
 - evaluation: `evaluate_loss`, `generation_exact_match`, `evaluate_classifier`, `load_metric`;
 - models: `build_causal_lm`, `build_sequence_classifier`, `train_chat_tokenizer`, `apply_lora`;
@@ -30,23 +31,26 @@ from .recipe import Recipe, load_recipe  # noqa: E402
 
 # Loaded on first use: `import tunebook` (and checking a config) must not import torch.
 _LAZY = {
-    "tunebook.checkpoint": ["list_checkpoints", "save_checkpoint", "save_final_model"],
+    "tunebook.training.checkpoint": ["list_checkpoints", "save_checkpoint", "save_final_model"],
     "tunebook.training.resumption": ["resume_training"],
-    "tunebook.export": ["export_checkpoint"],
+    "tunebook.run.export": ["export_checkpoint"],
     "tunebook.data": [
         "load_source", "parse_sources", "prepare_sft_data", "prepare_classification_data", "prepare_text_data",
         "cached_dataset", "pack_dataset", "PackedCollator", "PadCollator", "build_loader", "attention_inputs",
-        "prepare_preference_data", "PairCollator",
+        "PairCollator",
     ],
     "tunebook.training": [
         "recipe_accelerator", "build_accelerator", "build_optimizer", "build_scheduler", "accumulation_windows",
-        "count_loss_tokens", "step_loss_scale", "causal_lm_token_losses", "token_loss_sum", "Throughput", "dpo_loss",
-        "sequence_log_probs", "bradley_terry_loss", "load_reward_model", "preference_loss",
+        "count_loss_tokens", "step_loss_scale", "causal_lm_token_losses", "token_loss_sum", "Throughput",
+    ],
+    "tunebook.preference": [
+        "prepare_preference_data", "dpo_loss", "sequence_log_probs", "bradley_terry_loss", "load_reward_model",
+        "preference_loss",
     ],
     "tunebook.evaluation": ["evaluate_loss", "generation_exact_match", "evaluate_classifier", "load_metric"],
     "tunebook.models": ["build_causal_lm", "build_sequence_classifier", "train_chat_tokenizer", "apply_lora"],
-    "tunebook.record": ["run_summary", "finish_run"],
-    "tunebook.report": ["render_report", "compare_runs"],
+    "tunebook.run.record": ["run_summary", "finish_run"],
+    "tunebook.run.report": ["render_report", "compare_runs"],
 }  # fmt: skip
 _WHERE = {name: module for module, names in _LAZY.items() for name in names}
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import logging
 import socket
-from contextlib import contextmanager
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, TunebookError, same_on_every_rank
+from .errors import ConfigError, TrainingError, TunebookError, first_line, same_on_every_rank
+from .preparation import preparation_lock
 
 __all__ = [
     "PreflightError",
@@ -37,32 +38,6 @@ logger = logging.getLogger("tunebook")
 
 class PreflightError(ConfigError):
     """The processes of a launch could not meet, or do not agree on what they are about to train."""
-
-
-@contextmanager
-def preparation_lock(cache_dir: str | Path, key: str, what: str = "data"):
-    """Hold the lock of the cache entry `key` (its fingerprint) in `cache_dir` while looking for it and building it:
-    of the processes that need the same entry, the first builds it and the others wait, then map what it wrote.
-
-    One lock file per entry, not one per cache: a run that builds slowly (a large data set, a pathological row) holds
-    up only the runs that need what it builds. A file lock, not a collective: waiting for another process's
-    tokenisation has no timeout. On a shared file system the lock also orders the nodes; with node-local caches each
-    node prepares its own copy, and the preflight check then verifies that all copies hold the same data.
-    """
-    from filelock import FileLock, Timeout
-
-    path = Path(cache_dir).expanduser() / "locks" / f"{key}.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(path))
-    try:
-        lock.acquire(timeout=2)
-    except Timeout:
-        logger.info("Waiting for another process to finish building %s in %s (lock: %s)", what, cache_dir, path)
-        lock.acquire()
-    try:
-        yield
-    finally:
-        lock.release()
 
 
 def data_fingerprint(dataset) -> str | None:
@@ -84,7 +59,7 @@ def data_fingerprint(dataset) -> str | None:
 def run_facts(config, data, num_processes: int) -> dict[str, Any]:
     """What every rank must agree on before training: world size, config, data, library versions."""
     from .config import config_to_dict
-    from .record import versions
+    from .run.record import versions
 
     resolved = config_to_dict(config)
     resolved.pop("cache_dir", None)  # node-local caches may live at different paths
@@ -184,3 +159,33 @@ def prepare_then_join(accelerator, config, prepare, cache_dir: Path, log: loggin
         "Data ready in %.1f s (%s)", data.seconds, "built: " + ", ".join(data.built) if data.built else "all cached"
     )
     return data
+
+
+def decided_by_main(accelerator, decide: Callable[[], Any]) -> Any:
+    """`decide()` on the main process only, its answer (or its error) on every process: a choice that reads files
+    (verifying a checkpoint of many GB) is made once, and made the same everywhere. A `TunebookError` is raised on
+    every process as the same line; any other error is raised as it is by the main process, and as one line naming
+    it by the others, which would otherwise wait for an answer that never comes."""
+    answer, error = None, None
+    if accelerator.is_main_process:
+        try:
+            answer = decide()
+        except Exception as raised:
+            error = raised
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        shared = [answer, None]
+        if isinstance(error, TunebookError):
+            shared[1] = (type(error), str(error))
+        elif error is not None:
+            shared[1] = (TrainingError, f"the main process failed: {type(error).__name__}: {first_line(error)}")
+        broadcast_object_list(shared, from_process=0)
+        answer = shared[0]
+        if error is None and shared[1] is not None:
+            error = shared[1][0](shared[1][1])
+    if isinstance(error, TunebookError):
+        raise same_on_every_rank(error)
+    if error is not None:
+        raise error
+    return answer

@@ -1,8 +1,11 @@
 """User-facing errors: one readable message that names the file, line, key or value at fault.
 
 Anything a user can cause (a typo in a config, a malformed data file, a missing model path) is raised as a
-`TunebookError`. Recipes install `install_excepthook()` so these print as one line instead of a traceback (in a
-notebook too); anything else is a bug in Tunebook or a library and keeps its full traceback.
+`TunebookError`. A Tunebook command (the `tunebook` console script, a recipe run as a script) calls
+`enter_command_line()`, which installs `install_excepthook()` so these print as one line instead of a traceback;
+anything else is a bug in Tunebook or a library and keeps its full traceback. Importing Tunebook or calling a recipe's
+`main(config)` from Python leaves the process's hooks as they were; in a notebook the errors still show as one line,
+through IPython's own protocol for an exception's display (`_render_traceback_`).
 """
 
 from __future__ import annotations
@@ -18,14 +21,25 @@ __all__ = [
     "ModelError",
     "TrainingError",
     "TunebookError",
+    "enter_command_line",
     "first_line",
     "install_excepthook",
+    "owns_process",
     "same_on_every_rank",
 ]
 
 
 class TunebookError(Exception):
     """A mistake in the user's input, reported without a traceback."""
+
+    def _render_traceback_(self) -> list[str]:
+        """IPython's (Jupyter's) hook for an exception's own display: the one line instead of a page of traceback,
+        with nothing of the kernel's changed (no custom handler installed on its shell). IPython asks twice (its
+        traceback, then the kernel's error reply): printed once."""
+        if not getattr(self, "_shown_in_ipython", False):
+            self._shown_in_ipython = True
+            print(f"tunebook: error: {self}", file=sys.stderr, flush=True)
+        return []
 
 
 class ConfigError(TunebookError):
@@ -51,10 +65,27 @@ def same_on_every_rank(error: TunebookError) -> TunebookError:
     return error
 
 
+# Whether a Tunebook command owns this process (`enter_command_line`): only then is process-wide state Tunebook's to set.
+_COMMAND_LINE = [False]
+
+
+def enter_command_line() -> None:
+    """Mark this process as a Tunebook command's (the `tunebook` console script, or a recipe's `__main__` reading
+    `sys.argv`): user errors print as one line (`install_excepthook`), and `setup_logging` formats the root logger,
+    so the libraries' records and Python's warnings share Tunebook's format. A caller in Python gets neither."""
+    _COMMAND_LINE[0] = True
+    install_excepthook()
+
+
+def owns_process() -> bool:
+    """Whether `enter_command_line` was called: this process is a Tunebook command, not a caller's interpreter."""
+    return _COMMAND_LINE[0]
+
+
 def install_excepthook() -> None:
     """Print `TunebookError`s as `tunebook: error: ...` and exit non-zero; leave other errors alone.
 
-    In an IPython kernel (Jupyter), the kernel shows them the same way instead of a traceback.
+    In an IPython kernel (Jupyter) they show as one line without it: `TunebookError._render_traceback_`.
     """
     previous = sys.excepthook
 
@@ -74,22 +105,6 @@ def install_excepthook() -> None:
         return
     hook._tunebook = True
     sys.excepthook = hook
-    _install_ipython_handler()
-
-
-def _install_ipython_handler() -> None:
-    """In a Jupyter kernel, show a TunebookError as its one line instead of a page of traceback."""
-    ipython_module = sys.modules.get("IPython")
-    shell = ipython_module.get_ipython() if ipython_module is not None else None
-    if shell is None or getattr(shell, "_tunebook_errors", False):
-        return
-
-    def show(shell, etype, value, tb, tb_offset=None):
-        print(f"tunebook: error: {value}", file=sys.stderr, flush=True)
-        return []
-
-    shell.set_custom_exc((TunebookError,), show)
-    shell._tunebook_errors = True
 
 
 def _should_print(error: BaseException) -> bool:

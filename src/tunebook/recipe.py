@@ -9,7 +9,8 @@
 
 The recipes are the files in `recipes/`. In a checkout or an editable install they are that folder; an
 installed wheel carries them as the package `tunebook.recipes` (pyproject maps the folder there).
-Importing a recipe has no side effects: it trains only when `main` is called.
+Importing a recipe has no side effects: it trains only when `main` is called, and leaves the process's hooks,
+root logger and garbage collector as they were (tests/unit/test_side_effects.py).
 """
 
 from __future__ import annotations
@@ -23,25 +24,25 @@ from types import ModuleType
 from typing import Any
 
 from .config import parse_config
-from .errors import ConfigError, install_excepthook
+from .errors import ConfigError
 
 __all__ = ["RECIPES", "Recipe", "load_recipe", "recipe_config_class", "recipe_data", "recipe_file", "recipe_task"]
 
-# The one map of recipe names: each recipe's config class (in tunebook.recipe_configs) and data preparation (in
+# The one map of recipe names: each recipe's config class (in tunebook.config) and data preparation (in
 # tunebook.data), by name, so neither the recipe nor torch is imported to check a command line; and what it trains
 # with the Hub's pipeline tag of its model (for model cards).
 _PARTS = {
-    "sft": ("SFTConfig", "prepare_sft_data",
+    "sft": ("SFTConfig", "data:prepare_sft_data",
             "supervised fine-tuning (SFT) of a causal language model on instruction or chat data", "text-generation"),
-    "classify": ("ClassifyConfig", "prepare_classification_data", "fine-tuning of a text classifier",
+    "classify": ("ClassifyConfig", "data:prepare_classification_data", "fine-tuning of a text classifier",
                  "text-classification"),
-    "pretrain": ("PretrainConfig", "prepare_text_data",
+    "pretrain": ("PretrainConfig", "data:prepare_text_data",
                  "continued pretraining of a causal language model on plain text", "text-generation"),
-    "dpo": ("DPOConfig", "prepare_preference_data",
+    "dpo": ("DPOConfig", "preference:prepare_preference_data",
             "Direct Preference Optimization (DPO) of a causal language model on preference pairs", "text-generation"),
-    "reward": ("RewardConfig", "prepare_preference_data",
+    "reward": ("RewardConfig", "preference:prepare_preference_data",
                "a reward model (one-output sequence classifier) trained on preference pairs", "text-classification"),
-    "grpo": ("GRPOConfig", "prepare_prompt_data",
+    "grpo": ("GRPOConfig", "rl:prepare_prompt_data",
              "Group Relative Policy Optimization (GRPO) of a causal language model with reward functions",
              "text-generation"),
 }  # fmt: skip
@@ -57,17 +58,16 @@ def _part(name: str, index: int) -> str:
 def recipe_config_class(name: str) -> type:
     """The config class of recipe `name`, without importing the recipe (and torch): what the CLI checks a
     command line against before launching, and what `tunebook prepare`/`export` read configs with."""
-    from . import recipe_configs
+    from . import config as configs
 
-    return getattr(recipe_configs, _part(name, 0))
+    return getattr(configs, _part(name, 0))
 
 
 def recipe_data(name: str):
     """The function that prepares recipe `name`'s data (`prepare(config, cache_dir, log)`): what the recipe runs first
     and `tunebook prepare` runs alone."""
-    from . import data
-
-    return getattr(data, _part(name, 1))
+    package, function = _part(name, 1).split(":")  # the task's package under tunebook, and its function
+    return getattr(importlib.import_module(f"tunebook.{package}"), function)
 
 
 def recipe_task(name: str) -> tuple[str, str] | None:
@@ -104,7 +104,6 @@ class Recipe:
 
 def load_recipe(name_or_path: str | Path) -> Recipe:
     """The recipe `name_or_path`: one of `RECIPES`, or the path of a recipe file with a `main(config)`."""
-    install_excepthook()  # in a notebook, Tunebook's errors then show as one line instead of a traceback
     path = Path(name_or_path)
     if str(name_or_path) in RECIPES:
         module = importlib.import_module(f"tunebook.recipes.{name_or_path}")

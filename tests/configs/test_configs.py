@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from support import ROOT
 
 from tunebook.config import parse_config, save_config, saved_recipe
 from tunebook.recipe import RECIPES, recipe_config_class

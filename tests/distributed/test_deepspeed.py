@@ -19,7 +19,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import ROOT, TINY_TEST_MODEL, launch
+from support import ROOT, TINY_TEST_MODEL, launch
 
 pytest.importorskip("deepspeed")
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]

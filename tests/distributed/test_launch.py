@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, TINY_TEST_MODEL, free_port, launch
+from support import ROOT, TINY_TEST_MODEL, free_port, launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 TOL = 1e-5

@@ -15,12 +15,6 @@ from tunebook.training import causal_lm_token_losses
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def restore_setting():
-    yield
-    fused_cpu._ENABLED[0] = True
-
-
 def _model(model_type: str, **extra):
     values = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, vocab_size=97, max_position_embeddings=128)  # fmt: skip
@@ -41,7 +35,7 @@ def _packed_batch() -> dict:
 
 
 def _loss_and_grads(model, batch, fused: bool):
-    fused_cpu._ENABLED[0] = fused
+    fused_cpu.set_fused_cpu_layers(model, fused)
     model.zero_grad(set_to_none=True)
     attn = model.config._attn_implementation
     losses, _ = causal_lm_token_losses(model, attention_inputs(batch, attn, torch.float32), batch)
@@ -131,19 +125,39 @@ def test_only_code_that_is_llamas_is_patched():
 
 def test_recipes_build_with_the_setting(tiny_tokenizer, tiny_model_config):
     model = build_causal_lm(tiny_tokenizer, model_config=tiny_model_config)
-    assert fused_cpu._ENABLED[0] and hasattr(type(model.model.norm).forward, "tunebook_original")
-    build_causal_lm(tiny_tokenizer, model_config=tiny_model_config, fused_cpu_layers=False)
-    assert not fused_cpu._ENABLED[0]
+    assert fused_cpu.fused_cpu_layers_of(model) and "forward" in vars(model.model.norm)
+    other = build_causal_lm(tiny_tokenizer, model_config=tiny_model_config, fused_cpu_layers=False)
+    assert not fused_cpu.fused_cpu_layers_of(other)
+    assert fused_cpu.fused_cpu_layers_of(model)  # each model keeps its own setting
+
+
+def test_only_the_model_given_changes_and_its_code_comes_back():
+    import copy
+
+    import transformers.models.llama.modeling_llama as modeling_llama
+
+    classes = modeling_llama.LlamaRMSNorm.forward, modeling_llama.LlamaAttention.forward
+    rotary = modeling_llama.apply_rotary_pos_emb
+    model, other = _model("llama"), _model("llama")
+    fused_cpu.set_fused_cpu_layers(model)
+    assert (modeling_llama.LlamaRMSNorm.forward, modeling_llama.LlamaAttention.forward) == classes
+    assert modeling_llama.apply_rotary_pos_emb is rotary
+    assert not fused_cpu.fused_cpu_layers_of(other)
+    reference = copy.deepcopy(model)  # DPO's frozen reference: fused, bound to its own modules
+    assert reference.model.norm.forward.__self__ is reference.model.norm
+    assert fused_cpu.fused_cpu_layers_of(reference)
+    assert fused_cpu.set_fused_cpu_layers(model, enabled=False) == []
+    assert not any("forward" in vars(m) for m in model.modules())
 
 
 def test_rotary_tables_that_would_widen_q_take_transformers_path():
     import transformers.models.llama.modeling_llama as modeling_llama
 
-    fused_cpu.set_fused_cpu_layers(_model("llama"))
+    fused = fused_cpu._fused_apply_rotary_pos_emb(modeling_llama.apply_rotary_pos_emb)
     q = torch.randn(1, 4, 6, 16, requires_grad=True)  # one row of queries, tables for two rows
     cos, sin = torch.randn(2, 6, 16), torch.randn(2, 6, 16)
-    out, _ = modeling_llama.apply_rotary_pos_emb(q, q, cos, sin)
-    expected, _ = modeling_llama.apply_rotary_pos_emb.tunebook_original(q, q, cos, sin)
+    out, _ = fused(q, q, cos, sin)
+    expected, _ = modeling_llama.apply_rotary_pos_emb(q, q, cos, sin)
     assert out.shape == (2, 4, 6, 16)
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
     out.sum().backward()

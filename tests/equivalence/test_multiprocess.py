@@ -15,7 +15,7 @@ import json
 
 import pytest
 import torch
-from conftest import TINY_TEST_MODEL, launch
+from support import TINY_TEST_MODEL, launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 TOL = 1e-5

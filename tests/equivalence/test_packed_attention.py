@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from tunebook.data.collate import PackedCollator
-from tunebook.data.packing import SEGMENT_SDPA, attention_inputs, pack_dataset, use_packed_attention
+from tunebook.data.packing import pack_dataset
 from tunebook.models import build_causal_lm
+from tunebook.models.attention import SEGMENT_SDPA, attention_inputs, use_packed_attention
 
 TOL = 1e-5
 LENGTHS = [9, 4, 13, 6, 3, 11, 7, 5]
@@ -337,7 +338,7 @@ def test_packing_a_sliding_window_model_with_one_mask_for_every_layer_stops_with
 def test_sliding_window_is_read_from_the_config_only_where_layers_use_it():
     from transformers import AutoConfig
 
-    from tunebook.data.packing import sliding_window
+    from tunebook.models.attention import sliding_window
 
     assert sliding_window(AutoConfig.for_model("mistral", sliding_window=4096)) == 4096
     assert sliding_window(AutoConfig.for_model("mistral", sliding_window=None)) is None

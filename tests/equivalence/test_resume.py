@@ -13,7 +13,7 @@ import json
 import shutil
 
 import pytest
-from conftest import TINY_TEST_MODEL, launch
+from support import TINY_TEST_MODEL, launch
 
 pytestmark = pytest.mark.slow
 COMMON = [

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import TINY_TEST_MODEL, launch
+from support import TINY_TEST_MODEL, launch
 
 pytestmark = [
     pytest.mark.gpu,

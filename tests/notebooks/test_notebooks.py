@@ -6,7 +6,7 @@ import re
 
 import nbformat
 import pytest
-from conftest import ROOT
+from support import ROOT
 
 pytestmark = pytest.mark.slow
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))

@@ -10,13 +10,12 @@ from tunebook.config import load_config
 
 if __name__ == "__main__":
     sft = load_recipe(os.environ.get("SIGNAL_RECIPE", "sft"))
-    apply_update, step = sft.module.apply_update, int(os.environ["SIGNAL_AT_STEP"])
+    after_step, step = sft.module.after_step, int(os.environ["SIGNAL_AT_STEP"])
 
-    def apply_then_signal(run, step_loss, window):
-        updated = apply_update(run, step_loss, window)
-        if run.state.global_step == step and run.accelerator.is_main_process:
+    def signal_then_after_step(run, loop, *args, **kwargs):
+        if loop.state.global_step + 1 == step and run.accelerator.is_main_process:  # taken, not yet counted
             signal.raise_signal(signal.SIGTERM)
-        return updated
+        return after_step(run, loop, *args, **kwargs)
 
-    sft.module.apply_update = apply_then_signal
+    sft.module.after_step = signal_then_after_step
     sft.main(load_config(sft.config_class))

@@ -23,14 +23,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_TEST_MODEL, launch, launch_command
+from support import TINY_TEST_MODEL, launch, launch_command
 
-from tunebook.checkpoint import list_checkpoints
 from tunebook.errors import TrainingError
-from tunebook.manifest import verify_checkpoint
 from tunebook.recipe import RECIPES
+from tunebook.training.checkpoint import list_checkpoints
+from tunebook.training.manifest import verify_checkpoint
 
-from test_guarantees import _run, _weights  # isort: skip
+from recipe_runs import _run, _weights  # isort: skip
 
 pytestmark = pytest.mark.slow
 LOG = logging.getLogger("tunebook")
@@ -305,15 +305,15 @@ def test_a_damaged_best_checkpoint_is_not_loaded_at_the_end(name, tmp_path, monk
     and the final step's weights (those of the last checkpoint) are the run's model, with a warning."""
     from safetensors.torch import load_file
 
-    import tunebook.manifest
+    import tunebook.training.manifest
 
-    real = tunebook.manifest.verify_checkpoint
+    real = tunebook.training.manifest.verify_checkpoint
 
     def damage_then_verify(checkpoint, log):  # the best checkpoint's weights go bad just before they are loaded
         _truncate(Path(checkpoint) / "model.safetensors")
         return real(checkpoint, log)
 
-    monkeypatch.setattr(tunebook.manifest, "verify_checkpoint", damage_then_verify)
+    monkeypatch.setattr(tunebook.training.manifest, "verify_checkpoint", damage_then_verify)
     # The "best" is the worst here (the loss at its highest, GRPO's reward at its lowest): an early step, not the last.
     metric, greater = ("reward", False) if name == "grpo" else ("loss", True)
     summary = _run(name, tmp_path / "run", tmp_path / "cache", eval_steps=2, save_steps=2, save_total_limit=0,

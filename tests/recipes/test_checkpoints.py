@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY_TEST_MODEL, launch
+from support import ROOT, TINY_TEST_MODEL, launch
 
 pytestmark = pytest.mark.slow
 TUNEBOOK = str(Path(sys.executable).parent / "tunebook")

@@ -6,7 +6,7 @@ import json
 import re
 
 import pytest
-from conftest import ASSETS, launch
+from support import ASSETS, launch
 
 pytestmark = pytest.mark.slow
 SMALL = """--disable_tqdm true --synthetic_train_size 400 --synthetic_eval_size 37 --per_device_eval_batch_size 8

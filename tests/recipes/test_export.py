@@ -10,12 +10,12 @@ import shutil
 
 import pytest
 import torch
-from conftest import TINY_TEST_MODEL
+from support import TINY_TEST_MODEL
 
 from tunebook import load_recipe
 from tunebook.errors import ConfigError, ModelError
-from tunebook.export import export_checkpoint
-from tunebook.manifest import write_manifest
+from tunebook.run.export import export_checkpoint
+from tunebook.training.manifest import write_manifest
 
 pytestmark = pytest.mark.slow
 RECIPES = ["sft", "classify", "pretrain", "dpo", "reward"]

@@ -14,12 +14,12 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, TINY_TEST_MODEL, assert_png, launch
+from support import ROOT, TINY_TEST_MODEL, assert_png, launch
 
 from tunebook import load_recipe
 from tunebook.errors import DataError
 
-from test_guarantees import COMMON, TASKS, _records, _without_rates  # isort: skip
+from recipe_runs import COMMON, TASKS, _records, _without_rates  # isort: skip
 
 REWARDS = ROOT / "tests" / "recipes" / "grpo_rewards.py"
 TINY = {**COMMON, **TASKS["grpo"], "max_steps": 4}  # the guarantees' tiny run (a reward random answers earn)
@@ -102,13 +102,12 @@ def test_prompt_data_it_cannot_use_is_one_line(tmp_path, rows, message):
     ],
 )
 def test_config_mistakes_are_one_line(tmp_path, args, message):
-    from tunebook.config import load_config
+    from tunebook.config import GRPOConfig, load_config
     from tunebook.errors import ConfigError
-    from tunebook.recipe_configs import GRPOConfig
 
     with pytest.raises(ConfigError, match=message):
         config = load_config(GRPOConfig, [*args, "--output_dir", str(tmp_path / "run")])
-        from tunebook.training.rewards import load_reward_functions
+        from tunebook.rl.rewards import load_reward_functions
 
         load_reward_functions(config)  # names are checked when the run loads them
 
@@ -127,9 +126,8 @@ def test_config_mistakes_are_one_line(tmp_path, args, message):
 )  # fmt: skip
 def test_a_reward_file_that_does_not_load_is_found_by_the_config_check(tmp_path, source, message):
     """Before torch, the data and the model: `tunebook train` checks the config in about a second."""
-    from tunebook.config import load_config
+    from tunebook.config import GRPOConfig, load_config
     from tunebook.errors import ConfigError
-    from tunebook.recipe_configs import GRPOConfig
 
     file = tmp_path / ("absent.py" if source is None else "bad.py")
     if source is not None:
@@ -144,8 +142,7 @@ def test_the_config_check_loads_a_reward_file_without_torch(tmp_path):
     (tmp_path / "ok.py").write_text("def f(prompts, completions, **columns):\n    return [0.0] * len(completions)\n")
     (tmp_path / "bad.py").write_text("import no_such_module_tb\n")
     code = (
-        "import sys\nfrom tunebook.config import load_config\nfrom tunebook.errors import ConfigError\n"
-        "from tunebook.recipe_configs import GRPOConfig\n"
+        "import sys\nfrom tunebook.config import GRPOConfig, load_config\nfrom tunebook.errors import ConfigError\n"
         f"load_config(GRPOConfig, ['--reward_functions', '[{tmp_path}/ok.py:f]'])\n"
         f"try:\n    load_config(GRPOConfig, ['--reward_functions', '[{tmp_path}/bad.py:f]'])\n"
         "except ConfigError as error:\n    print(error)\nprint('torch' in sys.modules)\n"
@@ -206,20 +203,19 @@ def test_a_stop_between_the_updates_of_one_generation_batch_resumes_on_its_rollo
     common = {"num_iterations": 2, "max_steps": 6, "eval_steps": 2}
     _run(tmp_path / "full", tmp_path / "cache", **common)
     module = load_recipe("grpo").module
-    real = module.apply_update
+    real = module.after_step
 
-    def apply_then_signal(run, step_loss, window):
-        updated = real(run, step_loss, window)
-        if run.state.global_step == 3:
+    def signal_then_after_step(run, loop, *args, **kwargs):
+        if loop.state.global_step + 1 == 3:  # step 3 is taken, not yet counted
             signal.raise_signal(signal.SIGTERM)
-        return updated
+        return real(run, loop, *args, **kwargs)
 
     with monkeypatch.context() as patch:
-        patch.setattr(module, "apply_update", apply_then_signal)
+        patch.setattr(module, "after_step", signal_then_after_step)
         with pytest.raises(SystemExit):
             _run(tmp_path / "cut", tmp_path / "cache", **common)
     state = json.loads((tmp_path / "cut" / "checkpoints" / "step-3" / "process_state_0.json").read_text())
-    assert state["figures"]["pending"]["iteration"] == 1  # mid-batch: its rollouts are in the checkpoint
+    assert state["pending_rollouts"]["iteration"] == 1  # mid-batch: its rollouts are in the checkpoint
     _run(tmp_path / "cut", tmp_path / "cache", resume_from_checkpoint="latest", **common)
     assert _untimed(_records(tmp_path / "cut")) == _untimed(_records(tmp_path / "full"))
     assert (tmp_path / "cut" / "model.safetensors").read_bytes() == (
@@ -276,15 +272,15 @@ def test_memory_stays_flat_over_50_steps(tmp_path, monkeypatch):
     """Peak RSS grows by less than 50 MB from step 10 to step 50: nothing accumulates per step (rollouts, graphs,
     logged tensors)."""
     module = load_recipe("grpo").module
-    real, peaks = module.apply_update, {}
+    real, peaks = module.after_step, {}
 
-    def apply_and_measure(run, step_loss, window):
-        updated = real(run, step_loss, window)
-        if run.state.global_step in (10, 50):
-            peaks[run.state.global_step] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        return updated
+    def after_step_and_measure(run, loop, *args, **kwargs):
+        ended = real(run, loop, *args, **kwargs)
+        if loop.state.global_step in (10, 50):
+            peaks[loop.state.global_step] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return ended
 
-    monkeypatch.setattr(module, "apply_update", apply_and_measure)
+    monkeypatch.setattr(module, "after_step", after_step_and_measure)
     _run(tmp_path / "run", tmp_path / "cache", max_steps=50, eval_steps=25, logging_steps=5)
     assert peaks[50] - peaks[10] < 50, peaks
 

@@ -14,76 +14,29 @@ from __future__ import annotations
 
 import ast
 import json
-import signal
 
 import pytest
-from conftest import ROOT, TINY_TEST_MODEL, hold_lock
+from recipe_runs import COMMON, EVAL_METRIC, _rates, _records, _run, _signal_at, _weights, _without_rates
+from support import ROOT, TINY_TEST_MODEL, hold_lock
 
 from tunebook import load_recipe
-from tunebook.checkpoint import list_checkpoints, resolve_checkpoint
 from tunebook.errors import TrainingError
 from tunebook.recipe import RECIPES
+from tunebook.training.checkpoint import list_checkpoints, resolve_checkpoint
 
 pytestmark = pytest.mark.slow
-COMMON = {"disable_tqdm": True, "report_to": "none", "dataloader_num_workers": 0, "logging_steps": 1,
-          "eval_on_start": False, "per_device_train_batch_size": 4, "per_device_eval_batch_size": 8,
-          "log_level": "WARNING", "max_steps": 6, "learning_rate": 1e-3}  # fmt: skip
-TASKS = {
-    "sft": {"model_config": TINY_TEST_MODEL, "synthetic_train_size": 64, "synthetic_eval_size": 8,
-            "generation_eval": False},
-    "classify": {"synthetic_train_size": 64, "synthetic_eval_size": 16},
-    "pretrain": {"model_config": TINY_TEST_MODEL, "synthetic_train_size": 40, "synthetic_eval_size": 8,
-                 "max_seq_length": 64},
-    "dpo": {"model_config": TINY_TEST_MODEL, "synthetic_train_size": 64, "synthetic_eval_size": 8,
-            "sft_warmup_steps": 0},
-    "reward": {"model_config": TINY_TEST_MODEL, "synthetic_train_size": 64, "synthetic_eval_size": 8},
-    # A reward that random completions sometimes earn, so advantages, gradients and updates are not all zero.
-    "grpo": {"model_config": TINY_TEST_MODEL, "synthetic_train_size": 64, "synthetic_eval_size": 8,
-             "sft_warmup_steps": 0, "num_generations": 2, "max_new_tokens": 4,
-             "reward_functions": [str(ROOT / "tests" / "recipes" / "grpo_rewards.py") + ":text_length"]},
-}  # fmt: skip
-# What evaluation reports to choose the best model by (GRPO's evaluation has rewards, not a loss).
-EVAL_METRIC = {"grpo": "reward"}
-
-
-def _run(name, out, cache, **overrides):
-    recipe = load_recipe(name)
-    config = recipe.config(**{**COMMON, **TASKS[name], "output_dir": str(out), "cache_dir": str(cache), **overrides})
-    return recipe.main(config)
-
-
-def _records(out) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def _weights(out) -> bytes:
-    return (out / "model.safetensors").read_bytes()
-
-
-def _signal_at(monkeypatch, name: str, step: int, signum=signal.SIGTERM) -> None:
-    """Deliver a real `signum` to this process right after optimizer step `step` of recipe `name`."""
-    module = load_recipe(name).module
-    real = module.apply_update
-
-    def apply_then_signal(run, step_loss, window):
-        updated = real(run, step_loss, window)
-        if run.state.global_step == step:
-            signal.raise_signal(signum)
-        return updated
-
-    monkeypatch.setattr(module, "apply_update", apply_then_signal)
 
 
 def _rates_used(monkeypatch, name: str) -> dict[int, float]:
     """Step -> the learning rate the optimizer held when it took that step, filled as recipe `name` trains."""
     module, used = load_recipe(name).module, {}
-    real = module.apply_update
+    real = module.optimizer_step_or_skip
 
-    def note_rate_then_apply(run, step_loss, window):
-        used[run.state.global_step + 1] = run.optimizer.param_groups[0]["lr"]
-        return real(run, step_loss, window)
+    def note_rate_then_step(run, state, optimizer, finite):
+        used[state.global_step + 1] = optimizer.param_groups[0]["lr"]
+        return real(run, state, optimizer, finite)
 
-    monkeypatch.setattr(module, "apply_update", note_rate_then_apply)
+    monkeypatch.setattr(module, "optimizer_step_or_skip", note_rate_then_step)
     return used
 
 
@@ -106,25 +59,6 @@ def test_a_stop_signal_then_resume_equals_the_uninterrupted_run(name, tmp_path, 
     assert _weights(tmp_path / "cut") == _weights(tmp_path / "full")
     assert resumed["eval"] == full["eval"] and resumed["train_steps"] == full["train_steps"] == 6
     assert resumed["resumed_from"].endswith("step-3") and resumed["final_train_loss"] == full["final_train_loss"]
-
-
-RATES = (
-    "tokens_per_second",
-    "samples_per_second",
-    "data_wait_fraction",
-    "peak_rss_mb",
-    "mfu",
-    "generation_seconds",
-    "training_seconds",
-)
-
-
-def _rates(record: dict) -> dict:
-    return {k: v for k, v in record.items() if k in RATES}
-
-
-def _without_rates(record: dict) -> dict:
-    return {k: v for k, v in record.items() if k not in RATES}
 
 
 def _paired(tmp_path):
@@ -205,21 +139,13 @@ def test_fp16_loss_scaling_skips_overflowing_steps_and_trains(name, tmp_path, mo
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_nan_policy_stop_and_skip(name, tmp_path, monkeypatch):
-    import tunebook.training.loop as loop
-
-    real = loop.is_nonfinite
-
-    def third_step_is_nan(step_loss, grad_norm, accelerator):  # as if step 3's loss were NaN on some process
-        return real(step_loss, grad_norm, accelerator) or third_step_is_nan.step == 2
-
-    def counting(run, step_loss, window):
-        third_step_is_nan.step = run.state.global_step
-        return apply_update(run, step_loss, window)
-
     module = load_recipe(name).module
-    apply_update = module.apply_update
-    monkeypatch.setattr(loop, "is_nonfinite", third_step_is_nan)
-    monkeypatch.setattr(module, "apply_update", counting)
+    real = module.optimizer_step_or_skip
+
+    def third_step_is_nan(run, state, optimizer, finite):  # as if step 3's loss were NaN on some process
+        return real(run, state, optimizer, finite and state.global_step != 2)
+
+    monkeypatch.setattr(module, "optimizer_step_or_skip", third_step_is_nan)
 
     with pytest.raises(
         TrainingError, match=r"non-finite loss or gradient norm at step 3; .*Last good checkpoint: .*step-2"
@@ -361,29 +287,72 @@ def test_flex_attention_without_packing_on_a_cpu_stops_with_one_line(name, tmp_p
     assert not (tmp_path / "out" / "step-1").exists()
 
 
+# The loop's calls, in this order, in every recipe's main (the first call of each name counts).
+LOOP_CALLS = ["start_run", "prepare_then_join", "build_optimizer", "accelerator.prepare", "plan_steps", "compile_model",
+              "build_scheduler", "load_checkpoint_or_start", "start_training", "model.train", "epochs",
+              "accumulation_windows", "micro_batch", "accelerator.backward", "after_step", "finish"]  # fmt: skip
+# The optimizer step, in view in every recipe, once, in this order, between the last backward and `after_step`.
+STEP_CALLS = ["accelerator.clip_grad_norm_", "finite_on_every_process", "optimizer_step_or_skip", "lr_scheduler.step",
+              "optimizer.zero_grad"]  # fmt: skip
+
+
+def _main_calls(source: str) -> tuple[ast.FunctionDef, list[str]]:
+    """A recipe's `main` and the names of the calls in it, in source order (`obj.attr` where called on a name)."""
+    main = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    nodes = sorted((n for n in ast.walk(main) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset))
+    return main, [_called(node) for node in nodes]
+
+
+def _step_problems(source: str) -> list[str]:
+    """What keeps a recipe's main from showing the loop's calls in order and the step's lines in view."""
+    main, calls = _main_calls(source)
+    problems = [f"no {c}" for c in LOOP_CALLS + STEP_CALLS if c not in calls]
+    problems += [f"{c} {calls.count(c)} times" for c in STEP_CALLS if calls.count(c) > 1]
+    if problems:
+        return problems
+    positions = [calls.index(c) for c in LOOP_CALLS]
+    if positions != sorted(positions):
+        problems.append(f"the loop's calls out of order: {[c for c in calls if c in LOOP_CALLS]}")
+    last_backward = len(calls) - 1 - calls[::-1].index("accelerator.backward")
+    step = [calls.index(c) for c in STEP_CALLS]
+    if step != sorted(step) or step[0] < last_backward or step[-1] > calls.index("after_step"):
+        problems.append(f"the step out of order: {[c for c in calls if c in STEP_CALLS + ['after_step']]}")
+    text = ast.unparse(main)
+    for own in ("apply_update", "save_checkpoint", "load_state", "StopSignals", "MetricsWriter", "start_trackers",
+                "free_memory", "set_epoch", "is_nonfinite", "scaler"):  # fmt: skip
+        if own in text:
+            problems.append(f"writes the loop's {own} again")
+    return problems
+
+
 def test_the_recipes_differ_only_where_their_task_differs():
-    """The loop's calls, in one order, in every recipe's main; nothing of the loop's own written again."""
-    loop_calls = ["start_run", "prepare_then_join", "build_optimizer", "prepare", "plan_training", "resume",
-                  "epochs", "accumulation_windows", "micro_batch", "backward", "apply_update", "after_step", "finish"]  # fmt: skip
+    """The loop's calls, in one order, in every recipe's main, with the optimizer step in view (clip, the finite
+    check across processes, optimizer step, schedule step, zero_grad); nothing else of the loop's written again."""
     for name in RECIPES:
         source = (ROOT / "recipes" / f"{name}.py").read_text()
-        main = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "main")
-        nodes = sorted((n for n in ast.walk(main) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset))
-        calls = [_called(node) for node in nodes]
-        calls = [c for c in calls if c in loop_calls]
-        positions = [calls.index(c) for c in loop_calls]
-        assert positions == sorted(positions), (name, calls)
-        text = ast.unparse(main)
-        for own in ("optimizer.step", "lr_scheduler.step", "clip_grad_norm_", "save_checkpoint", "load_state",
-                    "StopSignals", "MetricsWriter", "free_memory", "set_epoch"):  # fmt: skip
-            assert own not in text, f"recipes/{name}.py writes the loop's {own} again"
-        assert len(source.splitlines()) <= 260 and main.end_lineno - main.lineno < 120, name
+        assert _step_problems(source) == [], name
+        main, _ = _main_calls(source)
+        # About 260 lines (the house style), plus the ~15 lines that show the step and the start of training.
+        assert len(source.splitlines()) <= 290 and main.end_lineno - main.lineno < 120, name
         assert "fmt: skip" not in source, name
+
+
+@pytest.mark.parametrize(
+    "line", ["finite = finite_on_every_process(", "lr_scheduler.step()", "optimizer.zero_grad(set_to_none=True)"]
+)
+def test_a_recipe_without_a_line_of_the_step_fails_the_check(line):
+    """The check above fails where a line of the step is missing (here, commented out of recipes/sft.py)."""
+    source = (ROOT / "recipes" / "sft.py").read_text()
+    assert line in source
+    assert _step_problems(source.replace(line, "# " + line)) != []
 
 
 def _called(call: ast.Call) -> str:
     function = call.func
-    return function.attr if isinstance(function, ast.Attribute) else getattr(function, "id", "")
+    if isinstance(function, ast.Attribute):
+        owner = function.value
+        return f"{owner.id}.{function.attr}" if isinstance(owner, ast.Name) else function.attr
+    return getattr(function, "id", "")
 
 
 @pytest.mark.multiprocess
@@ -417,6 +386,6 @@ def test_a_stop_signal_on_two_processes_then_resume_equals_the_uninterrupted_run
 
 
 def _free_port() -> int:
-    from conftest import free_port
+    from support import free_port
 
     return free_port()

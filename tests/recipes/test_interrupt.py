@@ -12,7 +12,7 @@ import time
 
 import psutil
 import pytest
-from conftest import ROOT, TINY_TEST_MODEL, launch
+from support import ROOT, TINY_TEST_MODEL, launch
 
 pytestmark = pytest.mark.slow
 ARGS = [
@@ -75,9 +75,9 @@ import sys, time
 from pathlib import Path
 import torch
 from accelerate import Accelerator
-from tunebook.checkpoint import save_checkpoint
+from tunebook.training.checkpoint import save_checkpoint
 from tunebook.config import parse_config
-from tunebook.recipe_configs import SFTConfig
+from tunebook.config import SFTConfig
 
 out, step = Path(sys.argv[1]), int(sys.argv[2])
 accelerator = Accelerator(cpu=True)
@@ -94,7 +94,7 @@ save_checkpoint(accelerator, out, step, parse_config(SFTConfig), {"epoch": 0, "b
 
 
 def test_kill_9_during_a_save_keeps_the_previous_checkpoint(tmp_path):
-    from tunebook.checkpoint import load_trainer_state, resolve_checkpoint
+    from tunebook.training.checkpoint import load_trainer_state, resolve_checkpoint
 
     script = tmp_path / "save.py"
     script.write_text(SLOW_SAVE)

@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, TINY_TEST_MODEL
+from support import ROOT, TINY_TEST_MODEL
 
 pytestmark = pytest.mark.slow
 TINY = ["--model_config", json.dumps(TINY_TEST_MODEL), "--disable_tqdm", "--report_to", "none",

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import TINY_TEST_MODEL, launch
+from support import TINY_TEST_MODEL, launch
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("peft")

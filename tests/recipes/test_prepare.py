@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ASSETS, ROOT, TINY_TEST_MODEL, launch
+from support import ASSETS, ROOT, TINY_TEST_MODEL, launch
 
 pytestmark = pytest.mark.slow
 TUNEBOOK = str(Path(sys.executable).parent / "tunebook")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import TINY_TEST_MODEL, launch
+from support import TINY_TEST_MODEL, launch
 
 pytestmark = pytest.mark.slow
 SMALL = [

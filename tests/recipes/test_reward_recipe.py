@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import TINY_TEST_MODEL, assert_png, launch
+from support import TINY_TEST_MODEL, assert_png, launch
 
 from tunebook import load_recipe
 
@@ -55,7 +55,7 @@ def test_default_ranks_held_out_pairs(default_run):
 @pytest.mark.timeout(1200)
 def test_the_trained_model_is_a_reward_function(default_run):
     """`load_reward_model(output_dir)` (what a GRPO run's `reward_model: path` uses) ranks the held-out pairs."""
-    from tunebook.training import load_reward_model
+    from tunebook.preference import load_reward_model
 
     out, cache, summary, _ = default_run
     (held_out,) = cache.rglob("preferences-*/eval.jsonl")

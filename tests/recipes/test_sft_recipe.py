@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import yaml
-from conftest import ASSETS, ROOT, TINY_TEST_MODEL, assert_png, launch
+from support import ASSETS, ROOT, TINY_TEST_MODEL, assert_png, launch
 
 pytestmark = pytest.mark.slow
 TINY = ["--model_config", json.dumps(TINY_TEST_MODEL), "--disable_tqdm", "true"]

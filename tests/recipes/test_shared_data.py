@@ -5,11 +5,10 @@ from __future__ import annotations
 import logging
 
 import pytest
-from conftest import ROOT
+from support import ROOT
 
-from tunebook.config import parse_config
+from tunebook.config import SFTConfig, parse_config
 from tunebook.data import prepare_sft_data
-from tunebook.recipe_configs import SFTConfig
 
 CODE_ALPACA = ROOT.parent / "shared" / "data" / "code_alpaca_2k" / "code_alpaca_2k.json"
 

@@ -7,9 +7,9 @@ import json
 import random
 
 import pytest
-from conftest import ROOT, TINY_TEST_MODEL, free_port
+from support import ROOT, TINY_TEST_MODEL, free_port
 
-from tunebook.checkpoint import list_checkpoints
+from tunebook.training.checkpoint import list_checkpoints
 
 pytestmark = pytest.mark.slow
 WORDS = "the of and to in is was for on that with as by at from his her it an were are which this be".split()
@@ -74,8 +74,8 @@ def test_sigterm_then_resume_on_two_processes_with_workers_equals_the_uninterrup
 
 def test_streamed_packed_sft_stopped_by_sigterm_resumes_exactly(tmp_path, monkeypatch):
     """In-process sft, 2 loader workers, packing over buffers of 40 examples, evaluation on cached eval_data."""
-    from test_guarantees import _records as records
-    from test_guarantees import _run, _signal_at, _weights, _without_rates
+    from recipe_runs import _records as records
+    from recipe_runs import _run, _signal_at, _weights, _without_rates
 
     rng = random.Random(0)
     for name, rows in (("train", 300), ("eval", 16)):

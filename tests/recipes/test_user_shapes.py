@@ -8,7 +8,7 @@ import json
 import pandas as pd
 import pytest
 import torch
-from conftest import TINY_TEST_MODEL, base_tokenizer
+from support import TINY_TEST_MODEL, base_tokenizer
 
 from tunebook import load_recipe
 
@@ -84,7 +84,7 @@ def test_qwen3_multi_turn_sft_stops_with_the_choice_then_trains_each_turn_with_s
     """Qwen3's template drops the (empty) think block of earlier turns once a user turn follows, so a whole
     conversation cannot hold every turn as generated: the run says what to choose, and split_turns trains each
     assistant turn as the last one of its own example."""
-    from conftest import ASSETS
+    from support import ASSETS
 
     tokenizer = base_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})

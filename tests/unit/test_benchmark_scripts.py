@@ -1,4 +1,4 @@
-"""The GPU benchmarks' bookkeeping, without a GPU: gpu_vs_peers.py's steady-state clock read from Tunebook's logging
+"""The GPU benchmarks' bookkeeping, without a GPU: gpu/gpu_vs_peers.py's steady-state clock read from Tunebook's logging
 windows, micro-batch plan, override filter, out-of-memory retry and the table's goal verdicts; packed_attention.py's
 table rebuilt from its records. (The end-to-end checks are the scripts' `--smoke` runs, minutes on the CPU.)"""
 
@@ -16,11 +16,14 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCHMARKS))
+    # The GPU scripts live in benchmarks/gpu/ and import results.py from benchmarks/.
+    paths = [str(BENCHMARKS / "gpu"), str(BENCHMARKS)]
+    before = list(sys.path)
+    sys.path[:0] = paths
     try:
         yield importlib.import_module("gpu_vs_peers")
     finally:
-        sys.path.remove(str(BENCHMARKS))
+        sys.path[:] = before
 
 
 def test_tunebook_figures_time_only_the_windows_after_warmup(bench, tmp_path):

@@ -5,11 +5,11 @@ from __future__ import annotations
 import sys
 
 import pytest
-from conftest import ROOT
+from support import ROOT
 
 from tunebook import ConfigError, load_recipe
+from tunebook.config import ClassifyConfig, DPOConfig, GRPOConfig, PretrainConfig, RewardConfig, SFTConfig
 from tunebook.recipe import RECIPES, recipe_config_class
-from tunebook.recipe_configs import ClassifyConfig, DPOConfig, GRPOConfig, PretrainConfig, RewardConfig, SFTConfig
 
 
 def test_each_recipe_loads_with_its_config_class(tmp_path, monkeypatch):

@@ -1,27 +1,15 @@
-"""The data path: sources -> formats -> tokenisation and loss masks -> cache -> collators and loaders."""
+"""The data path: sources -> formats -> tokenisation and loss masks -> cache -> collators and loaders; streamed
+sources in `stream`. The packed-attention names (`attention_inputs`, `use_packed_attention`, ...) live in
+`tunebook.models.attention` and are re-exported here, where recipes import them with the collators."""
 
+from ..models.attention import attention_inputs, packing_mechanism, segment_sdpa_attention, use_packed_attention
 from .cache import cached_dataset, default_cache_dir, fingerprint, tokenizer_fingerprint
 from .classification import ClassificationData, label_names_of, prepare_classification_data
 from .collate import PackedCollator, PadCollator, PairCollator, PromptCollator, loss_positions
 from .formats import FORMAT_COLUMNS, detect_format, normalise_messages, to_conversations
 from .loaders import LengthGroupedSampler, build_loader, train_and_eval_loaders
-from .packing import (
-    attention_inputs,
-    best_fit_decreasing,
-    example_lengths,
-    pack_dataset,
-    packing_mechanism,
-    segment_sdpa_attention,
-    use_packed_attention,
-)
-from .preference import (
-    PreferenceData,
-    prepare_preference_data,
-    prompt_and_response,
-    prompt_and_response_ids,
-    write_synthetic_preferences,
-)
-from .prompts import PromptData, PromptRows, prepare_prompt_data, reference_examples, reward_inputs
+from .packing import best_fit_decreasing, example_lengths, pack_dataset
+from .pipeline import Pipeline, PreparedData
 from .sft import SFTData, conversation_texts, load_conversations, prepare_sft_data, prepare_sft_dataset, sft_cache_key
 from .sources import DataSource, fingerprint_sources, load_source, parse_sources
 from .synthetic import write_synthetic_task
@@ -29,17 +17,9 @@ from .text import TextData, chunk_documents, prepare_text_data
 from .tokenize import IGNORE_INDEX, assistant_spans, format_loss_mask, render_chat, tokenize_conversations
 
 __all__ = [
-    "PromptData",
-    "PromptRows",
-    "prepare_prompt_data",
-    "reference_examples",
-    "reward_inputs",
+    "Pipeline",
+    "PreparedData",
     "PairCollator",
-    "PreferenceData",
-    "prepare_preference_data",
-    "prompt_and_response",
-    "prompt_and_response_ids",
-    "write_synthetic_preferences",
     "TextData",
     "chunk_documents",
     "prepare_text_data",

@@ -21,8 +21,8 @@ from typing import Any
 import datasets
 from transformers import PreTrainedTokenizerBase
 
-from ..distributed import preparation_lock
 from ..locations import default_cache_dir
+from ..preparation import preparation_lock
 
 __all__ = ["PREPROCESSING_VERSION", "cached_dataset", "default_cache_dir", "fingerprint", "tokenizer_fingerprint"]
 
@@ -64,7 +64,7 @@ def cached_dataset(
 
     `build(scratch)` gets a scratch folder for its intermediate Arrow files (mapped, filtered, reordered data),
     deleted once the entry is saved, so a build leaves only the entry behind. The lookup and the build hold the
-    entry's lock (`tunebook.distributed.preparation_lock`, keyed by `key`): of the processes that need this entry
+    entry's lock (`tunebook.preparation.preparation_lock`, keyed by `key`): of the processes that need this entry
     the first builds it and the others then find it finished and only map its files, while runs that need other
     entries of the same cache go on.
     """

@@ -7,61 +7,64 @@ strings of the training data, or `0..K-1` for integer labels) become the model's
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import datasets
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from transformers import PreTrainedTokenizerBase
 
 from ..errors import ConfigError, DataError
-from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
-from .sources import DataSource, config_sources, fingerprint_sources, load_source, raise_unless_text
+from .cache import PREPROCESSING_VERSION, fingerprint, tokenizer_fingerprint
+from .pipeline import Pipeline, PreparedData, Tokenised
+from .sources import DataSource, fingerprint_sources, load_source, raise_unless_text
 from .synthetic import write_synthetic_classification
 from .tokenize import cut_overlong, longest_token_chars
-from .tokenizer import config_tokenizer
 
-__all__ = ["ClassificationData", "label_names_of", "prepare_classification_data"]
+__all__ = ["ClassificationData", "ClassificationPipeline", "label_names_of", "prepare_classification_data"]
 
 
-@dataclass
-class ClassificationData:
-    """The prepared data of a classification run."""
+@dataclass(kw_only=True)
+class ClassificationData(PreparedData):
+    """The prepared data of a classification run: rows of input_ids (token_type_ids) and labels."""
 
-    tokenizer: PreTrainedTokenizerBase
-    train: datasets.Dataset  # input_ids (token_type_ids), labels
-    eval: datasets.Dataset | None
     label_names: list[str]
-    stats: dict[str, Any] = field(default_factory=dict)
-    built: list[str] = field(default_factory=list)
-    seconds: float = 0.0
 
 
 def prepare_classification_data(config, cache_dir: Path, log: logging.Logger) -> ClassificationData:
     """`config` is a `ClassifyConfig`. In multi-process runs call it through `tunebook.distributed.prepare_then_join`."""
-    start = time.perf_counter()
-    built: list[str] = []
-    # No train_data: the embedded default's generated task.
-    train_sources, eval_sources = config_sources(config, cache_dir, write_synthetic_classification)
-    columns = [c for c in (config.text_column, config.text_pair_column, config.label_column) if c]
-    train_raw = _load(train_sources, columns, cache_dir, config.seed)
-    label_names = config.label_names or label_names_of(train_raw.data.column(config.label_column))
+    return ClassificationPipeline(config, cache_dir, log).prepare()
 
-    texts = lambda: (t for c in columns[:-1] for t in train_raw[c])  # noqa: E731
-    key = fingerprint_sources(train_sources) + "|" + "|".join(columns)
-    notes: dict[str, Any] = {}  # what tokenizer training left out
-    tokenizer = config_tokenizer(config, cache_dir, key, texts, built, log, kind="encoder",
-                                 max_tokens=config.max_seq_length, stats=notes)  # fmt: skip
-    # Batches pad on the right whatever the tokenizer ships (chat tokenizers pad left): models with absolute positions
-    # (BERT, GPT-2) count them from the row's start, so left padding would shift every shorter example's positions.
-    # Every sequence-classification head pools right-padded rows correctly.
-    tokenizer.padding_side = "right"
 
-    def tokenised(sources: list[DataSource], raw: datasets.Dataset | None, name: str):
+class ClassificationPipeline(Pipeline):
+    """Classification's steps: the train data is read first (its labels name the classes, its texts train the
+    tokenizer), then each split tokenised with label ids; a seeded held-out split of examples."""
+
+    write_synthetic = staticmethod(write_synthetic_classification)
+    # Read with the train data, before the tokenizer: the text, text pair and label columns, the train rows, and the
+    # class names (`label_names`, else the train labels').
+    columns: list[str]
+    train_raw: datasets.Dataset
+    label_names: list[str]
+
+    def make_tokenizer(self):
+        config = self.config
+        self.columns = [c for c in (config.text_column, config.text_pair_column, config.label_column) if c]
+        self.train_raw = _load(self.train_sources, self.columns, self.cache_dir, config.seed)
+        self.label_names = config.label_names or label_names_of(self.train_raw.data.column(config.label_column))
+        texts = lambda: (t for c in self.columns[:-1] for t in self.train_raw[c])  # noqa: E731
+        key = fingerprint_sources(self.train_sources) + "|" + "|".join(self.columns)
+        tokenizer = self.trained_tokenizer(key, texts, config.max_seq_length, kind="encoder")
+        # Batches pad on the right whatever the tokenizer ships (chat tokenizers pad left): models with absolute
+        # positions (BERT, GPT-2) count them from the row's start, so left padding would shift every shorter
+        # example's positions. Every sequence-classification head pools right-padded rows correctly.
+        tokenizer.padding_side = "right"
+        return tokenizer
+
+    def tokenise(self, sources: list[DataSource], name: str) -> Tokenised:
+        config, tokenizer, columns, label_names = self.config, self.tokenizer, self.columns, self.label_names
+        raw = self.train_raw if name == "train" else None
         key = fingerprint(
             {
                 "sources": fingerprint_sources(sources),
@@ -75,7 +78,7 @@ def prepare_classification_data(config, cache_dir: Path, log: logging.Logger) ->
         )
 
         def build(scratch: Path):
-            table = raw if raw is not None else _load(sources, columns, cache_dir, config.seed)
+            table = raw if raw is not None else _load(sources, columns, self.cache_dir, config.seed)
             where = ", ".join(s.where for s in sources)
             dataset = table.map(
                 _tokenize,
@@ -99,23 +102,28 @@ def prepare_classification_data(config, cache_dir: Path, log: logging.Logger) ->
                 "at_max_seq_length": int((lengths >= config.max_seq_length).sum()),
             }
 
-        dataset, stats, cached = cached_dataset(cache_dir, key, build)
-        built.extend([] if cached else [f"{name} tokenisation"])
-        log.info("%s data: %d examples (%s)", name, len(dataset), "from cache" if cached else "tokenised and cached")
-        return dataset, stats
+        dataset, stats, cached = self.cached(key, build, f"{name} tokenisation")
+        self.log.info(
+            "%s data: %d examples (%s)", name, len(dataset), "from cache" if cached else "tokenised and cached"
+        )
+        return Tokenised(dataset, key, stats)
 
-    train, stats = tokenised(train_sources, train_raw, "train")
-    eval_set = tokenised(eval_sources, None, "eval")[0] if eval_sources else None
-    if eval_set is None and config.eval_split_ratio > 0:
-        order = np.random.default_rng(config.seed).permutation(len(train))
-        n_eval = max(1, int(round(config.eval_split_ratio * len(train))))
-        if n_eval >= len(train):
-            raise ConfigError(f"eval_split_ratio={config.eval_split_ratio} leaves no training examples")
-        train, eval_set = train.select(np.sort(order[n_eval:])), train.select(np.sort(order[:n_eval]))
-    counts = np.bincount(np.asarray(train.data.column("labels")), minlength=len(label_names))
-    stats["label_counts"] = dict(zip(label_names, counts.tolist()))
-    stats.update(notes)
-    return ClassificationData(tokenizer, train, eval_set, label_names, stats, built, time.perf_counter() - start)
+    def split(self, train: Tokenised) -> tuple[Tokenised, Tokenised]:
+        ratio, dataset = self.config.eval_split_ratio, train.dataset
+        order = np.random.default_rng(self.config.seed).permutation(len(dataset))
+        n_eval = max(1, int(round(ratio * len(dataset))))
+        if n_eval >= len(dataset):
+            raise ConfigError(f"eval_split_ratio={ratio} leaves no training examples")
+        held = dataset.select(np.sort(order[:n_eval]))
+        return train._replace(dataset=dataset.select(np.sort(order[n_eval:]))), Tokenised(held, train.key, {})
+
+    def finish(self, train: Tokenised, evaluation: Tokenised | None) -> ClassificationData:
+        stats = train.stats
+        counts = np.bincount(np.asarray(train.dataset.data.column("labels")), minlength=len(self.label_names))
+        stats["label_counts"] = dict(zip(self.label_names, counts.tolist()))
+        stats.update(self.notes)
+        return ClassificationData(tokenizer=self.tokenizer, train=train.dataset,
+                                  eval=evaluation and evaluation.dataset, label_names=self.label_names, stats=stats)  # fmt: skip
 
 
 def label_names_of(column: pa.ChunkedArray) -> list[str]:

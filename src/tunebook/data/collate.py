@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .packing import BLOCK_MASK_PREFIX, document_kv_blocks
+from ..models.attention import BLOCK_MASK_PREFIX, document_kv_blocks
 from .tokenize import IGNORE_INDEX
 
 __all__ = ["PackedCollator", "PadCollator", "PairCollator", "PromptCollator", "loss_positions", "padded_length"]

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +20,16 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import ConfigError, DataError
+from ..models.tokenizer import setup_chat_template
 from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
 from .formats import detect_format, to_conversations
 from .packing import example_lengths, pack_dataset
-from .sources import DataSource, config_sources, fingerprint_sources, load_source
-from .streaming import (
+from .pipeline import Pipeline, PreparedData, Tokenised
+from .sources import DataSource, fingerprint_sources, load_source
+from .stream import (
     ChatRows,
     Mixture,
     TokenStream,
-    is_streamed,
     prepared_tokenizer,
     process_position,
     source_names,
@@ -37,10 +37,10 @@ from .streaming import (
 )
 from .synthetic import write_synthetic_task
 from .tokenize import longest_token_chars, tokenize_conversations
-from .tokenizer import config_tokenizer, setup_chat_template
 
 __all__ = [
     "SFTData",
+    "SFTPipeline",
     "conversation_texts",
     "load_conversations",
     "prepare_sft_data",
@@ -53,19 +53,11 @@ PACKING_VERSION = "1"  # bump when packing changes what it produces
 TOKENIZER_EXAMPLES = 20_000  # a tokenizer trained on streamed data learns from its first conversations
 
 
-@dataclass
-class SFTData:
-    """The prepared data of an SFT run."""
+@dataclass(kw_only=True)
+class SFTData(PreparedData):
+    """The prepared data of an SFT run: `train` and `eval` are packed rows when packing, else tokenised examples."""
 
-    tokenizer: PreTrainedTokenizerBase
-    train: datasets.Dataset  # what the train loader reads: packed rows, or tokenised examples
-    eval: datasets.Dataset | None  # what the eval-loss loader reads (packed rows when packing)
-    eval_examples: datasets.Dataset | None  # unpacked eval examples, for generation eval
-    stats: dict[str, Any] = field(default_factory=dict)  # of the training data
-    built: list[str] = field(default_factory=list)  # what had to be built (empty: everything came from the cache)
-    seconds: float = 0.0
-    # With streaming: true, the rows are made as training reads them (`train` then holds the first few, for the log).
-    stream: Any = None
+    eval_examples: datasets.Dataset | None = None  # unpacked eval examples, for generation eval
 
 
 def prepare_sft_data(config, cache_dir: Path, log: logging.Logger) -> SFTData:
@@ -74,76 +66,90 @@ def prepare_sft_data(config, cache_dir: Path, log: logging.Logger) -> SFTData:
     `config` is an `SFTConfig`. In multi-process runs call it through
     `tunebook.distributed.prepare_then_join`: the first process builds the caches, the others find them finished.
     """
-    start = time.perf_counter()
-    built: list[str] = []
-    # No train_data: the embedded default's generated task.
-    train_sources, eval_sources = config_sources(config, cache_dir, write_synthetic_task)
+    return SFTPipeline(config, cache_dir, log).prepare()
 
-    if is_streamed(train_sources):
-        return _streamed(config, train_sources, eval_sources, cache_dir, built, start, log)
-    texts = lambda: conversation_texts(  # noqa: E731
-        load_conversations(
-            train_sources, config.data_format, cache_dir, config.seed, text_field=config.dataset_text_field
+
+class SFTPipeline(Pipeline):
+    """SFT's steps: conversations tokenised and loss-masked, held out a whole conversation at a time, then packed."""
+
+    streams = True
+    write_synthetic = staticmethod(write_synthetic_task)
+
+    def make_tokenizer(self):
+        config = self.config
+        texts = lambda: conversation_texts(  # noqa: E731
+            load_conversations(
+                self.train_sources,
+                config.data_format,
+                self.cache_dir,
+                config.seed,
+                text_field=config.dataset_text_field,
+            )
         )
-    )
-    notes: dict[str, Any] = {}  # what tokenizer training left out
-    tokenizer = config_tokenizer(config, cache_dir, fingerprint_sources(train_sources), texts, built, log,
-                                 max_tokens=config.max_seq_length, stats=notes)  # fmt: skip
-    tokenizer = setup_chat_template(tokenizer, config.chat_template, config.trust_remote_code, log)
+        tokenizer = self.trained_tokenizer(fingerprint_sources(self.train_sources), texts, config.max_seq_length)
+        return setup_chat_template(tokenizer, config.chat_template, config.trust_remote_code, self.log)
 
-    train, train_key, stats = _tokenised(config, train_sources, tokenizer, cache_dir, "train", built, log)
-    stats.update(notes)
-    eval_examples, eval_key = None, None
-    if eval_sources:
-        eval_examples, eval_key, _ = _tokenised(config, eval_sources, tokenizer, cache_dir, "eval", built, log)
-    split = None
-    if eval_examples is None and config.eval_split_ratio > 0:
-        train, eval_examples, split = _split(train, config.eval_split_ratio, config.seed)
-        eval_key = train_key
-        log.info("Held out %d of the training examples for evaluation (eval_split_ratio)", len(eval_examples))
+    def tokenise(self, sources: list[DataSource], name: str) -> Tokenised:
+        return Tokenised(*_tokenised(self.config, sources, self.tokenizer, self.cache_dir, name, self.built, self.log))
 
-    train, eval_examples = (_without_conversation_ids(d) for d in (train, eval_examples))
-    train_rows, eval_rows = train, eval_examples
-    if config.packing:
-        train_rows, pack_stats = _packed(config, train, train_key, split and "train", cache_dir, "train", built, log)
-        stats.update(pack_stats)
-        if eval_examples is not None:
-            eval_rows, _ = _packed(config, eval_examples, eval_key, split and "eval", cache_dir, "eval", built, log)
-    stats["train_rows"] = len(train_rows)
-    stats["train_tokens_per_epoch"] = int(example_lengths(train_rows).sum())
-    return SFTData(tokenizer, train_rows, eval_rows, eval_examples, stats, built, time.perf_counter() - start)
+    def split(self, train: Tokenised) -> tuple[Tokenised, Tokenised]:
+        kept, held = _split(train.dataset, self.config.eval_split_ratio, self.config.seed)
+        self.log.info("Held out %d of the training examples for evaluation (eval_split_ratio)", len(held))
+        return train._replace(dataset=kept), Tokenised(held, train.key, {})  # packed under the train data's key
 
-
-def _streamed(config, train_sources, eval_sources, cache_dir: Path, built: list, start: float, log) -> SFTData:
-    """Streamed train_data: conversations tokenised (and packed) in the loader's workers; eval_data cached as usual."""
-    mixture = Mixture(train_sources, "conversation", config.seed, config.mixture_stopping_strategy,
-                      data_format=config.data_format, text_field=config.dataset_text_field)  # fmt: skip
-
-    def texts():
-        return conversation_texts({"conversation": [r["conversation"] for r in mixture().take(TOKENIZER_EXAMPLES)]})
-
-    # Prepared shards (tunebook prepare --output) come with their tokenizer; anything else names or trains one.
-    tokenizer, notes = prepared_tokenizer(train_sources, config, "sft"), {}
-    tokenizer = tokenizer or config_tokenizer(config, cache_dir, stream_fingerprint(train_sources), texts, built, log,
-                                              max_tokens=config.max_seq_length, stats=notes)  # fmt: skip
-    tokenizer = setup_chat_template(tokenizer, config.chat_template, config.trust_remote_code, log)
-    rows = ChatRows(tokenizer, config.max_seq_length, config.overlong_examples, config.assistant_only_loss,
-                    config.packing, config.seed, len(train_sources), config.split_turns)  # fmt: skip
-    stream = TokenStream(mixture, rows, config.packing_buffer_size, config.per_device_train_batch_size,
-                         *process_position(), source_names(train_sources),
-                         config.seed if config.stream_shuffle else None)  # fmt: skip
-    stream.check_readers(config.dataloader_num_workers, log)
-    eval_rows = eval_examples = None
-    if eval_sources:
-        eval_examples, eval_key, _ = _tokenised(config, eval_sources, tokenizer, cache_dir, "eval", built, log)
-        eval_examples = eval_rows = _without_conversation_ids(eval_examples)
+    def finish(self, train: Tokenised, evaluation: Tokenised | None) -> SFTData:
+        config, stats = self.config, {**train.stats, **self.notes}
+        examples, eval_examples = (_without_conversation_ids(t and t.dataset) for t in (train, evaluation))
+        train_rows, eval_rows = examples, eval_examples
         if config.packing:
-            eval_rows, _ = _packed(config, eval_examples, eval_key, None, cache_dir, "eval", built, log)
-    stats = {"streamed": True, "sources": source_names(train_sources), **notes}
-    log.info("train data: streamed from %s, tokenised%s as training reads it", ", ".join(stats["sources"]),
-             f" and packed {config.packing_buffer_size} examples at a time" if config.packing else "")  # fmt: skip
-    preview = stream.preview()
-    return SFTData(tokenizer, preview, eval_rows, eval_examples, stats, built, time.perf_counter() - start, stream)
+            part = self.holds_out and "train"
+            train_rows, pack_stats = self._packed(examples, train.key, part, "train")
+            stats.update(pack_stats)
+            if eval_examples is not None:
+                eval_rows, _ = self._packed(eval_examples, evaluation.key, self.holds_out and "eval", "eval")
+        stats["train_rows"] = len(train_rows)
+        stats["train_tokens_per_epoch"] = int(example_lengths(train_rows).sum())
+        return SFTData(tokenizer=self.tokenizer, train=train_rows, eval=eval_rows, eval_examples=eval_examples,
+                       stats=stats)  # fmt: skip
+
+    def _packed(self, dataset, parent_key: str, part: str | bool, name: str):
+        return _packed(self.config, dataset, parent_key, part or None, self.cache_dir, name, self.built, self.log)
+
+    def streamed(self) -> SFTData:
+        """Streamed train_data: conversations tokenised (and packed) in the loader's workers; eval_data cached as
+        usual."""
+        config, train_sources = self.config, self.train_sources
+        mixture = Mixture(train_sources, "conversation", config.seed, config.mixture_stopping_strategy,
+                          data_format=config.data_format, text_field=config.dataset_text_field)  # fmt: skip
+
+        def texts():
+            return conversation_texts(
+                {"conversation": [r["conversation"] for r in mixture().take(TOKENIZER_EXAMPLES)]}
+            )
+
+        # Prepared shards (tunebook prepare --output) come with their tokenizer; anything else names or trains one.
+        tokenizer = prepared_tokenizer(train_sources, config, "sft")
+        tokenizer = tokenizer or self.trained_tokenizer(
+            stream_fingerprint(train_sources), texts, config.max_seq_length
+        )
+        self.tokenizer = setup_chat_template(tokenizer, config.chat_template, config.trust_remote_code, self.log)
+        rows = ChatRows(self.tokenizer, config.max_seq_length, config.overlong_examples, config.assistant_only_loss,
+                        config.packing, config.seed, len(train_sources), config.split_turns)  # fmt: skip
+        stream = TokenStream(mixture, rows, config.packing_buffer_size, config.per_device_train_batch_size,
+                             *process_position(), source_names(train_sources),
+                             config.seed if config.stream_shuffle else None)  # fmt: skip
+        stream.check_readers(config.dataloader_num_workers, self.log)
+        eval_rows = eval_examples = None
+        if self.eval_sources:
+            evaluation = self.tokenise(self.eval_sources, "eval")
+            eval_examples = eval_rows = _without_conversation_ids(evaluation.dataset)
+            if config.packing:
+                eval_rows, _ = self._packed(eval_examples, evaluation.key, None, "eval")
+        stats = {"streamed": True, "sources": source_names(train_sources), **self.notes}
+        self.log.info("train data: streamed from %s, tokenised%s as training reads it", ", ".join(stats["sources"]),
+                      f" and packed {config.packing_buffer_size} examples at a time" if config.packing else "")  # fmt: skip
+        return SFTData(tokenizer=self.tokenizer, train=stream.preview(), eval=eval_rows, eval_examples=eval_examples,
+                       stats=stats, stream=stream)  # fmt: skip
 
 
 # The columns `tokenize_conversations` makes, with the types datasets would infer (input_ids narrowed to int32, as
@@ -209,7 +215,7 @@ def _split(dataset: datasets.Dataset, ratio: float, seed: int):
     if n_eval >= len(ids):
         raise ConfigError(f"eval_split_ratio={ratio} leaves no training examples out of {len(ids)}")
     held = np.isin(groups, ids[order[:n_eval]]) if groups is not None else np.isin(ids, order[:n_eval])
-    return dataset.select(np.flatnonzero(~held)), dataset.select(np.flatnonzero(held)), (ratio, seed)
+    return dataset.select(np.flatnonzero(~held)), dataset.select(np.flatnonzero(held))
 
 
 def _packed(config, dataset, parent_key: str, part: str | None, cache_dir: Path, name: str, built: list, log):

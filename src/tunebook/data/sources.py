@@ -13,7 +13,7 @@ folder names (`train.jsonl`/`test.jsonl`, `data/train_sft-00000-of-00001.parquet
 a Hub cache snapshot; a `save_to_disk` folder with `load_from_disk`. A folder or Hub data set with several splits
 needs `split`: they are never merged. `columns` renames columns before the format is detected. `weight` is a multiple
 of the rows (0.5 a seeded half, 2.0 twice), `samples` a row count (a seeded subset, or whole copies then a subset).
-`streaming: true` reads the source as it trains instead of caching it first (`tunebook.data.streaming`); a streamed
+`streaming: true` reads the source as it trains instead of caching it first (`tunebook.data.stream`); a streamed
 source's `weight` is its share of a mixture's rows.
 
 CSV and TSV cells are read as text, exactly as written: `0043` stays `0043` and `NA`, `null` or an empty cell stay
@@ -24,39 +24,32 @@ must be UTF-8: a byte sequence that is not is reported by file, line and column.
 
 from __future__ import annotations
 
-import codecs
-import csv
-import gzip
 import hashlib
 import json
 import logging
 import math
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import datasets
-import pyarrow as pa
 
 from ..errors import DataError, first_line
 from ..locations import looks_like_local_data
+from .files import (
+    EXTENSIONS,
+    builder_of,
+    file_ending,
+    holds_json,
+    json_as_written,
+    raise_if_malformed,
+    raise_if_not_utf8,
+    reader_options,
+)
 
 __all__ = ["DataSource", "config_sources", "fingerprint_sources", "load_source", "parse_sources", "raise_unless_text"]
 
-# File name endings -> (datasets builder, its options).
-EXTENSIONS: dict[str, tuple[str, dict[str, Any]]] = {
-    ".jsonl.gz": ("json", {}),
-    ".json.gz": ("json", {}),
-    ".json": ("json", {}),
-    ".jsonl": ("json", {}),
-    ".csv": ("csv", {}),
-    ".tsv": ("csv", {"sep": "\t"}),
-    ".parquet": ("parquet", {}),
-    ".arrow": ("arrow", {}),
-    ".txt": ("text", {}),
-}
 KEYS = ("path", "name", "split", "revision", "data_files", "data_dir", "columns", "weight", "samples", "streaming")
 SAVED_DATASET_FILES = ("dataset_dict.json", "state.json")  # what save_to_disk writes
 
@@ -162,11 +155,6 @@ class _Resolved:
     options: dict[str, Any] | None = None  # builder options (CSV as text, .txt sample_by)
 
 
-def _ending(path: str) -> str | None:
-    name = Path(path).name.lower()
-    return next((e for e in EXTENSIONS if name.endswith(e)), None)
-
-
 def _resolve(source: DataSource, text_sample_by: str) -> _Resolved:
     path = Path(source.path).expanduser()
     if not source.is_local:
@@ -178,18 +166,18 @@ def _resolve(source: DataSource, text_sample_by: str) -> _Resolved:
             raise DataError(f"{source.path}: name, revision, data_files and data_dir apply to folders and Hub data "
                             "sets, not to a single file")  # fmt: skip
     if path.is_file():
-        ending = _ending(source.path)
+        ending = file_ending(source.path)
         if ending is None:
             endings = ", ".join(EXTENSIONS)
             raise DataError(f"{path}: unsupported data file type '{path.suffix}' (use {endings}, or a folder)")
         split = _choose_split(["train"], source, "a single file has one split")
-        return _Resolved("file", split, [path], options=_options(ending, [path], text_sample_by))
+        return _Resolved("file", split, [path], options=reader_options(ending, [path], text_sample_by))
     if any((path / f).is_file() for f in SAVED_DATASET_FILES):
         return _resolve_saved(source, path)
-    files = sorted(p for p in path.rglob("*") if p.is_file() and _ending(p.name) and not _hidden(p, path))
+    files = sorted(p for p in path.rglob("*") if p.is_file() and file_ending(p.name) and not _hidden(p, path))
     if not files:
         raise DataError(f"data folder {path} has no data files ({', '.join(EXTENSIONS)})")
-    kinds = {EXTENSIONS[_ending(p.name)][0] for p in files}
+    kinds = {EXTENSIONS[file_ending(p.name)][0] for p in files}
     if len(kinds) > 1 and not source.data_files and not source.data_dir:
         raise DataError(f"data folder {path} mixes file types ({', '.join(sorted(kinds))}); use one type per "
                         "folder, or pick files with data_files")  # fmt: skip
@@ -197,8 +185,8 @@ def _resolve(source: DataSource, text_sample_by: str) -> _Resolved:
     available = [str(s) for s in builder.config.data_files or {}]
     split = _choose_split(available, source, "the folder's files name these splits")
     split_files = [Path(f) for f in builder.config.data_files[split]]
-    ending = _ending(split_files[0].name) or ".json"
-    return _Resolved("folder", split, split_files, builder, _options(ending, split_files, text_sample_by))
+    ending = file_ending(split_files[0].name) or ".json"
+    return _Resolved("folder", split, split_files, builder, reader_options(ending, split_files, text_sample_by))
 
 
 def _hidden(path: Path, root: Path) -> bool:
@@ -271,39 +259,6 @@ def _choose_split(available: list[str], source: DataSource, what: str) -> str:
                     f"{{path: {source.path}, split: {available[0]}}}")  # fmt: skip
 
 
-def _options(ending: str, files: list[Path], text_sample_by: str) -> dict[str, Any]:
-    builder, options = EXTENSIONS[ending]
-    options = dict(options)
-    if builder == "text":
-        options["sample_by"] = text_sample_by
-    elif builder == "csv":
-        # Every column as text, exactly as written: no number guessing (0043 -> 43, a column with one empty cell
-        # -> floats) and no missing-value guessing (NA, null, an empty cell -> None).
-        header = _csv_header(files[0], options.get("sep", ","))
-        options.update(
-            features=datasets.Features({c: datasets.Value("string") for c in header}),
-            keep_default_na=False,
-            na_filter=False,
-        )
-    return options
-
-
-def _csv_header(path: Path, sep: str) -> list[str]:
-    try:
-        with _open_text(path) as f:
-            header = next(csv.reader(f, delimiter=sep), None)
-    except UnicodeDecodeError:  # in the header or in the first block read with it
-        _raise_if_not_utf8(path)
-        raise
-    if not header:
-        raise DataError(f"{path}: empty file (no header row)")
-    return header
-
-
-def _open_text(path: Path):
-    return gzip.open(path, "rt", encoding="utf-8") if path.name.endswith(".gz") else open(path, encoding="utf-8")
-
-
 def fingerprint_sources(sources: list[DataSource], text_sample_by: str = "paragraph") -> str:
     """Hash of what the sources read (local files' contents; a Hub data set's resolved revision and files) and of
     how (split, renames, weights): what tokenised caches depend on."""
@@ -340,13 +295,13 @@ def load_source(
     resolved = _resolve(source, text_sample_by)
     raw_cache = str(Path(cache_dir) / "raw")
     for path in resolved.files:
-        if _builder_of(path) in ("json", "csv", "text"):
+        if builder_of(path) in ("json", "csv", "text"):
             # pyarrow's JSON reader lets bytes that are not UTF-8 through, to fail when a row is read, unnamed.
-            _raise_if_not_utf8(path)
-        if _builder_of(path) == "csv":
+            raise_if_not_utf8(path)
+        if builder_of(path) == "csv":
             # Before pandas: a row with one field too many would silently become the index, not an error.
-            _raise_if_malformed(path)
-    json_files = resolved.kind in ("file", "folder") and all(_builder_of(p) == "json" for p in resolved.files)
+            raise_if_malformed(path)
+    json_files = resolved.kind in ("file", "folder") and all(builder_of(p) == "json" for p in resolved.files)
     try:
         with _quiet_datasets():
             dataset = _load(source, resolved, cache_dir=raw_cache)
@@ -354,14 +309,14 @@ def load_source(
         raise
     except Exception as error:  # datasets wraps parser errors (or says StopIteration): find the file and line
         for path in resolved.files:
-            _raise_if_malformed(path)
+            raise_if_malformed(path)
         if resolved.kind == "hub":
             raise DataError(f"could not load '{source.where}' from the Hub: {first_line(error)}") from None
         if not json_files:
             raise DataError(f"could not read {source.where}: {first_line(error)}") from None
         dataset = None  # valid JSON that datasets could not give one type per column: read below
-    if json_files and (dataset is None or _holds_json(dataset.features)):
-        dataset = _json_as_written(resolved.files, raw_cache)
+    if json_files and (dataset is None or holds_json(dataset.features)):
+        dataset = json_as_written(resolved.files, raw_cache)
     if len(dataset) == 0:
         raise DataError(f"{source.where}: no rows")
     dataset = _rename(dataset, source)
@@ -387,7 +342,7 @@ def _load(source: DataSource, resolved: _Resolved, **options):
         dataset = datasets.load_from_disk(source.path)
         return dataset[resolved.split] if resolved.split else dataset
     if resolved.kind == "file":
-        builder = EXTENSIONS[_ending(source.path)][0]
+        builder = EXTENSIONS[file_ending(source.path)][0]
         return datasets.load_dataset(builder, data_files=[str(resolved.files[0])], split=resolved.split, **options,
                                      **resolved.options)  # fmt: skip
     kwargs = {"name": source.name, "revision": source.revision, "data_dir": source.data_dir}
@@ -395,99 +350,6 @@ def _load(source: DataSource, resolved: _Resolved, **options):
     if source.data_files:
         kwargs["data_files"] = json.loads(source.data_files)
     return datasets.load_dataset(source.path, split=resolved.split, **options, **kwargs)
-
-
-def _builder_of(path: Path) -> str | None:
-    ending = _ending(path.name)
-    return EXTENSIONS[ending][0] if ending else None
-
-
-def _holds_json(feature) -> bool:
-    """Whether a datasets feature (or any inside it) is `datasets.Json`: what datasets' JSON reader makes of a field
-    whose type varies from row to row."""
-    if isinstance(feature, datasets.Json):
-        return True
-    if isinstance(feature, dict):
-        return any(_holds_json(f) for f in feature.values())
-    if isinstance(feature, list | tuple):
-        return any(_holds_json(f) for f in feature)
-    inner = getattr(feature, "feature", None)  # List, LargeList, Sequence
-    return inner is not None and _holds_json(inner)
-
-
-AS_WRITTEN_VERSION = "1"  # bump when `_json_as_written` changes what it writes
-
-
-def _json_as_written(files: list[Path], raw_cache: str) -> datasets.Dataset:
-    """The rows of JSON / JSON Lines `files` with every value as written, memory-mapped from the raw cache.
-
-    datasets' JSON reader stores a field whose type varies from row to row (an int among strings) as JSON text, but
-    leaves the strings that parse as JSON unquoted: "0000" came back as 0, "7" as 7, and an error blamed row 1. Here
-    a column of one type is an ordinary Arrow column, and any other column holds the JSON text of each value
-    (`datasets.Json`), which reads back exactly as written.
-    """
-    h = hashlib.sha256(f"as-written-{AS_WRITTEN_VERSION}".encode())
-    for path in files:
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-    target = Path(raw_cache) / f"json-as-written-{h.hexdigest()[:40]}.arrow"
-    if not target.is_file():
-        rows = [row for path in files for row in _json_rows(path)]
-        columns = list(dict.fromkeys(key for row in rows for key in row))
-        table = pa.table({column: _as_written([row.get(column) for row in rows]) for column in columns})
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_suffix(f".{os.getpid()}.tmp")
-        with pa.OSFile(str(partial), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
-            writer.write_table(table)
-        partial.replace(target)  # whole or not at all, for a process that reads it meanwhile
-    return datasets.Dataset.from_file(str(target))
-
-
-def _as_written(values: list) -> pa.Array:
-    """One column: Arrow's type when its values share one, else each value's JSON text."""
-    try:
-        return pa.array(values)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
-        return pa.array([None if v is None else json.dumps(v) for v in values], type=pa.json_())
-
-
-def _json_rows(path: Path) -> list[dict]:
-    """The rows of a JSON array (or object) or JSON Lines file, each a dict (an array of strings: a `text` column,
-    as datasets reads it)."""
-    with _open_text(path) as f:
-        text = f.read()
-    try:
-        data = json.loads(text)
-        rows = data if isinstance(data, list) else [data]
-    except json.JSONDecodeError:  # JSON Lines, under either name
-        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-    return [row if isinstance(row, dict) else {"text": row} for row in rows]
-
-
-UTF8_CHUNK = 1 << 24  # bytes decoded at a time to check that a file is UTF-8
-
-
-def _raise_if_not_utf8(path: Path) -> None:
-    """Raise a DataError naming the line and column of the first bytes in a text file that are not UTF-8."""
-    decoder = codecs.getincrementaldecoder("utf-8")()  # a character cut by a chunk's end continues in the next
-    opener = gzip.open if path.name.endswith(".gz") else open
-    try:
-        with opener(path, "rb") as f:  # the common case: decoding 16 MB at a time in C
-            for chunk in iter(lambda: f.read(UTF8_CHUNK), b""):
-                decoder.decode(chunk)
-            decoder.decode(b"", final=True)
-        return
-    except UnicodeDecodeError:
-        pass
-    with opener(path, "rb") as f:  # a bad byte: find its line
-        for number, line in enumerate(f, 1):
-            try:
-                line.decode("utf-8")
-            except UnicodeDecodeError as e:
-                column = len(line[: e.start].decode("utf-8")) + 1
-                raise DataError(f"{path}, line {number}, column {column}: not UTF-8 text (byte "
-                                f"0x{line[e.start]:02x}); save the file as UTF-8") from None  # fmt: skip
 
 
 @contextmanager
@@ -522,57 +384,3 @@ def _take_rows(dataset: datasets.Dataset, count: int, seed: int) -> datasets.Dat
     if rest:
         parts.append(dataset.shuffle(seed=seed).select(range(rest)))
     return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
-
-
-def _raise_if_malformed(path: Path) -> None:
-    """Raise a DataError naming the file and line of the first syntax error, or saying it is empty."""
-    ending = _ending(path.name)
-    if ending is None or EXTENSIONS[ending][0] in ("parquet", "arrow", "text"):
-        return
-    if EXTENSIONS[ending][0] == "csv":
-        sep = EXTENSIONS[ending][1].get("sep", ",")
-        with _open_text(path) as f:
-            reader = csv.reader(f, delimiter=sep)
-            header = next(reader, None)
-            if header is None:
-                raise DataError(f"{path}: empty file (no header row)")
-            rows = 0
-            for row in reader:
-                if row and len(row) != len(header):
-                    raise DataError(
-                        f"{path}, line {reader.line_num}: {len(row)} fields where the header has {len(header)}"
-                    )
-                rows += bool(row)
-            if rows == 0:
-                raise DataError(f"{path}: no rows below the header")
-        return
-    with _open_text(path) as f:
-        text = f.read() if ending in (".json", ".json.gz") else None
-        if text is not None:
-            if not text.strip():
-                raise DataError(f"{path}: empty file")
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as e:
-                if "\n{" not in text.strip():  # not JSON Lines under a .json name either
-                    raise DataError(f"{path}, line {e.lineno}: malformed JSON: {e.msg}") from None
-                f = iter(text.splitlines(keepends=True))
-            else:
-                if not isinstance(data, list | dict):
-                    raise DataError(f"{path}: expected a JSON array of objects, got {type(data).__name__}")
-                if not data:
-                    raise DataError(f"{path}: no rows (an empty JSON array)")
-                return
-        rows = 0
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}, line {lineno}: malformed JSON: {e.msg}") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}, line {lineno}: each line must be a JSON object, got {type(row).__name__}")
-            rows += 1
-        if rows == 0:
-            raise DataError(f"{path}: empty file (no JSON lines)")

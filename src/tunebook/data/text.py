@@ -9,25 +9,23 @@ of every piece carries no label: nothing before it in its document is visible to
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import datasets
 import numpy as np
-from transformers import PreTrainedTokenizerBase
 
 from ..errors import ConfigError, DataError
-from .cache import PREPROCESSING_VERSION, cached_dataset, fingerprint, tokenizer_fingerprint
+from ..models.tokenizer import text_pieces, tokenizer_max_chars
+from .cache import PREPROCESSING_VERSION, fingerprint, tokenizer_fingerprint
 from .packing import example_lengths
-from .sources import DataSource, config_sources, fingerprint_sources, load_source, raise_unless_text
-from .streaming import (
+from .pipeline import Pipeline, PreparedData, Tokenised
+from .sources import DataSource, fingerprint_sources, load_source, raise_unless_text
+from .stream import (
     Mixture,
     TextRows,
     TokenStream,
-    is_streamed,
     prepared_tokenizer,
     process_position,
     source_names,
@@ -35,26 +33,16 @@ from .streaming import (
 )
 from .synthetic import write_synthetic_text
 from .tokenize import IGNORE_INDEX
-from .tokenizer import config_tokenizer, text_pieces, tokenizer_max_chars
 
-__all__ = ["TextData", "chunk_documents", "prepare_text_data"]
+__all__ = ["TextData", "TextPipeline", "chunk_documents", "prepare_text_data"]
 
 TOKENIZER_DOCUMENTS = 20_000  # a tokenizer trained on a streamed corpus learns from its first documents
 STREAM_DOCUMENTS = 256  # documents a streamed reader tokenises at a time (a resumed reader reads them again)
 
 
-@dataclass
-class TextData:
+@dataclass(kw_only=True)
+class TextData(PreparedData):
     """The prepared data of a continued-pretraining run: rows of input_ids, labels, seq_lengths."""
-
-    tokenizer: PreTrainedTokenizerBase
-    train: datasets.Dataset
-    eval: datasets.Dataset | None
-    stats: dict[str, Any] = field(default_factory=dict)
-    built: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-    # With streaming: true, the rows are made as training reads them (`train` then holds the first few, for the log).
-    stream: Any = None
 
 
 def chunk_documents(documents: Iterator[list[int]], max_seq_length: int) -> Iterator[dict[str, list[int]]]:
@@ -86,15 +74,20 @@ def _row(ids: list[int], lengths: list[int]) -> dict[str, list[int]]:
 
 def prepare_text_data(config, cache_dir: Path, log: logging.Logger) -> TextData:
     """`config` is a `PretrainConfig`. In multi-process runs call it through `tunebook.distributed.prepare_then_join`."""
-    start = time.perf_counter()
-    built: list[str] = []
-    # No train_data: the embedded default's generated task.
-    train_sources, eval_sources = config_sources(config, cache_dir, write_synthetic_text)
+    return TextPipeline(config, cache_dir, log).prepare()
 
-    def documents(sources: list[DataSource]) -> datasets.Dataset:
-        parts = []
+
+class TextPipeline(Pipeline):
+    """Continued pretraining's steps: documents tokenised, ended by EOS and cut into rows; held out a document at a
+    time before they are cut (`eval_split_ratio`), so both splits' rows are cached under their own keys."""
+
+    streams = True
+    write_synthetic = staticmethod(write_synthetic_text)
+
+    def documents(self, sources: list[DataSource]) -> datasets.Dataset:
+        config, parts = self.config, []
         for source in sources:
-            raw = load_source(source, cache_dir, config.seed, config.text_sample_by)
+            raw = load_source(source, self.cache_dir, config.seed, config.text_sample_by)
             if config.text_column not in raw.column_names:
                 raise DataError(f"{source.where}: no column {config.text_column!r} (columns: "
                                 f"{', '.join(raw.column_names)}); set text_column")  # fmt: skip
@@ -102,28 +95,32 @@ def prepare_text_data(config, cache_dir: Path, log: logging.Logger) -> TextData:
             parts.append(raw.select_columns([config.text_column]))
         return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
 
-    streamed = is_streamed(train_sources)
-    if streamed:
-        mixture = Mixture(train_sources, config.text_column, config.seed, config.mixture_stopping_strategy,
-                          config.text_sample_by)  # fmt: skip
-        read = lambda: (row[config.text_column] for row in mixture().take(TOKENIZER_DOCUMENTS))  # noqa: E731
-        data_key = stream_fingerprint(train_sources, config.text_sample_by)
-    else:
-        read = lambda: iter(documents(train_sources)[config.text_column])  # noqa: E731
-        data_key = fingerprint_sources(train_sources)
-    # Documents are trained on whole, however long (cut into rows): the tokenizer learns from all of each, in pieces
-    # short enough that no piece is left out and none costs tokenizer training more than a row's worth of text.
-    texts = lambda: text_pieces(read(), tokenizer_max_chars(config.max_seq_length))  # noqa: E731
-    # Prepared shards (tunebook prepare --output) come with their tokenizer; anything else names or trains one.
-    tokenizer = streamed and prepared_tokenizer(train_sources, config, "pretrain")
-    # Pieces are never longer than tokenizer training takes: no stats to collect.
-    tokenizer = tokenizer or config_tokenizer(
-        config, cache_dir, data_key, texts, built, log, max_tokens=config.max_seq_length, stats={}
-    )
-    if tokenizer.eos_token_id is None:
-        raise ConfigError("the tokenizer has no EOS token to end documents with; set tokenizer_name_or_path")
+    def make_tokenizer(self, mixture: Mixture | None = None):
+        """Trained on the documents (the first of a stream's), unless the config names one; prepared shards
+        (tunebook prepare --output) come with theirs."""
+        config = self.config
+        if mixture is not None:
+            read = lambda: (row[config.text_column] for row in mixture().take(TOKENIZER_DOCUMENTS))  # noqa: E731
+            data_key = stream_fingerprint(self.train_sources, config.text_sample_by)
+        else:
+            read = lambda: iter(self.documents(self.train_sources)[config.text_column])  # noqa: E731
+            data_key = fingerprint_sources(self.train_sources)
+        # Documents are trained on whole, however long (cut into rows): the tokenizer learns from all of each, in
+        # pieces short enough that no piece is left out and none costs tokenizer training more than a row's worth of
+        # text. So no text is left out: the notes stay empty and are not reported.
+        texts = lambda: text_pieces(read(), tokenizer_max_chars(config.max_seq_length))  # noqa: E731
+        tokenizer = mixture is not None and prepared_tokenizer(self.train_sources, config, "pretrain")
+        tokenizer = tokenizer or self.trained_tokenizer(data_key, texts, config.max_seq_length)
+        if tokenizer.eos_token_id is None:
+            raise ConfigError("the tokenizer has no EOS token to end documents with; set tokenizer_name_or_path")
+        return tokenizer
 
-    def rows(sources: list[DataSource], name: str, split: str | None):
+    def tokenise(self, sources: list[DataSource], name: str) -> Tokenised:
+        """Rows of `sources`; when eval data is held out of the train data, each split's documents only."""
+        return self.rows(sources, name, name if self.holds_out else None)
+
+    def rows(self, sources: list[DataSource], name: str, split: str | None) -> Tokenised:
+        config, tokenizer = self.config, self.tokenizer
         key = fingerprint(
             {
                 "sources": fingerprint_sources(sources),
@@ -137,7 +134,7 @@ def prepare_text_data(config, cache_dir: Path, log: logging.Logger) -> TextData:
         )
 
         def build(scratch: Path):
-            docs = documents(sources).map(
+            docs = self.documents(sources).map(
                 lambda batch: {"ids": [ids + [tokenizer.eos_token_id] for ids in tokenizer(
                     batch[config.text_column], add_special_tokens=False)["input_ids"]]},
                 batched=True, remove_columns=[config.text_column], num_proc=config.dataset_num_proc,
@@ -159,28 +156,34 @@ def prepare_text_data(config, cache_dir: Path, log: logging.Logger) -> TextData:
             )
             return chunked, {"documents": len(docs), "rows": len(chunked)}
 
-        dataset, stats, cached = cached_dataset(cache_dir, key, build)
-        built.extend([] if cached else [f"{name} tokenisation"])
-        log.info("%s data: %d documents in %d rows of %d tokens (%s)", name, stats["documents"], stats["rows"],
-                 config.max_seq_length, "from cache" if cached else "tokenised and cached")  # fmt: skip
-        return dataset, stats
+        dataset, stats, cached = self.cached(key, build, f"{name} tokenisation")
+        self.log.info("%s data: %d documents in %d rows of %d tokens (%s)", name, stats["documents"], stats["rows"],
+                      config.max_seq_length, "from cache" if cached else "tokenised and cached")  # fmt: skip
+        return Tokenised(dataset, key, stats)
 
-    if streamed:  # rows are made in the loader's workers as training reads them: nothing is cached
-        rows_of = TextRows(tokenizer, config.max_seq_length, config.text_column, len(train_sources))
+    def split(self, train: Tokenised) -> tuple[Tokenised, Tokenised]:
+        return train, self.tokenise(self.train_sources, "eval")  # the held-out documents' rows
+
+    def finish(self, train: Tokenised, evaluation: Tokenised | None) -> TextData:
+        stats = train.stats
+        stats["train_tokens_per_epoch"] = int(example_lengths(train.dataset).sum())
+        return TextData(tokenizer=self.tokenizer, train=train.dataset, eval=evaluation and evaluation.dataset,
+                        stats=stats)  # fmt: skip
+
+    def streamed(self) -> TextData:
+        """Rows made in the loader's workers as training reads them: nothing is cached."""
+        config, train_sources = self.config, self.train_sources
+        mixture = Mixture(train_sources, config.text_column, config.seed, config.mixture_stopping_strategy,
+                          config.text_sample_by)  # fmt: skip
+        self.tokenizer = self.make_tokenizer(mixture)
+        rows_of = TextRows(self.tokenizer, config.max_seq_length, config.text_column, len(train_sources))
         stream = TokenStream(mixture, rows_of, STREAM_DOCUMENTS, config.per_device_train_batch_size,
                              *process_position(), source_names(train_sources),
                              config.seed if config.stream_shuffle else None)  # fmt: skip
-        stream.check_readers(config.dataloader_num_workers, log)
-        eval_rows = rows(eval_sources, "eval", None)[0] if eval_sources else None
+        stream.check_readers(config.dataloader_num_workers, self.log)
+        eval_rows = self.rows(self.eval_sources, "eval", None).dataset if self.eval_sources else None
         stats = {"streamed": True, "sources": source_names(train_sources)}
         how = "prepared rows" if mixture.prepared else "tokenised and cut into rows as training reads it"
-        log.info("train data: streamed from %s, %s of %d tokens", ", ".join(stats["sources"]), how,
-                 config.max_seq_length)  # fmt: skip
-        return TextData(tokenizer, stream.preview(), eval_rows, stats, built, time.perf_counter() - start, stream)
-    split = config.eval_split_ratio > 0 and not eval_sources
-    train, stats = rows(train_sources, "train", "train" if split else None)
-    eval_rows = None
-    if eval_sources or split:
-        eval_rows = rows(eval_sources or train_sources, "eval", "eval" if split else None)[0]
-    stats["train_tokens_per_epoch"] = int(example_lengths(train).sum())
-    return TextData(tokenizer, train, eval_rows, stats, built, time.perf_counter() - start)
+        self.log.info("train data: streamed from %s, %s of %d tokens", ", ".join(stats["sources"]), how,
+                      config.max_seq_length)  # fmt: skip
+        return TextData(tokenizer=self.tokenizer, train=stream.preview(), eval=eval_rows, stats=stats, stream=stream)

@@ -1,21 +1,21 @@
 """Evaluation shared by recipes: token-weighted loss, generation exact match, offline `evaluate` metrics, preference
-pairs (DPO and reward models)."""
+pairs (DPO and reward models). Every evaluation runs on one scaffold (`batches.gathered_batches`); every generation
+stops by one rule (`stop_token_ids`) and is compared with its reference by one rule (`scores.exact_matches`)."""
 
+from .batches import gathered_batches
 from .classification import classifier_inputs, evaluate_classifier
-from .generate import generation_exact_match
+from .generate import generation_exact_match, stop_token_ids
 from .loss import evaluate_loss
 from .metrics import LOCAL_METRICS, load_metric, load_metrics
-from .preference import evaluate_preferences
-from .reward_model import evaluate_reward_model
 
 __all__ = [
     "LOCAL_METRICS",
     "classifier_inputs",
     "evaluate_classifier",
     "evaluate_loss",
-    "evaluate_preferences",
-    "evaluate_reward_model",
+    "gathered_batches",
     "generation_exact_match",
     "load_metric",
     "load_metrics",
+    "stop_token_ids",
 ]

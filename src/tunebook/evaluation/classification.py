@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 
-from ..logging import progress_bar
+from .batches import gathered_batches
 from .metrics import load_metrics
 
 __all__ = ["classifier_inputs", "evaluate_classifier"]
@@ -28,25 +28,23 @@ def evaluate_classifier(
 ) -> dict[str, float]:
     """Mean cross-entropy (`eval_loss`) and `evaluate` metrics over the whole eval set, prefixed `eval_`.
 
-    Per batch, only predicted class ids, labels and per-example losses are gathered (`gather_for_metrics` drops
-    the duplicates that even out the last batch across processes) and added to the metrics, so memory stays
-    flat and the result equals a single-process evaluation. Every process computes the same metrics.
+    Per batch, only predicted class ids, labels and per-example losses are gathered (`gathered_batches`) and added
+    to the metrics, so memory stays flat and the result equals a single-process evaluation. Every process computes the same metrics.
     """
-    was_training = model.training
-    model.eval()
+
+    def per_example(batch):
+        logits = model(**classifier_inputs(batch)).logits
+        losses = F.cross_entropy(logits.float(), batch["labels"], reduction="none")
+        return logits.argmax(-1), batch["labels"], losses
+
     combined = load_metrics(metrics, average)
     total_loss = torch.zeros((), dtype=torch.float64)
     count = 0
-    for batch in progress_bar(
-        accelerator.is_main_process, disable_tqdm, iterable=loader, desc="Evaluating", leave=False
-    ):
-        logits = model(**classifier_inputs(batch)).logits
-        losses = F.cross_entropy(logits.float(), batch["labels"], reduction="none")
-        predictions, labels, losses = accelerator.gather_for_metrics((logits.argmax(-1), batch["labels"], losses))
+    for predictions, labels, losses in gathered_batches(model, loader, accelerator, per_example,
+                                                        disable_tqdm=disable_tqdm):  # fmt: skip
         combined.add_batch(predictions=predictions.cpu().numpy(), references=labels.cpu().numpy())
         total_loss += losses.double().sum().cpu()
         count += len(labels)
-    model.train(was_training)
     results = {"eval_loss": (total_loss / max(count, 1)).item(), "eval_examples": count}
     results.update({f"eval_{k}": float(v) for k, v in combined.compute().items()})
     return results

@@ -1,4 +1,8 @@
-"""Batched greedy generation against reference answers (exact match), split across processes."""
+"""Generation evaluation's shared rules, and batched greedy generation against reference answers (exact match).
+
+`stop_token_ids` is the one rule for what ends a generated answer, used by SFT's exact match and by GRPO's
+rollouts and evaluation; `exact_match` (in `scores`) is the one comparison of an answer with its reference.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +13,24 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from ..data.collate import PromptCollator
-from ..logging import progress_bar
+from ..models.build import eos_ids
 from ..models.wrappers import unwrap
-from .metrics import load_metric
+from .batches import gathered_batches
+from .scores import exact_match
 
-__all__ = ["generation_exact_match"]
+__all__ = ["generation_exact_match", "stop_token_ids"]
+
+
+def stop_token_ids(model, tokenizer: PreTrainedTokenizerBase) -> int | list[int] | None:
+    """What ends a generated answer: the tokenizer's EOS (the chat template's end of turn, see
+    `setup_chat_template`) and every EOS id of the model's generation config (a chat model may have several; Llama
+    3 Instruct has three), the tokenizer's first; one id as an int, several as a list, as `generate` takes them.
+
+    `generate(eos_token_id=...)` replaces the generation config's ids rather than adding to them, so the union is
+    passed explicitly. A model from `build_causal_lm` already holds the tokenizer's EOS first in its generation
+    config, so for it this is that config's value.
+    """
+    return eos_ids(tokenizer.eos_token_id, getattr(model, "generation_config", None))
 
 
 def _decode(tokenizer: PreTrainedTokenizerBase, ids: torch.Tensor) -> str:
@@ -47,25 +64,23 @@ def generation_exact_match(
         DataLoader(dataset, batch_size=batch_size, collate_fn=PromptCollator(tokenizer.pad_token_id))
     )
     unwrapped = unwrap(model)
-    was_training = unwrapped.training
-    unwrapped.eval()
-    exact_match, samples = load_metric("exact_match"), []
-    for batch in progress_bar(
-        accelerator.is_main_process, disable_tqdm, iterable=loader, desc="Generating", leave=False
-    ):
+    stop = stop_token_ids(unwrapped, tokenizer)
+
+    def answers(batch) -> list[tuple[str, str]]:
         out = unwrapped.generate(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=stop,
         )
         generated = out[:, batch["input_ids"].shape[1] :]
-        pairs = [(_decode(tokenizer, g), _decode(tokenizer, r)) for g, r in zip(generated, batch["reference_ids"])]
-        # Strings from every process; the duplicates that even out the last batch are dropped.
-        pairs = accelerator.gather_for_metrics(pairs, use_gather_object=True)
-        exact_match.add_batch(predictions=[p for p, _ in pairs], references=[r for _, r in pairs])
-        samples.extend({"prediction": p, "reference": r} for p, r in pairs[: max(0, 5 - len(samples))])
-    unwrapped.train(was_training)
-    return {"eval_exact_match": exact_match.compute()["exact_match"]}, samples
+        return [(_decode(tokenizer, g), _decode(tokenizer, r)) for g, r in zip(generated, batch["reference_ids"])]
+
+    pairs, samples = [], []
+    for gathered in gathered_batches(unwrapped, loader, accelerator, answers, objects=True, desc="Generating",
+                                     disable_tqdm=disable_tqdm):  # fmt: skip
+        pairs += gathered
+        samples.extend({"prediction": p, "reference": r} for p, r in gathered[: max(0, 5 - len(samples))])
+    return {"eval_exact_match": exact_match([p for p, _ in pairs], [r for _, r in pairs])}, samples

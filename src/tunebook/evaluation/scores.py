@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["AVERAGES", "accuracy", "exact_match", "perplexity", "precision_recall_f1"]
+__all__ = ["AVERAGES", "accuracy", "exact_match", "exact_matches", "perplexity", "precision_recall_f1"]
 
 AVERAGES = ("binary", "macro", "micro", "weighted")
 
@@ -50,14 +50,21 @@ def precision_recall_f1(
     }
 
 
-def exact_match(predictions: Sequence[str], references: Sequence[str], ignore_case: bool = False) -> float:
-    """Share of predictions equal to their reference after stripping surrounding whitespace."""
+def exact_matches(predictions: Sequence[str], references: Sequence[str], ignore_case: bool = False) -> list[float]:
+    """Per prediction, 1.0 where it equals its reference after stripping surrounding whitespace (and case, with
+    `ignore_case`), else 0.0: the one exact-match rule, behind the `exact_match` metric, SFT's and GRPO's
+    `eval_exact_match` and GRPO's `exact_match` reward."""
 
     def norm(s: str) -> str:
         s = s.strip()
         return s.lower() if ignore_case else s
 
-    hits = [norm(p) == norm(r) for p, r in zip(predictions, references, strict=True)]
+    return [float(norm(p) == norm(r)) for p, r in zip(predictions, references, strict=True)]
+
+
+def exact_match(predictions: Sequence[str], references: Sequence[str], ignore_case: bool = False) -> float:
+    """Share of predictions equal to their reference (`exact_matches`); 0.0 for none."""
+    hits = exact_matches(predictions, references, ignore_case)
     return sum(hits) / len(hits) if hits else 0.0
 
 

@@ -1,7 +1,7 @@
-"""Model construction: build or load models (`build`), LoRA (`lora`), the tiny default configs (`tiny`), GGUF
-conversion (`gguf`), the model inside distributed and compiled wrappers (`wrappers`). The tokenizer functions live
-in `tunebook.data.tokenizer` (the data path sets tokenizers up) and are re-exported here. Names load on first use:
-`from tunebook.models import TINY_LLAMA` imports no model code."""
+"""Model construction: build or load models (`build`), LoRA (`lora`), GGUF
+conversion (`gguf`), the model inside distributed and compiled wrappers (`wrappers`), the tokenizer set-up
+(`tokenizer`), attention over packed rows and the choice of its backend (`attention`). Names load on first use:
+`import tunebook.models` imports no model code."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ import importlib
 
 _LAZY = {
     "tunebook.models.build": [
-        "build_causal_lm", "build_sequence_classifier", "model_options", "read_model_config", "torch_dtype",
+        "ModelOptions", "build_causal_lm", "build_sequence_classifier", "model_options", "read_model_config", "torch_dtype",
         "whole_weights",
     ],
     "tunebook.models.lora": [
         "apply_lora", "describe_parameters", "is_peft_model", "merge_adapter_dir", "parameter_counts",
-        "register_adapter_checkpoints", "save_adapter",
+        "register_adapter_checkpoints",
     ],
-    "tunebook.models.tiny": ["TINY_BERT", "TINY_LLAMA"],
     "tunebook.models.wrappers": ["unwrap"],
-    "tunebook.data.tokenizer": [
+    "tunebook.models.attention": ["attention_inputs", "packing_mechanism", "use_packed_attention"],
+    "tunebook.models.tokenizer": [
         "CHATML_TEMPLATE", "load_or_train_tokenizer", "load_tokenizer", "setup_chat_template", "train_chat_tokenizer",
         "train_encoder_tokenizer",
     ],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,8 @@ from ..locations import looks_like_local_path
 from .fused_cpu import set_fused_cpu_layers
 
 __all__ = [
-    "build_causal_lm", "build_sequence_classifier", "model_options", "read_model_config", "torch_dtype", "whole_weights",
+    "ModelOptions", "build_causal_lm", "build_sequence_classifier", "eos_ids", "model_options", "read_model_config",
+    "torch_dtype", "whole_weights",
 ]  # fmt: skip
 
 logger = logging.getLogger("tunebook")
@@ -46,107 +48,107 @@ def read_model_config(model_config: dict[str, Any] | str) -> dict[str, Any]:
     return data
 
 
-def model_options(config) -> dict[str, Any]:
-    """The `build_causal_lm` / `build_sequence_classifier` arguments of a recipe config (whose `model_config` is
-    the recipe's tiny model when it names no model)."""
-    return {
-        "model_name_or_path": config.model_name_or_path,
-        "model_config": config.model_config,
-        "attn_implementation": config.attn_implementation,
-        "gradient_checkpointing": config.gradient_checkpointing,
-        "trust_remote_code": config.trust_remote_code,
-        "load_in_4bit": config.load_in_4bit,
-        "dtype": config.dtype,
-        "revision": config.model_revision,
-        "use_safetensors": config.use_safetensors,
-        "frozen_base": config.use_peft,
-        "use_liger_kernel": config.use_liger_kernel,
-        "fused_cpu_layers": config.fused_cpu_layers,
-    }
-
-
-def build_causal_lm(
-    tokenizer: PreTrainedTokenizerBase,
-    *,
-    model_name_or_path: str | None = None,
-    model_config: dict[str, Any] | str | None = None,
-    attn_implementation: str | None = None,
-    gradient_checkpointing: bool = False,
-    trust_remote_code: bool = False,
-    load_in_4bit: bool = False,
-    dtype: str = "auto",
-    revision: str | None = None,
-    use_safetensors: bool = True,
-    frozen_base: bool = False,
-    use_liger_kernel: bool = False,
-    fused_cpu_layers: bool = True,
-) -> PreTrainedModel:
-    """Load or build the model and make its embeddings and special token ids agree with `tokenizer`.
+@dataclass(frozen=True)
+class ModelOptions:
+    """How a recipe's model is loaded or built: the options `build_causal_lm` and `build_sequence_classifier` share.
 
     Weights load from safetensors only unless `use_safetensors` is False; `trust_remote_code` (running Python shipped
     with a model) stays off unless the config turns it on. `load_in_4bit` quantises the weights for QLoRA (CUDA
     only). `dtype` auto keeps trained weights in float32 (`frozen_base`: LoRA's base stays as stored).
     """
-    model = _load_or_build(
-        AutoModelForCausalLM, "a causal LM", tokenizer, model_name_or_path, model_config, attn_implementation,
-        trust_remote_code, {}, **_load_options(dtype, frozen_base, load_in_4bit, revision, use_safetensors),
-    )  # fmt: skip
-    return _finish(model, tokenizer, model_name_or_path, gradient_checkpointing, dtype, frozen_base, use_liger_kernel,
-                   fused_cpu_layers)  # fmt: skip
+
+    model_name_or_path: str | None = None  # load weights (a local directory or a Hub name) ...
+    model_config: dict[str, Any] | str | None = None  # ... or build a fresh model from this config
+    attn_implementation: str | None = None
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+    load_in_4bit: bool = False
+    dtype: str = "auto"
+    revision: str | None = None
+    use_safetensors: bool = True
+    frozen_base: bool = False
+    use_liger_kernel: bool = False
+    fused_cpu_layers: bool = True
+
+    @classmethod
+    def from_config(cls, config) -> ModelOptions:
+        """A recipe config's options (its `model_config` is the recipe's tiny model when it names no model)."""
+        return cls(
+            model_name_or_path=config.model_name_or_path,
+            model_config=config.model_config,
+            attn_implementation=config.attn_implementation,
+            gradient_checkpointing=config.gradient_checkpointing,
+            trust_remote_code=config.trust_remote_code,
+            load_in_4bit=config.load_in_4bit,
+            dtype=config.dtype,
+            revision=config.model_revision,
+            use_safetensors=config.use_safetensors,
+            frozen_base=config.use_peft,
+            use_liger_kernel=config.use_liger_kernel,
+            fused_cpu_layers=config.fused_cpu_layers,
+        )
+
+
+model_options = ModelOptions.from_config  # what recipes call: build_causal_lm(tokenizer, model_options(config))
+
+
+def _options(options: ModelOptions | None, overrides: dict[str, Any]) -> ModelOptions:
+    """`options` (the defaults when None) with the fields given by keyword replaced: `build_causal_lm(tokenizer,
+    model_config=...)` reads as before."""
+    return replace(options or ModelOptions(), **overrides)
+
+
+def build_causal_lm(
+    tokenizer: PreTrainedTokenizerBase, options: ModelOptions | None = None, **overrides: Any
+) -> PreTrainedModel:
+    """Load or build the model (`ModelOptions`, any field of which may also be given by keyword) and make its
+    embeddings and special token ids agree with `tokenizer`."""
+    options = _options(options, overrides)
+    model = _load_or_build(AutoModelForCausalLM, "a causal LM", tokenizer, options, {}, **_load_options(options))
+    return _finish(model, tokenizer, options)
 
 
 def build_sequence_classifier(
     tokenizer: PreTrainedTokenizerBase,
     label_names: list[str],
+    options: ModelOptions | None = None,
     *,
-    model_name_or_path: str | None = None,
-    model_config: dict[str, Any] | str | None = None,
-    attn_implementation: str | None = None,
-    gradient_checkpointing: bool = False,
-    trust_remote_code: bool = False,
-    load_in_4bit: bool = False,
-    dtype: str = "auto",
-    revision: str | None = None,
-    use_safetensors: bool = True,
-    frozen_base: bool = False,
-    use_liger_kernel: bool = False,
-    fused_cpu_layers: bool = True,
     problem_type: str = "single_label_classification",
+    **overrides: Any,
 ) -> PreTrainedModel:
     """`AutoModelForSequenceClassification` with one output per label and the label names in its config
-    (`id2label`/`label2id`), so `pipeline("text-classification", model=output_dir)` prints them.
+    (`id2label`/`label2id`), so `pipeline("text-classification", model=output_dir)` prints them; loaded or built as
+    `build_causal_lm` does.
 
     A pretrained encoder (or causal LM) gets a freshly initialised classification head; a head of another size
     in the checkpoint is replaced. A reward model is one label with `problem_type` regression: its output is the
     score itself (a pipeline applies no softmax or sigmoid to it).
     """
+    options = _options(options, overrides)
     labels = {
         "num_labels": len(label_names),
         "id2label": dict(enumerate(label_names)),
         "label2id": {name: i for i, name in enumerate(label_names)},
         "problem_type": problem_type,
     }
-    extra = _load_options(dtype, frozen_base, load_in_4bit, revision, use_safetensors)
-    if model_name_or_path:
+    extra = _load_options(options)
+    if options.model_name_or_path:
         extra["ignore_mismatched_sizes"] = True
-    model = _load_or_build(
-        AutoModelForSequenceClassification, "a sequence classifier", tokenizer, model_name_or_path, model_config,
-        attn_implementation, trust_remote_code, labels, **extra,
-    )  # fmt: skip
-    return _finish(model, tokenizer, model_name_or_path, gradient_checkpointing, dtype, frozen_base, use_liger_kernel,
-                   fused_cpu_layers)  # fmt: skip
+    model = _load_or_build(AutoModelForSequenceClassification, "a sequence classifier", tokenizer, options, labels,
+                           **extra)  # fmt: skip
+    return _finish(model, tokenizer, options)
 
 
-def _load_options(dtype: str, frozen_base: bool, load_in_4bit: bool, revision, use_safetensors: bool) -> dict:
+def _load_options(options: ModelOptions) -> dict:
     """`from_pretrained`/`from_config` keyword arguments: dtype (see `torch_dtype`), revision, safetensors, 4-bit."""
-    options = {
-        "dtype": torch_dtype(dtype, frozen_base),
-        "use_safetensors": use_safetensors,
-        **quantization(load_in_4bit),
+    kwargs = {
+        "dtype": torch_dtype(options.dtype, options.frozen_base),
+        "use_safetensors": options.use_safetensors,
+        **quantization(options.load_in_4bit),
     }
-    if revision:
-        options["revision"] = revision
-    return options
+    if options.revision:
+        kwargs["revision"] = options.revision
+    return kwargs
 
 
 def torch_dtype(dtype: str, frozen_base: bool = False):
@@ -197,9 +199,10 @@ def refuse_pickled_weights(model_dir: str | Path, use_safetensors: bool) -> None
 
 
 def _load_or_build(
-    auto_class, what, tokenizer, model_name_or_path, model_config, attn_implementation, trust_remote_code,
-    config_values, **load_kwargs,
-) -> PreTrainedModel:  # fmt: skip
+    auto_class, what, tokenizer, options: ModelOptions, config_values, **load_kwargs
+) -> PreTrainedModel:
+    model_name_or_path, model_config = options.model_name_or_path, options.model_config
+    attn_implementation, trust_remote_code = options.attn_implementation, options.trust_remote_code
     if model_name_or_path and model_config:
         raise ConfigError("give either model_name_or_path (load weights) or model_config (fresh model), not both")
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
@@ -258,10 +261,10 @@ def _check_padding_rows(model, tokenizer, model_type: str) -> None:
                               f"token has id {module.padding_idx}, or another model_type")  # fmt: skip
 
 
-def _finish(model, tokenizer, model_name_or_path, gradient_checkpointing: bool, dtype="auto", frozen_base=False,
-            use_liger_kernel=False, fused_cpu_layers=True):  # fmt: skip
+def _finish(model, tokenizer, options: ModelOptions):
     """Embeddings sized for the tokenizer, special token ids in the configs, gradient checkpointing, Liger's
     kernels, the fused CPU layers."""
+    model_name_or_path = options.model_name_or_path
     rows = _rows(model.get_input_embeddings().weight)
     if len(tokenizer) > rows:
         model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=8, mean_resizing=False)
@@ -271,15 +274,15 @@ def _finish(model, tokenizer, model_name_or_path, gradient_checkpointing: bool, 
                     "embedding)", rows, _rows(model.get_input_embeddings().weight))  # fmt: skip
     # generate() and padding-aware code (sequence classification finds the last token by pad_token_id) read these.
     # A model's own EOS ids stay EOS ids in generation (Llama 3 Instruct has three); the tokenizer's comes first.
-    eos = _eos_ids(tokenizer.eos_token_id, model_name_or_path and getattr(model, "generation_config", None))
+    eos = eos_ids(tokenizer.eos_token_id, model_name_or_path and getattr(model, "generation_config", None))
     configs = [model.config] + ([model.generation_config] if getattr(model, "generation_config", None) else [])
     for cfg in configs:
         cfg.pad_token_id = tokenizer.pad_token_id
         cfg.eos_token_id = eos
         if tokenizer.bos_token_id is not None or model_name_or_path is None:
             cfg.bos_token_id = tokenizer.bos_token_id
-    _log_dtype(model, dtype, frozen_base)
-    if gradient_checkpointing:
+    _log_dtype(model, options.dtype, options.frozen_base)
+    if options.gradient_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and with DDP's unused-parameter checks.
         checkpoint_kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x renamed it
@@ -287,11 +290,11 @@ def _finish(model, tokenizer, model_name_or_path, gradient_checkpointing: bool, 
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
         model.config.use_cache = False
-    if use_liger_kernel:
+    if options.use_liger_kernel:
         from .kernels import apply_liger_kernel
 
         apply_liger_kernel(model)
-    fused = set_fused_cpu_layers(model, fused_cpu_layers and not use_liger_kernel)
+    fused = set_fused_cpu_layers(model, options.fused_cpu_layers and not options.use_liger_kernel)
     if fused:
         logger.info("fused_cpu_layers: on a CPU, %s run as fused autograd functions", ", ".join(fused))
     return model
@@ -336,7 +339,9 @@ def whole_weights(module):
     return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
 
 
-def _eos_ids(eos_id: int | None, generation_config) -> int | list[int] | None:
+def eos_ids(eos_id: int | None, generation_config) -> int | list[int] | None:
+    """`eos_id` first, then every other EOS id of `generation_config` (None, or one id or a list): one id as an int,
+    several as a list, none as None."""
     previous = getattr(generation_config, "eos_token_id", None) if generation_config else None
     previous = previous if isinstance(previous, list) else [] if previous is None else [previous]
     ids = ([eos_id] if eos_id is not None else []) + [i for i in previous if i != eos_id]

@@ -8,12 +8,15 @@ forward (equal to float32 rounding: the rotary's multiply-adds are fused) and a 
 the passes and temporaries: ~5% of that step (tests/equivalence/test_fused_cpu_layers.py keeps them equal).
 On a GPU, `torch_compile` or `use_liger_kernel` fuse the same layers for real, so only CPU tensors take this path.
 
-Only code that is Llama's is replaced: a model's RMSNorm class and its module's `apply_rotary_pos_emb` and
-`rotate_half` are patched when their bodies parse to the same statements as the reference below (transformers
-copies Llama's code into Mistral, Qwen2/3, SmolLM3, OLMoE, ... and these match). Gemma's `1 + weight`, partial
-rotary dimensions, or a transformers release that changes the code keep transformers' own. Patched functions fall
-back to the original for anything but plain float32 CPU tensors (CUDA, bf16 autocast, FSDP's DTensors) and while
-torch.compile traces (inductor fuses these itself).
+Only code that is Llama's is replaced, and only in the model given: each of its RMSNorm modules whose class's
+`forward` parses to the same statements as the reference below gets the fused `forward` as an instance attribute, and
+each attention module whose `forward` calls a Llama-identical `apply_rotary_pos_emb` (with `rotate_half`) gets a copy
+of that `forward` reading the fused function instead (transformers copies Llama's code into Mistral, Qwen2/3,
+SmolLM3, OLMoE, ... and these match). Gemma's `1 + weight`, partial rotary dimensions, or a transformers release that
+changes the code keep transformers' own. Nothing outside the model changes: transformers' classes and modules, and any
+other model in the process, run as before, and `set_fused_cpu_layers(model, False)` puts the model's own code back.
+The fused functions fall back to the original for anything but plain float32 CPU tensors (CUDA, bf16 autocast, FSDP's
+DTensors) and while torch.compile traces (inductor fuses these itself).
 """
 
 from __future__ import annotations
@@ -21,12 +24,12 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
-import sys
 import textwrap
+import types
 
 import torch
 
-__all__ = ["set_fused_cpu_layers"]
+__all__ = ["fused_cpu_layers_of", "set_fused_cpu_layers"]
 
 # The bodies the fused functions reproduce (transformers 5.x, models/llama/modeling_llama.py), docstrings aside.
 _REFERENCE = {
@@ -53,7 +56,6 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     return q_embed, k_embed
 """,
 }
-_ENABLED = [True]  # the setting of the last model built: transformers' rotary function is module-level, not per model
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -101,13 +103,9 @@ class _Rotary(torch.autograd.Function):
 
 def _takes_fused_path(*tensors: torch.Tensor) -> bool:
     """Plain float32 CPU tensors (not DTensors or other subclasses), outside torch.compile's tracing."""
-    return (
-        _ENABLED[0]
-        and not torch.compiler.is_compiling()
-        and all(
-            type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.dtype == torch.float32
-            for t in tensors
-        )
+    return not torch.compiler.is_compiling() and all(
+        type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.dtype == torch.float32
+        for t in tensors
     )
 
 
@@ -160,28 +158,59 @@ def _same_code(function, reference: str) -> bool:
         return False
 
 
+def _attention_with_fused_rotary(forward):
+    """A copy of an attention class's `forward` (the same code, defaults and closure) whose global
+    `apply_rotary_pos_emb` is the fused one. Its globals are a snapshot of the modeling module's, taken now."""
+    names = dict(forward.__globals__)
+    names["apply_rotary_pos_emb"] = _fused_apply_rotary_pos_emb(forward.__globals__["apply_rotary_pos_emb"])
+    copy = types.FunctionType(forward.__code__, names, forward.__name__, forward.__defaults__, forward.__closure__)
+    copy.__kwdefaults__, copy.__qualname__ = forward.__kwdefaults__, forward.__qualname__
+    copy.tunebook_original = forward
+    return copy
+
+
+def _rotary_is_llamas(forward) -> bool:
+    """Whether an attention `forward` calls its module's `apply_rotary_pos_emb`, and that (with `rotate_half`) is
+    Llama's code."""
+    names = getattr(forward, "__globals__", {})
+    return (
+        "apply_rotary_pos_emb" in getattr(getattr(forward, "__code__", None), "co_names", ())
+        and _same_code(names.get("apply_rotary_pos_emb"), "apply_rotary_pos_emb")
+        and _same_code(names.get("rotate_half"), "rotate_half")
+    )
+
+
+def _unfuse(module: torch.nn.Module) -> None:
+    forward = vars(module).get("forward")
+    if forward is not None and hasattr(getattr(forward, "__func__", None), "tunebook_original"):
+        del module.forward  # the class's own again
+
+
 def set_fused_cpu_layers(model: torch.nn.Module, enabled: bool = True) -> list[str]:
-    """Patch the Llama-identical RMSNorm classes and rotary functions of `model` (see the module docstring) and turn
-    the fused path on or off for every patched model in the process. Returns what takes the fused path, for the log."""
-    _ENABLED[0] = enabled
-    if not enabled:
-        return []
+    """Give the Llama-identical RMSNorm and attention modules of `model` the fused functions (see the module
+    docstring), or with `enabled=False` their own code back. Only this model changes. Returns what takes the fused
+    path, for the log."""
     fused = set()
-    classes = {type(m) for m in model.modules()}
-    for cls in classes:
+    for module in model.modules():
+        _unfuse(module)
+        if not enabled:
+            continue
+        cls = type(module)
         forward = vars(cls).get("forward")
-        if cls.__name__.endswith("RMSNorm") and forward is not None and _same_code(forward, "rms_norm"):
-            if not hasattr(forward, "tunebook_original"):
-                cls.forward = _fused_rms_norm_forward(forward)
+        if forward is None:
+            continue
+        # Bound to the module: a deep copy of the model (DPO's reference) rebinds it to the copy.
+        if cls.__name__.endswith("RMSNorm") and _same_code(forward, "rms_norm"):
+            module.forward = types.MethodType(_fused_rms_norm_forward(forward), module)
             fused.add(cls.__name__)
-    for module in {sys.modules.get(cls.__module__) for cls in classes}:  # each modeling module once
-        rotary = getattr(module, "apply_rotary_pos_emb", None)
-        if (
-            rotary is not None
-            and _same_code(rotary, "apply_rotary_pos_emb")
-            and _same_code(getattr(module, "rotate_half", None), "rotate_half")
-        ):
-            if not hasattr(rotary, "tunebook_original"):
-                module.apply_rotary_pos_emb = _fused_apply_rotary_pos_emb(rotary)
-            fused.add(f"{module.__name__.rsplit('.', 1)[-1]}.apply_rotary_pos_emb")
+        elif _rotary_is_llamas(forward):
+            module.forward = types.MethodType(_attention_with_fused_rotary(forward), module)
+            fused.add(f"{forward.__globals__['__name__'].rsplit('.', 1)[-1]}.apply_rotary_pos_emb")
     return sorted(fused)
+
+
+def fused_cpu_layers_of(model: torch.nn.Module) -> bool:
+    """Whether `set_fused_cpu_layers` fused any module of `model` (a copy built anew is fused alike)."""
+    return any(
+        hasattr(getattr(vars(m).get("forward"), "__func__", None), "tunebook_original") for m in model.modules()
+    )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import compat
 from ..errors import ConfigError
 
 __all__ = ["apply_liger_kernel", "check_flex_attention"]
@@ -22,7 +23,6 @@ def apply_liger_kernel(model: torch.nn.Module) -> None:
             "set use_liger_kernel: false"
         )
     try:
-        from liger_kernel.transformers import _apply_liger_kernel_to_instance
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
     except ImportError:
         raise ConfigError("use_liger_kernel needs the liger-kernel package: pip install liger-kernel") from None
@@ -32,8 +32,8 @@ def apply_liger_kernel(model: torch.nn.Module) -> None:
             f"use_liger_kernel: Liger has no kernels for model_type {model_type!r} (it has: "
             f"{', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}); set use_liger_kernel: false"
         )
-    _apply_liger_kernel_to_instance(
-        model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False
+    compat.apply_liger_kernel_to_instance(
+        model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False
     )
 
 
@@ -42,7 +42,7 @@ def check_flex_attention(model: torch.nn.Module, device: torch.device | str) -> 
     from .wrappers import unwrap
 
     config = unwrap(model).config
-    if getattr(config, "_attn_implementation", None) != "flex_attention":
+    if compat.attn_implementation(config) != "flex_attention":
         return
     if torch.device(device).type == "cpu":
         raise ConfigError("attn_implementation flex_attention: PyTorch's FlexAttention has no backward pass on a CPU; "

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from .. import compat
 from ..errors import ConfigError
 from ..locations import hub_name_of_snapshot
 from .wrappers import unwrap
@@ -26,7 +27,7 @@ __all__ = [
     "merge_adapter_dir",
     "parameter_counts",
     "register_adapter_checkpoints",
-    "save_adapter",
+    "adapter_writer",
     "save_checkpoint_adapter",
 ]
 
@@ -132,11 +133,11 @@ def register_adapter_checkpoints(accelerator, run_dir: str | Path) -> None:
     accelerator.register_load_state_pre_hook(load_hook)
 
 
-def save_adapter(accelerator, model, tokenizer, output_dir: str | Path, merge: bool = False) -> Path:
-    """Write the adapter directory (adapters, `adapter_config.json`, tokenizer) into `output_dir`; with `merge`,
-    also the merged model into `output_dir/merged`. Call on every process (sharded states are gathered)."""
-    from ..checkpoint import decided_by_main, final_save
-
+def adapter_writer(accelerator, model, tokenizer, output_dir: str | Path, merge: bool = False):
+    """The final save of a LoRA model (`tunebook.training.checkpoint.save_adapter`), as (write, bytes it writes):
+    gathers the adapter weights (sharded states, on every process) and returns `write()`, which writes the adapter
+    directory (adapters, `adapter_config.json`, tokenizer) into `output_dir` and, with `merge`, the merged model
+    into `output_dir/merged` (on the main process)."""
     output_dir = Path(output_dir)
     state_dict = accelerator.get_state_dict(model)
     peft_model = unwrap(model)
@@ -144,16 +145,13 @@ def save_adapter(accelerator, model, tokenizer, output_dir: str | Path, merge: b
         _copy_sharded_base(peft_model, output_dir, accelerator)
 
     def write() -> None:
-        needed = sum(t.numel() * t.element_size() for t in state_dict.values())
-        with final_save(output_dir, needed):
-            _point_at_base(peft_model, _base_model_path(peft_model, output_dir))
-            peft_model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
-            tokenizer.save_pretrained(output_dir)
-            if merge:
-                merge_adapter_dir(output_dir, output_dir / "merged")
+        _point_at_base(peft_model, _base_model_path(peft_model, output_dir))
+        peft_model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(output_dir)
+        if merge:
+            merge_adapter_dir(output_dir, output_dir / "merged")
 
-    decided_by_main(accelerator, write)  # the main process writes; every process learns how that went
-    return output_dir
+    return write, sum(t.numel() * t.element_size() for t in state_dict.values())
 
 
 def save_checkpoint_adapter(accelerator, peft_model, adapter_dir: Path, run_dir: Path) -> None:
@@ -174,15 +172,8 @@ def save_checkpoint_adapter(accelerator, peft_model, adapter_dir: Path, run_dir:
 
 
 def _dtensor_type() -> type | None:
-    """torch's DTensor class (public from torch 2.5, private in 2.4), or None in a build without it."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        try:
-            from torch.distributed._tensor import DTensor
-        except ImportError:
-            return None
-    return DTensor
+    """torch's DTensor class, or None in a build without it (`compat.dtensor_type`)."""
+    return compat.dtensor_type()
 
 
 def _is_sharded(module: torch.nn.Module) -> bool:

@@ -6,6 +6,8 @@ import sys
 
 import torch
 
+from .. import compat
+
 __all__ = ["look_for_deepspeed_only_once_imported", "unwrap"]
 
 
@@ -25,10 +27,9 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         wrappers += (sys.modules["deepspeed"].DeepSpeedEngine,)
     if "torch.distributed.fsdp" in sys.modules:
         wrappers += (sys.modules["torch.distributed.fsdp"].FullyShardedDataParallel,)
-    compiled = sys.modules["torch._dynamo"].eval_frame.OptimizedModule if "torch._dynamo" in sys.modules else ()
     while True:
-        if isinstance(model, compiled):
-            model = model._orig_mod
+        if (inner := compat.inner_of_compiled(model)) is not None:
+            model = inner
         elif isinstance(model, wrappers):
             model = model.module
         else:

@@ -1,11 +1,26 @@
-"""The training loop: its bookkeeping (`loop`), written once, and the pieces recipes call by name."""
+"""The training loop: its bookkeeping (`loop`) and the step's guard (`step`), written once, and the pieces recipes
+call by name."""
 
 from .accelerator import build_accelerator, has_accelerator_device, recipe_accelerator
 from .best import BestModel, infer_greater_is_better
+from .compilation import compile_model
 from .counters import LossWindow, TrainCounters
 from .flops import model_flops_per_token
 from .guard import StopSignals, exit_code, is_nonfinite, nonfinite_stop
-from .loop import Run, RunState, after_step, apply_update, epochs, finish, plan_training, resume, start_run
+from .loop import (
+    Checkpointed,
+    Plan,
+    Run,
+    RunState,
+    Training,
+    after_step,
+    epochs,
+    finish,
+    load_checkpoint_or_start,
+    plan_steps,
+    start_run,
+    start_training,
+)
 from .loss import (
     causal_lm_token_losses,
     count_loss_tokens,
@@ -15,54 +30,30 @@ from .loss import (
     token_loss_sum,
 )
 from .optim import build_optimizer, build_scheduler
-from .preference import (
-    LOSS_TYPES,
-    REFERENCE_FREE_LOSSES,
-    RewardStats,
-    dpo_loss,
-    policy_and_reference_log_probs,
-    precompute_reference_log_probs,
-    preference_loss,
-    response_lengths,
-    sequence_log_probs,
-    weights_fingerprint,
-)
-from .reference import frozen_copy, partition_reference
-from .reward_model import REWARD_FIGURES, RewardModel, bradley_terry_loss, load_reward_model, pair_rewards
+from .step import finite_on_every_process, optimizer_step_or_skip
 from .steps import accumulation_windows, eval_due, micro_batch, save_due, total_optimizer_steps
 from .throughput import Throughput, peak_memory
 from .warmup import sft_warmup
 
 __all__ = [
+    "Checkpointed",
     "LossWindow",
+    "Plan",
     "Run",
     "RunState",
+    "Training",
     "after_step",
-    "apply_update",
+    "compile_model",
     "epochs",
     "finish",
-    "plan_training",
-    "resume",
+    "finite_on_every_process",
+    "load_checkpoint_or_start",
+    "optimizer_step_or_skip",
+    "plan_steps",
     "start_run",
+    "start_training",
     "recipe_accelerator",
     "Throughput",
-    "RewardStats",
-    "REWARD_FIGURES",
-    "RewardModel",
-    "bradley_terry_loss",
-    "load_reward_model",
-    "pair_rewards",
-    "dpo_loss",
-    "LOSS_TYPES",
-    "REFERENCE_FREE_LOSSES",
-    "preference_loss",
-    "response_lengths",
-    "policy_and_reference_log_probs",
-    "frozen_copy",
-    "partition_reference",
-    "precompute_reference_log_probs",
-    "sequence_log_probs",
-    "weights_fingerprint",
     "peak_memory",
     "sft_warmup",
     "model_flops_per_token",

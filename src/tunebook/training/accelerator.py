@@ -10,10 +10,10 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, DistributedType, InitProcessGroupKwargs, str_to_bool
 
 from ..errors import ConfigError
-from ..hub import check_hub_access
 from ..models.lora import register_adapter_checkpoints
 from ..models.wrappers import look_for_deepspeed_only_once_imported
-from ..trackers import resolve_report_to, trackers_dir
+from ..run.trackers import resolve_report_to, trackers_dir
+from ..run.upload import check_hub_access
 
 __all__ = ["build_accelerator", "check_deepspeed", "check_engine", "has_accelerator_device", "recipe_accelerator"]
 
@@ -34,7 +34,7 @@ def build_accelerator(
     """An Accelerator configured by `accelerate launch` / its config file, plus what recipes always need.
 
     - `ddp_timeout` for the process group's collectives (the start-up check has its own, shorter one).
-    - The trackers of `report_to` (see `tunebook.trackers`), writing local files under `output_dir/runs`.
+    - The trackers of `report_to` (see `tunebook.run.trackers`), writing local files under `output_dir/runs`.
     - `cpu=True` when the machine has no accelerator: with accelerate 1.15 a multi-process launch on a CPU-only
       machine otherwise starts processes that each train alone instead of forming a gloo group.
     - A seedable sampler so the data order depends only on the seed (and can be resumed exactly).

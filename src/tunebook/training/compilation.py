@@ -14,27 +14,27 @@ grows by one token per step, padded evaluation batches) would each compile graph
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 
 import torch
 
+from .. import compat
+from ..models.fused_cpu import set_fused_cpu_layers
 from ..models.wrappers import unwrap
 
-__all__ = ["AUTO_MIN_MICRO_BATCHES", "CompiledBlocks", "compile_blocks", "eager", "should_compile"]
+__all__ = ["AUTO_MIN_MICRO_BATCHES", "CompiledBlocks", "compile_blocks", "compile_model", "eager", "should_compile"]
 
 logger = logging.getLogger("tunebook")
 
 
 def _frames_compiled() -> int:
-    from torch._dynamo.utils import counters  # dynamo's own tally of the frames it compiled
-
-    return int(counters["frames"]["ok"])
+    return compat.compiled_frames()[0]
 
 
 def _frames_failed() -> int:
-    from torch._dynamo.utils import counters  # frames dynamo started but did not convert (errors, under fallback)
-
-    return int(counters["frames"]["total"] - counters["frames"]["ok"])
+    ok, total = compat.compiled_frames()  # frames dynamo started but did not convert (errors, under fallback)
+    return total - ok
 
 
 class CompiledBlocks:
@@ -132,7 +132,7 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     (what FSDP wraps one by one: LlamaDecoderLayer, BertLayer, ...)."""
     inner = unwrap(model)
     base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft
-    names = set(getattr(base, "_no_split_modules", None) or [])
+    names = set(compat.no_split_modules(base))
     # By class lineage: FSDP2 swaps a sharded block's class for a subclass (FSDPLlamaDecoderLayer).
     found: dict[str, list[torch.nn.Module]] = {}
     for module in base.modules():
@@ -157,7 +157,7 @@ def compile_blocks(model: torch.nn.Module, static: bool = False, fallback: bool 
 
     `fallback` (torch_compile: auto): a block that fails to compile runs eagerly, with a warning, instead of stopping
     the run; a run the user did not ask to compile should not end where eager would have trained (dynamo's
-    `suppress_errors`, which holds for the whole process).
+    `suppress_errors`, set only while a block runs: the process's setting stays as it was).
     """
     blocks = transformer_blocks(model)
     if not blocks:
@@ -169,16 +169,48 @@ def compile_blocks(model: torch.nn.Module, static: bool = False, fallback: bool 
         )
     # As in a fresh process: dynamo keeps the graphs of every earlier compile of this block class's code in the process
     # (a notebook's earlier runs, other models) and past its recompile limit (8) runs the code eagerly, saying so only
-    # in a warning, so a run would report 0 graphs and train at eager speed.
-    torch.compiler.reset()
-    if fallback:
-        from torch._dynamo import config as dynamo_config
-
-        dynamo_config.suppress_errors = True
+    # in a warning, so a run would report 0 graphs and train at eager speed. Only this code's graphs are dropped: the
+    # caller's other compiled code keeps its own (`torch.compiler.reset()` would drop them all).
+    compat.forget_compiled_code(blocks[0].forward)
     for block in blocks:
-        block.forward = torch.compile(block.forward, dynamic=None if static else True, backend=BACKEND)
+        # transformers' own code, which inductor fuses: the fused CPU layers step aside under compilation anyway, and
+        # their attention `forward` (a copy with other globals) is not one dynamo can guard.
+        set_fused_cpu_layers(block, False)
+        compiled = torch.compile(block.forward, dynamic=None if static else True, backend=BACKEND)
+        block.forward = _falling_back(compiled) if fallback else compiled
     name = next(c.__name__ for c in type(blocks[0]).__mro__ if not c.__name__.startswith("FSDP"))
     return CompiledBlocks(len(blocks), name, static, fallback)
+
+
+def _falling_back(compiled):
+    """`compiled`, run with dynamo's `suppress_errors` on: code that fails to compile runs eagerly, with a warning."""
+
+    @functools.wraps(compiled)
+    def forward(*args, **kwargs):
+        with compat.suppress_compile_errors():
+            return compiled(*args, **kwargs)
+
+    return forward
+
+
+def compile_model(config, accelerator, model, train_loader, micro_batches: int, log) -> CompiledBlocks | None:
+    """`torch_compile` (true, or auto where it pays back): compile the prepared model's transformer blocks in place,
+    after the model is wrapped and any frozen reference copied from it; `micro_batches` is the run's forward passes
+    per process (`auto` weighs the first compile against them). Returns what was compiled, or None (eager)."""
+    if not config.torch_compile:
+        return None
+    from ..data.loaders import fixed_batch_shape
+
+    static = fixed_batch_shape(train_loader) is not None
+    compile_it, why = should_compile(config, accelerator, static, micro_batches)
+    if config.torch_compile == "auto":
+        log.info(why)
+    if not compile_it:
+        return None
+    compiled = compile_blocks(model, static=static, fallback=config.torch_compile == "auto")
+    log.info("torch_compile: %d %s blocks, compiled in the first step (%s shapes)", compiled.blocks,
+             compiled.block_class, compiled.shapes)  # fmt: skip
+    return compiled
 
 
 def eager():

@@ -66,8 +66,8 @@ def is_nonfinite(loss_sum: torch.Tensor, grad_norm: torch.Tensor | float, accele
 
 def nonfinite_stop(global_step: int, output_dir) -> Exception:
     """The error that ends a run under `nan_policy: stop`, naming the last good checkpoint."""
-    from ..checkpoint import list_checkpoints
     from ..errors import TrainingError
+    from .checkpoint import list_checkpoints
 
     last = list_checkpoints(output_dir)
     return TrainingError(

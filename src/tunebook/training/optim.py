@@ -30,6 +30,11 @@ def build_optimizer(
 
 
 def build_scheduler(name: str, optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float):
-    """A schedule over `total_steps` optimizer steps with `ceil(warmup_ratio * total_steps)` warmup steps."""
+    """A schedule over `total_steps` optimizer steps with `ceil(warmup_ratio * total_steps)` warmup steps.
+
+    Recipes prepare it on its own, after the model: `accelerator.prepare(build_scheduler(...))`. Under DeepSpeed,
+    Accelerate (1.15) hands back a scheduler prepared apart from its model unwrapped and unregistered, so
+    `save_state` leaves it out: checkpoints then hold its state as JSON (`resumption.schedule_state`), not as a
+    custom object, which Accelerate would unpickle with `weights_only=False` on resume."""
     warmup = math.ceil(warmup_ratio * total_steps)
     return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=max(total_steps, 1))

@@ -18,18 +18,19 @@ from typing import Any
 
 import yaml
 
-from ..checkpoint import (
+from .. import compat
+from ..config import config_to_dict
+from ..distributed import decided_by_main
+from ..errors import ConfigError, TrainingError, TunebookError, first_line, same_on_every_rank
+from .checkpoint import (
     SCHEDULE,
     checkpoint_path,
-    decided_by_main,
     list_checkpoints,
     load_process_state,
     load_trainer_state,
     resolve_checkpoint,
     save_checkpoint,
 )
-from ..config import config_to_dict
-from ..errors import ConfigError, TrainingError, TunebookError, first_line, same_on_every_rank
 
 __all__ = [
     "RUN_CONTROL_KEYS",
@@ -97,14 +98,17 @@ def save_training_state(
     recipe,
     data: dict[str, Any] | None = None,
     lr_scheduler=None,
+    registered: dict[str, Any] | None = None,
 ) -> Path:
     """A recipe's checkpoint at optimizer step `step`: the loop's `state` (`RunState`), this process's `counters`,
-    logged `figures` and streamed `data` position, and the `best` model tracker, whose checkpoint, if this is it, is
-    recorded and protected from rotation; the `lr_scheduler`'s state where Accelerate leaves it out (DeepSpeed)."""
+    logged `figures`, streamed `data` position and `registered` objects (by name), and the `best` model tracker, whose
+    checkpoint, if this is it, is recorded and protected from rotation; the `lr_scheduler`'s state where Accelerate
+    leaves it out (DeepSpeed)."""
     if best is not None and best.best_step == step:
         best.best_checkpoint = str(checkpoint_path(output_dir, step))
     shared = {**state, "best": best.state_dict() if best is not None else None}
     process = {**counters.state_dict(), "figures": figures.state_dict(), **({"data": data} if data else {})}
+    process.update({name: thing.state_dict() for name, thing in (registered or {}).items()})
     return save_checkpoint(
         accelerator, output_dir, step, config, shared, config.save_total_limit, tokenizer, process,
         best.best_checkpoint if best is not None else None, recipe, schedule_state(accelerator, lr_scheduler),
@@ -112,11 +116,12 @@ def save_training_state(
 
 
 def resume_training(accelerator, config, counters, best, figures, log: logging.Logger, optimizer, lr_scheduler,
-                    stream=None):  # fmt: skip
+                    stream=None, registered: dict[str, Any] | None = None):  # fmt: skip
     """Continue from `config.resume_from_checkpoint` ('latest', 'auto', a path; None: a fresh start).
 
     Restores what `accelerator.save_state` saved (model, optimizer, scheduler, RNG states), this process's
-    `counters`, `figures` and `stream` position (a `StreamLoader`, or None), and the `best` tracker, after checking the config against the checkpoint's; changed
+    `counters`, `figures`, `stream` position (a `StreamLoader`, or None) and `registered` objects (by name), and the
+    `best` tracker, after checking the config against the checkpoint's; changed
     optimizer keys are applied to the prepared `optimizer` and `lr_scheduler`. The checkpoint is verified first, on
     the main process (`resolve_checkpoint`: `latest` falls back past damaged ones), and loading it either restores
     everything, random number generators included, or stops every process with one line. Returns
@@ -135,8 +140,11 @@ def resume_training(accelerator, config, counters, best, figures, log: logging.L
     counters.load_state_dict(process)
     if process.get("figures"):
         figures.load_state_dict(process["figures"])
-    if stream is not None:  # a stream continues from its saved position (tunebook.data.streaming), not by skipping
+    if stream is not None:  # a stream continues from its saved position (tunebook.data.stream), not by skipping
         stream.load_state_dict(process["data"])
+    for name, thing in (registered or {}).items():
+        if name in process:
+            thing.load_state_dict(process[name])
     if best is not None and state.get("best"):
         best.load_state_dict(state["best"])
     if optimizer_changes:
@@ -202,11 +210,11 @@ def load_rng_state(checkpoint: str | Path, process_index: int) -> None:
 
 def schedule_state(accelerator, lr_scheduler) -> dict[str, Any] | None:
     """The learning-rate schedule's state as plain data, where Accelerate's `save_state` leaves the schedule out
-    (under DeepSpeed, `loop.plan_training`); None where Accelerate saves it. Its multiplier functions are code and
+    (under DeepSpeed, see `optim.build_scheduler`); None where Accelerate saves it. Its multiplier functions are code and
     stay out: they are rebuilt from the config (`build_scheduler`), only where the schedule is (its step, its rates)
     is state. Saved as JSON so that resuming unpickles nothing (Accelerate's custom objects load with
     `weights_only=False`)."""
-    if lr_scheduler is None or lr_scheduler in accelerator._schedulers:
+    if lr_scheduler is None or lr_scheduler in compat.prepared_schedulers(accelerator):
         return None
     return {k: v for k, v in lr_scheduler.state_dict().items() if k != "lr_lambdas"}
 
@@ -259,7 +267,7 @@ def _apply_optimizer_config(config, optimizer, lr_scheduler) -> None:
     schedule.base_lrs = [config.learning_rate for _ in schedule.base_lrs]
     for group, multiplier in zip(optimizer.param_groups, schedule.lr_lambdas):
         group["lr"] = config.learning_rate * multiplier(schedule.last_epoch)
-    schedule._last_lr = [group["lr"] for group in optimizer.param_groups]
+    compat.set_last_lr(schedule, [group["lr"] for group in optimizer.param_groups])
     for index, group in enumerate(optimizer.param_groups):
         group["betas"], group["eps"] = (config.adam_beta1, config.adam_beta2), config.adam_epsilon
         if index == 0:  # the decayed matrices (build_optimizer): biases and norms never decay

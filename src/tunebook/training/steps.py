@@ -8,6 +8,8 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from .. import compat
+
 __all__ = ["accumulation_windows", "eval_due", "micro_batch", "save_due", "total_optimizer_steps"]
 
 
@@ -40,7 +42,7 @@ def accumulation_windows(
     first backward. The last window is yielded while the loader is still suspended on its final batch: an
     Accelerate loader then still reports `end_of_dataloader`, which `accelerator.accumulate` needs to sync
     gradients at the end of a shorter final window (once the loader is exhausted, it no longer does).
-    With a `timer` (`tunebook.logging.RunTimer`), the time spent waiting for each batch is added to it.
+    With a `timer` (`tunebook.run.logging.RunTimer`), the time spent waiting for each batch is added to it.
     """
     window: list[Any] = []
     batches = iter(loader)
@@ -69,7 +71,7 @@ def micro_batch(accelerator, model, last: bool):
     window whole before its first backward: every micro-batch of an epoch's last window synced. Under DDP that was
     only extra all-reduces; under DeepSpeed the engine stepped after each of them, a different update.
     """
-    accelerator.gradient_state._set_sync_gradients(last)
+    compat.set_sync_gradients(accelerator, last)
     with contextlib.nullcontext() if last else accelerator.no_sync(model):
         yield
 

@@ -4,7 +4,7 @@ import copy
 import shutil
 
 import pytest
-from conftest import ASSETS
+from support import ASSETS
 
 from tunebook.data.sft import prepare_sft_dataset
 from tunebook.data.sources import parse_sources

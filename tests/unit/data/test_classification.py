@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import DataCollatorWithPadding
 
+from tunebook.config import ClassifyConfig
 from tunebook.data import prepare_classification_data
 from tunebook.errors import ConfigError, DataError
 from tunebook.models import build_sequence_classifier
-from tunebook.recipe_configs import ClassifyConfig
 
 TEXTS = ["a short one", "a much longer text that goes on and on about the weather and the sea", "mid length text"]
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
@@ -48,16 +48,16 @@ def _padded_equals_alone(model, data):
 def test_a_tokenizer_that_pads_on_the_left_pads_on_the_right_for_absolute_positions(tmp_path, monkeypatch):
     """GPT-2 and BERT count positions from the row's start: left padding (as chat tokenizers ship) would shift them
     for every shorter example, in training and in evaluation alike."""
-    import tunebook.data.classification as classification
+    import tunebook.data.pipeline as pipeline
 
-    config_tokenizer = classification.config_tokenizer
+    config_tokenizer = pipeline.config_tokenizer
 
     def left_padding(*args, **kwargs):
         tokenizer = config_tokenizer(*args, **kwargs)
         tokenizer.padding_side = "left"
         return tokenizer
 
-    monkeypatch.setattr(classification, "config_tokenizer", left_padding)
+    monkeypatch.setattr(pipeline, "config_tokenizer", left_padding)
     data = _data(tmp_path, ["x", "y", "z"] * 4)
     assert data.tokenizer.padding_side == "right"
     for model_type in ("gpt2", "bert"):

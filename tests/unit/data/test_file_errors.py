@@ -10,12 +10,13 @@ import logging
 
 import pytest
 
+from tunebook.config import ClassifyConfig, RewardConfig
 from tunebook.data import load_conversations, parse_sources
-from tunebook.data.preference import prepare_preference_data
-from tunebook.data.sources import EXTENSIONS, load_source
+from tunebook.data.files import EXTENSIONS
+from tunebook.data.sources import load_source
 from tunebook.errors import DataError
 from tunebook.locations import DATA_FILE_ENDINGS
-from tunebook.recipe_configs import ClassifyConfig, RewardConfig
+from tunebook.preference.data import prepare_preference_data
 
 
 def _write_jsonl(path, rows) -> str:
@@ -62,9 +63,9 @@ def test_bytes_that_are_not_utf8_are_named_by_file_line_and_column(tmp_path, nam
 
 
 def test_utf8_text_with_every_width_of_character_loads(tmp_path, monkeypatch):
-    import tunebook.data.sources as sources
+    import tunebook.data.files as files
 
-    monkeypatch.setattr(sources, "UTF8_CHUNK", 7)  # characters of 2, 3 and 4 bytes cut by the chunks' ends
+    monkeypatch.setattr(files, "UTF8_CHUNK", 7)  # characters of 2, 3 and 4 bytes cut by the chunks' ends
     text = "é ü ✓ 日本 🙂 " * 50
     path = _write_jsonl(tmp_path / "ok.jsonl", [{"prompt": text, "completion": text[::-1]}] * 5)
     assert max(open(path, "rb").read()) > 127  # the characters as UTF-8 bytes, not JSON escapes
@@ -139,8 +140,8 @@ def test_classification_labels_of_mixed_kinds_and_text_that_is_not_text_name_the
 
 def test_pretraining_text_that_is_not_text_names_the_row(tmp_path):
     """Before: a TypeError from tokenizer training ('int' object is not iterable)."""
+    from tunebook.config import PretrainConfig
     from tunebook.data import prepare_text_data
-    from tunebook.recipe_configs import PretrainConfig
 
     rows = [{"text": f"document {i} " * 5} for i in range(8)]
     rows[4]["text"] = 7
@@ -152,8 +153,8 @@ def test_pretraining_text_that_is_not_text_names_the_row(tmp_path):
 
 
 def test_grpo_reference_answers_of_mixed_types_reach_the_rewards_as_written(tmp_path):
-    from tunebook.data import prepare_prompt_data
-    from tunebook.recipe_configs import GRPOConfig
+    from tunebook.config import GRPOConfig
+    from tunebook.rl import prepare_prompt_data
 
     rows = [{"prompt": f"q{i}", "answer": "0000" if i % 2 else 42} for i in range(8)]
     path = _write_jsonl(tmp_path / "prompts.jsonl", rows)
@@ -221,9 +222,9 @@ def test_a_source_weight_must_be_a_finite_positive_number(weight):
 def test_a_data_file_given_as_model_or_tokenizer_is_called_a_file_by_the_library_too(tmp_path, tiny_tokenizer):
     """The config check stops such a config first; code that calls the library directly gets the same line (before:
     "could not load a tokenizer from directory '...train.jsonl'")."""
-    from tunebook.data.tokenizer import load_tokenizer
     from tunebook.errors import ModelError
     from tunebook.models import build_causal_lm
+    from tunebook.models.tokenizer import load_tokenizer
 
     path = _write_jsonl(tmp_path / "train.jsonl", [{"text": "x"}])
     with pytest.raises(ModelError, match=rf"^{path} is a file, not a tokenizer directory"):

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
+from tunebook.config import SFTConfig
 from tunebook.data.collate import PackedCollator, PadCollator
 from tunebook.data.loaders import LengthGroupedSampler, build_loader, fixed_batch_shape, train_and_eval_loaders
-from tunebook.recipe_configs import SFTConfig
 
 
 def _lengths(n=1000, seed=0):

@@ -15,12 +15,12 @@ import random
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-import tunebook.data.tokenizer as tokenizer_module
+import tunebook.models.tokenizer as tokenizer_module
 from tunebook.data import synthetic
-from tunebook.data.preference import write_synthetic_preferences
-from tunebook.data.prompts import write_synthetic_prompts
-from tunebook.data.tokenizer import train_chat_tokenizer, train_encoder_tokenizer
+from tunebook.models.tokenizer import train_chat_tokenizer, train_encoder_tokenizer
+from tunebook.preference.data import write_synthetic_preferences
 from tunebook.recipe import RECIPES, recipe_config_class, recipe_data
+from tunebook.rl.prompts import write_synthetic_prompts
 
 LOG = logging.getLogger("test")
 BIG = "a" * 10_000_000
@@ -86,7 +86,7 @@ def test_a_10_mb_row_is_left_out_of_tokenizer_training_counted_and_tokenised_fro
     data = _prepare(recipe, tmp_path, [normal, big], **overrides)
 
     from tunebook.data.tokenize import longest_token_chars
-    from tunebook.data.tokenizer import MAX_TOKEN_CHARS, tokenizer_max_chars
+    from tunebook.models.tokenizer import MAX_TOKEN_CHARS, tokenizer_max_chars
 
     bound = tokenizer_max_chars(LONGEST_TRAINED.get(recipe, MAX_SEQ_LENGTH))
     assert seen["trainer"] and max(seen["trainer"]) <= bound
@@ -141,7 +141,7 @@ def test_cut_overlong_keeps_the_first_tokens_and_never_cuts_a_text_that_fits(tin
 
 def test_the_trained_tokenizer_cap_changes_nothing_on_ordinary_text_and_bounds_a_run(monkeypatch):
     from tunebook.data.tokenize import longest_token_chars
-    from tunebook.data.tokenizer import MAX_TOKEN_CHARS
+    from tunebook.models.tokenizer import MAX_TOKEN_CHARS
 
     ordinary = [json.dumps(synthetic.make_example(random.Random(i))) for i in range(500)]
     ordinary += ["The quick brown fox jumps over the lazy dog. " * 3, "0123456789 " * 5]
@@ -156,7 +156,7 @@ def test_the_trained_tokenizer_cap_changes_nothing_on_ordinary_text_and_bounds_a
 
 
 def test_text_pieces_cut_long_documents_at_spaces_and_lose_nothing():
-    from tunebook.data.tokenizer import text_pieces
+    from tunebook.models.tokenizer import text_pieces
 
     document = " ".join(f"word{i}" for i in range(3_000))
     pieces = list(text_pieces(["short", document, "x" * 250], 100))

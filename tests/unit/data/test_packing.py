@@ -6,16 +6,9 @@ import pytest
 import torch
 
 from tunebook.data.collate import PackedCollator
-from tunebook.data.packing import (
-    SEGMENT_SDPA,
-    attention_inputs,
-    best_fit_decreasing,
-    document_block_mask,
-    example_lengths,
-    pack_dataset,
-    segment_sdpa_attention,
-)
+from tunebook.data.packing import best_fit_decreasing, example_lengths, pack_dataset
 from tunebook.data.tokenize import IGNORE_INDEX
+from tunebook.models.attention import SEGMENT_SDPA, attention_inputs, document_block_mask, segment_sdpa_attention
 
 
 def _bins(order, offsets):

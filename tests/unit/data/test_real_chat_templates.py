@@ -12,14 +12,14 @@ import json
 import logging
 
 import pytest
-from conftest import ASSETS
+from support import ASSETS
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from tunebook.data.formats import normalise_messages, to_conversations
 from tunebook.data.tokenize import IGNORE_INDEX, tokenize_conversations
-from tunebook.data.tokenizer import setup_chat_template
 from tunebook.errors import DataError
+from tunebook.models.tokenizer import setup_chat_template
 
 TEMPLATES = ASSETS / "chat_templates"
 # bos, eos (as the model's tokenizer has them), and the template's other markers
@@ -170,7 +170,7 @@ def test_the_end_of_turn_token_becomes_eos_and_phi3_still_closes_with_its_own(tm
 
 
 def test_preference_pairs_get_the_same_checks_and_closing():
-    from tunebook.data.preference import prompt_and_response_texts
+    from tunebook.preference.data import prompt_and_response_texts
 
     chosen, rejected = [A1], [{"role": "assistant", "content": "A1 wrong."}]
     _, rests = prompt_and_response_texts(_tokenizer("phi-3.5-mini-instruct"), [U1], [chosen, rejected], None, "p")
@@ -234,11 +234,11 @@ def test_a_held_out_split_of_split_turns_keeps_each_conversation_on_one_side():
 
     ids = [c for c in range(50) for _ in range(1 + c % 4)]  # conversations of 1-4 turns, one example each
     data = datasets.Dataset.from_dict({"input_ids": [[i] for i in range(len(ids))], "conversation_id": ids})
-    train, held, _ = _split(data, 0.2, seed=0)
+    train, held = _split(data, 0.2, seed=0)
     train_ids, held_ids = set(train["conversation_id"]), set(held["conversation_id"])
     assert not train_ids & held_ids and len(held_ids) == 10 and len(train) + len(held) == len(ids)
     assert sorted(held["conversation_id"]) == sorted(c for c in ids if c in held_ids)  # every turn of each
-    plain, plain_held, _ = _split(data.remove_columns("conversation_id"), 0.2, seed=0)  # without ids: by example
+    plain, plain_held = _split(data.remove_columns("conversation_id"), 0.2, seed=0)  # without ids: by example
     assert len(plain_held) == round(0.2 * len(ids))
 
 
@@ -297,7 +297,7 @@ def test_split_turns_makes_no_example_of_a_prompts_assistant_turn():
 def test_the_grpo_warm_up_trains_on_the_answer_not_on_the_prompts_assistant_turns():
     import datasets
 
-    from tunebook.data.prompts import reference_examples
+    from tunebook.rl.prompts import reference_examples
 
     tokenizer = _tokenizer("llama-3.1-instruct")
     prompts = datasets.Dataset.from_list([{"prompt": [U1, A1, U2], "answer": "A2 second."}])

@@ -4,7 +4,7 @@ import json
 import shutil
 
 import pytest
-from conftest import ASSETS
+from support import ASSETS
 
 from tunebook.data.sft import load_conversations
 from tunebook.data.sources import load_source, parse_sources

@@ -10,12 +10,12 @@ import random
 
 import pytest
 import torch
-from conftest import TINY_TEST_MODEL
+from support import TINY_TEST_MODEL
 
+from tunebook.config import ClassifyConfig, PretrainConfig, SFTConfig
 from tunebook.data import PackedCollator, attention_inputs, prepare_sft_data, prepare_text_data
-from tunebook.data.streaming import reader_rows
+from tunebook.data.stream import reader_rows
 from tunebook.errors import ConfigError, DataError
-from tunebook.recipe_configs import ClassifyConfig, PretrainConfig, SFTConfig
 
 LOG = logging.getLogger("test")
 WORDS = "the of and to in is was for on that with as by at from his her it an were are which this be".split()
@@ -248,7 +248,7 @@ def test_bad_rows_stop_with_one_line_naming_file_and_row(tmp_path, tokenizer_dir
 
 
 def test_prepare_on_a_streamed_config_counts_no_rows_it_did_not_make(tmp_path, tokenizer_dir, capsys):
-    from tunebook.cli import prepare
+    from tunebook.cli.main import prepare
 
     folder = _corpus(tmp_path / "corpus", files=1, rows=20)
     figures = prepare(["--recipe", "pretrain", "--train_data", json.dumps({"path": str(folder), "streaming": True}),
@@ -259,7 +259,7 @@ def test_prepare_on_a_streamed_config_counts_no_rows_it_did_not_make(tmp_path, t
 
 
 def test_prepared_shards_stream_the_cached_rows_without_tokenising(tmp_path, tokenizer_dir, capsys):
-    from tunebook.cli import prepare
+    from tunebook.cli.main import prepare
 
     folder = _corpus(tmp_path / "corpus", files=1, rows=120)
     args = ["--recipe", "pretrain", "--train_data", str(folder), "--tokenizer_name_or_path", tokenizer_dir,

@@ -11,11 +11,11 @@ import pandas as pd
 import pytest
 
 from tunebook.data import load_conversations, parse_sources
-from tunebook.data.preference import preference_pair, prompt_and_response_ids, tokenize_pairs
 from tunebook.data.sft import prepare_sft_dataset
 from tunebook.data.sources import fingerprint_sources, load_source
 from tunebook.data.tokenize import IGNORE_INDEX
 from tunebook.errors import DataError
+from tunebook.preference.data import preference_pair, prompt_and_response_ids, tokenize_pairs
 
 
 def _chat(i: int, answer: str = "") -> list[dict]:
@@ -117,8 +117,7 @@ def test_columns_are_renamed_and_a_bad_rename_names_the_column(tmp_path):
 
 
 def test_a_source_mapping_from_the_command_line(tmp_path):
-    from tunebook.config import load_config
-    from tunebook.recipe_configs import SFTConfig
+    from tunebook.config import SFTConfig, load_config
 
     config = load_config(SFTConfig, ["--train_data", "{path: org/ultrachat, split: train_sft, name: default}"])
     (source,) = parse_sources(config.train_data, "train_data")

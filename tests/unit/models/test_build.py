@@ -7,12 +7,12 @@ import logging
 
 import pytest
 import torch
-from conftest import base_tokenizer
+from support import base_tokenizer
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from tunebook.data.tokenizer import setup_chat_template
 from tunebook.errors import ModelError
 from tunebook.models import build_causal_lm
+from tunebook.models.tokenizer import setup_chat_template
 
 log = logging.getLogger("test")
 
@@ -99,3 +99,29 @@ def test_liger_kernels_without_a_gpu_stop_with_one_line(tiny_tokenizer, tiny_mod
 
     with pytest.raises(ConfigError, match="use_liger_kernel: Liger's kernels are Triton kernels for CUDA GPUs"):
         build_causal_lm(tiny_tokenizer, model_config=tiny_model_config, use_liger_kernel=True)
+
+
+def test_model_options_come_from_the_config_in_one_object_and_keywords_override_them(
+    tiny_tokenizer, tiny_model_config
+):
+    from dataclasses import fields
+
+    from tunebook.config import SFTConfig
+    from tunebook.models import ModelOptions, model_options
+
+    config = SFTConfig(gradient_checkpointing=True, use_peft=True, model_revision="v2", fused_cpu_layers=False)
+    options = model_options(config)
+    assert options == ModelOptions.from_config(config)
+    assert (options.gradient_checkpointing, options.frozen_base, options.revision, options.fused_cpu_layers) == (
+        True, True, "v2", False,
+    )  # fmt: skip
+    assert {f.name for f in fields(ModelOptions)} == {  # every build option, once
+        "model_name_or_path", "model_config", "attn_implementation", "gradient_checkpointing", "trust_remote_code",
+        "load_in_4bit", "dtype", "revision", "use_safetensors", "frozen_base", "use_liger_kernel", "fused_cpu_layers",
+    }  # fmt: skip
+    plain = ModelOptions.from_config(SFTConfig())
+    assert build_causal_lm(tiny_tokenizer, plain, model_config=tiny_model_config).config.use_cache is not False
+    model = build_causal_lm(tiny_tokenizer, plain, model_config=tiny_model_config, gradient_checkpointing=True)
+    assert model.config.use_cache is False  # the keyword took: checkpointing turns the KV cache off
+    with pytest.raises(TypeError):
+        build_causal_lm(tiny_tokenizer, plain, no_such_option=True)

@@ -6,12 +6,12 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from tunebook.config import parse_config
+from tunebook.config import SFTConfig, parse_config
 from tunebook.errors import ConfigError
-from tunebook.models import apply_lora, build_causal_lm, register_adapter_checkpoints, save_adapter
+from tunebook.models import apply_lora, build_causal_lm, register_adapter_checkpoints
 from tunebook.models.build import quantization
-from tunebook.recipe_configs import SFTConfig
 from tunebook.training import build_optimizer
+from tunebook.training.checkpoint import save_adapter
 
 peft = pytest.importorskip("peft")
 

@@ -44,7 +44,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from tokenizers import Tokenizer, models
 from accelerate.utils import is_deepspeed_available
 import accelerate.utils.other as other
-from tunebook.checkpoint import save_final_model
+from tunebook.training.checkpoint import save_final_model
 from tunebook.training.accelerator import build_accelerator
 
 assert is_deepspeed_available()  # installed for the tests: the case that imported it

@@ -8,11 +8,11 @@ import copy
 import pytest
 import torch
 
+from tunebook.config import SFTConfig
 from tunebook.data.collate import PackedCollator
-from tunebook.data.packing import attention_inputs, use_packed_attention
 from tunebook.errors import ConfigError
 from tunebook.models import apply_lora, build_causal_lm
-from tunebook.recipe_configs import SFTConfig
+from tunebook.models.attention import attention_inputs, use_packed_attention
 from tunebook.training.compilation import compile_blocks, eager, transformer_blocks
 
 pytestmark = pytest.mark.slow  # a first compile takes ~10 s on 2 cores

@@ -8,8 +8,7 @@ import pytest
 import torch
 from accelerate.utils import DistributedType
 
-from tunebook.config import ConfigError, load_config
-from tunebook.recipe_configs import SFTConfig
+from tunebook.config import ConfigError, SFTConfig, load_config
 from tunebook.training import compilation
 from tunebook.training.compilation import AUTO_MIN_MICRO_BATCHES, should_compile
 
@@ -97,7 +96,7 @@ def test_under_auto_blocks_that_fail_to_compile_run_eagerly(tiny_tokenizer, tiny
     batch = dict(tiny_tokenizer(["hello world, two plus two"], return_tensors="pt"))
     batch["labels"] = batch["input_ids"]
     expected = model(**batch).loss
-    with torch._dynamo.config.patch(suppress_errors=False):  # compile_blocks sets it for the process: undone here
+    with torch._dynamo.config.patch(suppress_errors=False):  # as a caller's process may have it
         blocks = compile_blocks(model, static=True, fallback=fallback)
         if not fallback:
             with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="no kernels for this block"):
@@ -105,6 +104,7 @@ def test_under_auto_blocks_that_fail_to_compile_run_eagerly(tiny_tokenizer, tiny
             return
         loss = model(**batch).loss
         loss.backward()
+        assert torch._dynamo.config.suppress_errors is False  # set only while a compiled block runs
     with caplog.at_level("WARNING", logger="tunebook"):
         blocks.step_done()
     assert loss.item() == pytest.approx(expected.item(), abs=1e-6) and blocks.failures > 0

@@ -10,7 +10,7 @@ import torch
 from accelerate import Accelerator
 
 from tunebook.models import build_causal_lm
-from tunebook.record import RunTimer
+from tunebook.run.record import RunTimer
 from tunebook.training import Throughput, TrainCounters
 from tunebook.training.flops import model_flops_per_token
 

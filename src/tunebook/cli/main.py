@@ -1,0 +1,193 @@
+"""The `tunebook` command.
+
+    tunebook train [ACCELERATE LAUNCH OPTIONS] RECIPE [--config FILE.yaml] [--key value ...]
+    tunebook prepare [--recipe sft|classify|pretrain|dpo|reward] --config FILE.yaml [--key value ...]
+    tunebook prepare --recipe pretrain|sft --config FILE.yaml --num_shards N --output DIR
+    tunebook export CHECKPOINT OUT_DIR [--merge] [--trust_remote_code]
+    tunebook convert-gguf MODEL.gguf OUT_DIR
+    tunebook report RUN_DIR [RUN_DIR ...] [--output FILE.png]
+
+`prepare` builds the tokenised (and packed) data caches exactly as the recipe (`recipes/sft.py` by default) with the
+same config would, without loading model weights or starting training, prints what it built and the data's content
+fingerprint, and exits. Point `cache_dir` at a shared file system and a CPU machine can prepare data for a GPU job
+(or for every node of a multi-node one); `--num_shards N --output DIR` also writes the tokenised (for pretrain and
+packed sft, packed) training rows as N Arrow shards with their tokenizer, which any number of nodes then stream
+(`train_data: {path: DIR, streaming: true}`) without tokenising again. `export` turns a checkpoint of any recipe (sft, classify, pretrain, dpo,
+reward), of any number of processes, into a `from_pretrained`-ready model directory, rebuilt from the checkpoint
+alone; a LoRA checkpoint gives its adapter directory, or with `--merge` the merged model. `convert-gguf`
+dequantises a GGUF checkpoint into a safetensors model directory (once; the recipes then load it with
+`model_name_or_path`). `report` re-renders each run's `report.png` from its `metrics.jsonl` and prints the runs'
+summaries side by side, led by the config keys that differ; `--output` also draws all the runs into one figure.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["main", "prepare", "report"]
+
+
+USAGE = """usage: tunebook train [ACCELERATE LAUNCH OPTIONS] RECIPE [--config FILE.yaml] [--key value ...]
+       tunebook prepare [--recipe sft|classify|pretrain|dpo|reward] --config FILE.yaml [--key value ...]
+                        [--num_shards N --output DIR]
+       tunebook export CHECKPOINT OUT_DIR [--merge] [--trust_remote_code]
+       tunebook convert-gguf MODEL.gguf OUT_DIR
+       tunebook report RUN_DIR [RUN_DIR ...] [--output FILE.png]
+
+commands:
+  train     accelerate launch a recipe (sft, classify, pretrain, dpo, reward or a .py file): the config is checked
+            first, and a failure or a stop signal ends with the recipe's own lines, not a launcher traceback
+  prepare   build the tokenised (and packed) data caches of a recipe config, then exit; with --num_shards N
+            --output DIR (pretrain, sft) also write the training rows as N Arrow shards to stream from every node
+  export    write a Hugging Face model directory (safetensors + tokenizer) from a checkpoint of any recipe
+            (sft, pretrain, dpo: a causal LM; classify: a sequence classifier with its labels; reward: one output);
+            of a LoRA run: its adapter directory, or with --merge the merged model; a model with its own code
+            (auto_map) needs --trust_remote_code (never taken from the checkpoint's config.yaml)
+  convert-gguf  write a Hugging Face model directory (float32 safetensors + tokenizer) from a GGUF file
+  report    re-render runs' report.png and print their summaries side by side
+"""
+
+
+def prepare(argv: list[str]) -> dict:
+    """Build the caches a recipe run with these arguments would use; returns the printed figures."""
+    from ..config import load_config
+    from ..recipe import recipe_config_class
+
+    recipe, argv = _pop_option(argv, "--recipe", "sft")
+    output, argv = _pop_option(argv, "--output", "")
+    num_shards, argv = _pop_option(argv, "--num_shards", "")
+    config_class = recipe_config_class(recipe)
+    start = time.perf_counter()
+    config = load_config(config_class, argv)
+    from ..distributed import data_fingerprint
+    from ..recipe import recipe_data
+    from ..run.logging import setup_logging
+
+    prepare_data = recipe_data(recipe)
+    log = setup_logging(True, config.log_level)
+    cache_dir = Path(config.cache_dir).expanduser()
+    data = prepare_data(config, cache_dir, log)  # under each cache entry's own lock (see tunebook.distributed)
+    streamed = getattr(data, "stream", None) is not None  # its rows are made as training reads them: uncounted
+    figures = {
+        "recipe": recipe,
+        "cache_dir": str(cache_dir),
+        "train_rows": "streamed (made as training reads them)" if streamed else len(data.train),
+        "train_tokens": None if streamed else data.stats.get("train_tokens_per_epoch") or _token_count(data.train),
+        "eval_rows": 0 if data.eval is None else len(data.eval),
+        "packing_efficiency": data.stats.get("packing_efficiency"),
+        "train_fingerprint": None if streamed else data_fingerprint(data.train),  # compared across nodes
+        "built": ", ".join(data.built) or "nothing (all cached)",
+        "seconds": time.perf_counter() - start,
+    }
+    if output or num_shards:  # tokenised (and packed) rows as Arrow shards for nodes to stream
+        figures["shards"] = _write_shards(recipe, config, data, output, num_shards)
+    width = max(map(len, figures))
+    for key, value in figures.items():
+        shown = f"{value:.4f}" if isinstance(value, float) else value
+        print(f"{key:<{width}}  {shown}")
+    return figures
+
+
+def _write_shards(recipe: str, config, data, output: str, num_shards: str) -> str:
+    from ..data.stream import write_prepared_shards
+
+    if not output or not num_shards.isdigit() or recipe not in ("pretrain", "sft"):
+        print(
+            "tunebook: error: prepare --recipe pretrain|sft --num_shards N --output DIR writes shards to stream; got "
+            f"--recipe {recipe} --num_shards {num_shards or '(none)'} --output {output or '(none)'}",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    if getattr(data, "stream", None) is not None:
+        print("tunebook: error: prepare --output tokenises train_data whole: remove streaming: true", file=sys.stderr)
+        raise SystemExit(2)
+    meta = {"recipe": recipe, "max_seq_length": config.max_seq_length, "packing": getattr(config, "packing", True)}
+    paths = write_prepared_shards(data.train, data.tokenizer, Path(output).expanduser(), int(num_shards), meta)
+    return f"{len(paths)} in {output} (stream them with train_data: {{path: {output}, streaming: true}})"
+
+
+def report(argv: list[str]) -> str:
+    """Re-render each run's report.png (and with --output, one figure of all runs); print the comparison table."""
+    from ..run.report import compare_runs, render_report
+
+    output, run_dirs = _pop_option(argv, "--output", "")
+    if not run_dirs or any(d.startswith("-") for d in run_dirs):
+        print(f"tunebook: error: report takes RUN_DIR [RUN_DIR ...] [--output FILE.png], got {argv}", file=sys.stderr)
+        raise SystemExit(2)
+    for run_dir in run_dirs:
+        print(f"wrote {render_report([run_dir], Path(run_dir) / 'report.png')}")
+    if output:
+        print(f"wrote {render_report(run_dirs, output)}")
+    table = compare_runs(run_dirs)
+    print(table)
+    return table
+
+
+def _token_count(dataset) -> int:
+    """Tokens of a prepared data set, from its Arrow list lengths (no Python lists built)."""
+    import pyarrow.compute as pc
+
+    columns = [c for c in dataset.column_names if c.endswith("input_ids")]  # both responses of preference pairs
+    return sum(pc.sum(pc.list_value_length(dataset.data.column(c))).as_py() or 0 for c in columns)
+
+
+def _pop_option(argv: list[str], name: str, default: str) -> tuple[str, list[str]]:
+    """`--name value` or `--name=value` taken out of argv (the rest goes to the config parser)."""
+    rest, value, i = [], default, 0
+    while i < len(argv):
+        if argv[i] == name and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
+            continue
+        if argv[i].startswith(name + "="):
+            value = argv[i].split("=", 1)[1]
+        else:
+            rest.append(argv[i])
+        i += 1
+    return value, rest
+
+
+def main(argv: list[str] | None = None) -> None:
+    from ..errors import enter_command_line
+
+    enter_command_line()
+    whole_process = argv is None  # the console script, not a caller in Python
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        raise SystemExit(0 if argv else 2)
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        from .launch import train
+
+        train(rest, whole_process=whole_process)
+    elif command == "prepare":
+        prepare(rest)
+    elif command == "report":
+        report(rest)
+    elif command in ("export", "convert-gguf"):
+        flags = set(rest) & ({"--merge", "--trust_remote_code"} if command == "export" else set())
+        rest = [a for a in rest if a not in flags]
+        if len(rest) != 2:
+            what = "CHECKPOINT" if command == "export" else "MODEL.gguf"
+            print(f"tunebook: error: {command} takes {what} OUT_DIR, got {rest}\n{USAGE}", file=sys.stderr)
+            raise SystemExit(2)
+        if command == "export":
+            from ..run.export import export_checkpoint
+
+            written = export_checkpoint(
+                rest[0], rest[1], merge="--merge" in flags, trust_remote_code="--trust_remote_code" in flags
+            )
+            print(f"wrote {written} from {rest[0]}")
+        else:
+            from ..models.gguf import convert_gguf
+
+            print(f"wrote {convert_gguf(rest[0], rest[1])} from {rest[0]}")
+    else:
+        print(f"tunebook: error: unknown command {command!r}\n{USAGE}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""The config of recipes/grpo.py: Group Relative Policy Optimization with rewards from Python functions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .checks import (
+    MODEL_DATA_CHECKS,
+    TRAINING_CHECKS,
+    check_reward_functions,
+    check_reward_model,
+    check_reward_weights,
+    check_some_reward,
+)
+from .fields import config_field, new_default
+from .shared import ChatModelConfig, fill_cache_dir, fill_tiny_model
+
+__all__ = ["GRPOConfig"]
+
+
+@dataclass
+class GRPOConfig(ChatModelConfig):
+    """Group Relative Policy Optimization of a causal LM on prompts, with rewards from Python functions.
+
+    The defaults are the embedded offline run: the SFT default's digit task as prompts with reference answers, a
+    locally trained tokenizer and a tiny Llama that a short SFT warm-up first teaches the answer format, then GRPO
+    with the exact-match reward; the held-out exact match of greedy answers is reported before and after.
+    """
+
+    # --- data
+    max_prompt_length: int = config_field("Longest prompt in tokens (rendered with the chat template); longer "
+                                          "prompts are dropped, with a warning.", 48, bounds="[1, inf)")  # fmt: skip
+    reference_column: str = config_field(
+        "Column of the prompt data with the reference answer: what `exact_match` compares against, what the "
+        "evaluation's exact match uses, and what an SFT warm-up trains on.",
+        "answer",
+    )
+    # --- generation
+    num_generations: int = config_field(
+        "Completions sampled per prompt (the group G of GRPO); advantages compare completions of one prompt.",
+        8,
+        bounds="[2, inf)",
+    )
+    max_new_tokens: int = config_field(
+        "Longest completion in tokens, in training and evaluation (the default run's answers are short; reasoning "
+        "tasks need hundreds).",
+        12,
+        bounds="[1, inf)",
+    )
+    temperature: float = config_field("Sampling temperature of the completions.", 1.0, bounds="(0, inf)")
+    top_p: float = config_field(
+        "Nucleus sampling: sample from the smallest set of tokens with this probability.", 1.0, bounds="(0, 1]"
+    )
+    # --- loss
+    loss_type: Literal["grpo", "dapo", "dr_grpo"] = config_field(
+        "How token losses are averaged: grpo, each completion's token mean then the mean over completions; dapo, "
+        "the mean over every completion token of the step (longer completions are not under-weighted); dr_grpo, "
+        "the token sum over completions x max_new_tokens (a constant, no length bias).",
+        "dapo",
+    )
+    scale_rewards: Literal["group", "batch", "none"] = config_field(
+        "Divide each advantage (reward minus its group's mean) by the group's reward std, the generation batch's, "
+        "or nothing (Dr. GRPO: the group std over-weights easy and hard prompts). With a reward model next to a "
+        "0/1 reward use batch: where a group's 0/1 rewards are all equal, its own std makes the reward model's "
+        "noise a full-size advantage. frac_reward_zero_std counts groups of equal rewards under each (TRL's, under "
+        "batch, whether the whole batch's are).",
+        "group",
+    )
+    epsilon: float = config_field(
+        "Lower clipping range of the probability ratio: clip at 1 - epsilon.", 0.2, bounds="(0, inf)"
+    )
+    epsilon_high: float | None = config_field(
+        "Upper clipping range: clip at 1 + epsilon_high (DAPO's clip-higher uses 0.28); unset: epsilon.",
+        None,
+        bounds="(0, inf)",
+    )
+    num_iterations: int = config_field(
+        "Optimizer updates per generation batch (mu); with more than one, the ratio is against the log-probs the "
+        "policy had when it sampled.",
+        1,
+        bounds="[1, inf)",
+    )
+    beta: float = config_field(
+        "Weight of the KL penalty towards the reference model (the starting model; with LoRA the policy with its "
+        "adapters off); 0 loads no reference.",
+        0.0,
+        bounds="[0, inf)",
+    )
+    # --- rewards
+    reward_functions: list[str] = config_field(
+        "Reward functions: built-in names (exact_match, format_regex, length_penalty) and your own as "
+        "path/to/file.py:function, each called as f(prompts, completions, **columns) -> list of floats.",
+        default_factory=lambda: ["exact_match"],
+    )
+    reward_weights: list[float] | None = config_field(
+        "One weight per reward function (then reward_model), any number (a negative one penalises what that "
+        "function rewards); unset: 1 each.",
+        None,
+        bounds="(-inf, inf)",
+    )
+    reward_model: str | None = config_field(
+        "A reward model directory (from recipes/reward.py) used as one more reward function.", None
+    )
+    format_pattern: str | None = config_field(
+        "Regular expression the whole (stripped) completion must match for the format_regex reward.", None
+    )
+    length_penalty_buffer: int = config_field(
+        "length_penalty: completions longer than max_new_tokens minus this many tokens are penalised, linearly "
+        "down to -1 at max_new_tokens.",
+        16,
+        bounds="[0, inf)",
+    )
+    sft_warmup_steps: int | None = config_field(
+        "Optimizer steps of plain SFT on the prompts' reference answers before GRPO, for a model that has not "
+        "learnt the answer format; unset: 200 for a fresh model built from a config (the embedded default), 0 "
+        "for a loaded one.",
+        None,
+        bounds="[0, inf)",
+    )
+    sft_warmup_learning_rate: float = config_field(
+        "Constant learning rate of the SFT warm-up. Not decayed: a warm-up annealed to 0 ends in a sharp minimum "
+        "that GRPO's first updates knock it out of.",
+        1e-3,
+        bounds="(0, inf)",
+    )
+
+    # The embedded default run (see the class docstring).
+    output_dir: str = new_default("outputs/grpo-default")
+    max_seq_length: int = new_default(64, "Longest prompt + answer of the SFT warm-up in tokens.")
+    learning_rate: float = new_default(3e-4)
+    warmup_ratio: float = new_default(0.15)
+    per_device_train_batch_size: int = new_default(16, "Prompts per micro-batch per process.")
+    per_device_eval_batch_size: int = new_default(64, "Prompts per evaluation batch per process.")
+    max_steps: int = new_default(60)
+    logging_steps: int = new_default(5)
+    eval_steps: int = new_default(20)
+    synthetic_train_size: int = new_default(8000, "Prompts of the synthetic task (when train_data is None).")
+    synthetic_eval_size: int = new_default(200, "Held-out prompts of the synthetic task (when train_data is None).")
+
+    def __post_init__(self) -> None:
+        fill_cache_dir(self)
+        fill_tiny_model(self)
+        if self.sft_warmup_steps is None:  # a fresh model (built from a config) warms up; a loaded one not
+            self.sft_warmup_steps = 200 if self.model_name_or_path is None else 0
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+
+    def validate(self) -> None:
+        for check in (
+            *TRAINING_CHECKS,
+            *MODEL_DATA_CHECKS,
+            check_some_reward,
+            check_reward_functions,
+            check_reward_weights,
+            check_reward_model,
+        ):
+            check(self)

@@ -1,0 +1,311 @@
+"""Group Relative Policy Optimization (Shao et al., 2024) and its fixes: rollouts, advantages, the clipped loss.
+
+For a prompt, G completions o_1..o_G are sampled and scored (rewards r_i); the advantage of every token of o_i is
+r_i minus the group's mean reward, divided by the group's standard deviation (`scale_rewards: group`), the
+generation batch's (`batch`) or nothing (`none`, Dr. GRPO's recommendation). With the per-token ratio
+rho = pi(o_t) / pi_old(o_t), where pi is the tempered distribution softmax(logits / T) at the sampling temperature T
+that the completions were drawn from (as in TRL), the loss of a token is
+
+    -min(rho A, clip(rho, 1 - epsilon, 1 + epsilon_high) A)  [+ beta KL_t, k3 estimator vs. the reference]
+
+and the step's loss is its mean under `loss_type`: `grpo` averages each completion's tokens, then the
+completions; `dapo` averages all tokens of the step; `dr_grpo` divides the token sum by completions x
+max_new_tokens, a constant. The denominators count the whole optimizer step (every micro-batch and process), so
+accumulating micro-batches or adding processes gives the gradient of one big batch (as SFT's token mean).
+
+Completions are sampled by greedy decoding of the logits plus Gumbel noise drawn from a generator seeded per
+completion (seed, step, prompt row, index in its group): the Gumbel-max trick samples exactly from the
+(temperature-scaled, top-p-filtered) distribution, and a completion is the same whatever else shares its batch
+or process, so 2 processes sample what 1 does and a resumed run samples what the uninterrupted one did.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from ..data.collate import PadCollator, loss_positions
+from ..data.tokenize import IGNORE_INDEX
+from ..evaluation.generate import stop_token_ids as stop_tokens  # recipes' name for the one stop-token rule
+from ..training.compilation import eager
+from ..training.loss import causal_lm_token_losses
+
+__all__ = [
+    "GRPOStats",
+    "PendingRollouts",
+    "Rollouts",
+    "completion_log_probs",
+    "group_advantages",
+    "grpo_token_losses",
+    "loss_normaliser",
+    "sample_completions",
+    "step_normaliser",
+    "stop_tokens",
+]
+
+
+class SeededSampling(LogitsProcessor):
+    """Temperature, top-p, then Gumbel noise from each row's own generator: greedy decoding then samples."""
+
+    def __init__(self, seeds: list[int], temperature: float, top_p: float):
+        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
+        self.temperature, self.top_p = temperature, top_p
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        scores = scores.float() / self.temperature
+        if self.top_p < 1.0:
+            ordered, order = scores.sort(dim=-1, descending=True)
+            probs = ordered.softmax(dim=-1)
+            drop = probs.cumsum(dim=-1) - probs >= self.top_p  # keep the smallest set reaching top_p
+            scores = scores.masked_fill(drop.scatter(-1, order, drop), -math.inf)
+        uniform = torch.stack(
+            [torch.rand(scores.shape[-1], generator=g, dtype=torch.float64) for g in self.generators]
+        )
+        gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-300)))
+        return scores + gumbel.to(scores.device, torch.float32)
+
+
+def completion_seed(seed: int, step: int, row: int, index: int) -> int:
+    """One completion's sampling seed, from what identifies it (not from where it runs)."""
+    return (((seed * 1_000_003 + step) * 1_000_033 + row) * 4099 + index) % (2**63 - 1)
+
+
+@dataclass
+class Rollouts:
+    """The completions of one micro-batch of prompts, ready for the loss: right-padded prompt + completion rows."""
+
+    input_ids: torch.Tensor  # (n, length)
+    attention_mask: torch.Tensor
+    labels: torch.Tensor  # completion tokens (up to and including EOS); IGNORE_INDEX elsewhere
+    completion_lengths: torch.Tensor  # (n,) tokens of each completion
+    advantages: torch.Tensor  # (n,)
+    old_log_probs: torch.Tensor | None  # per loss token (flat, in loss-position order); None: the policy's own
+    ref_log_probs: torch.Tensor | None  # per loss token, with beta > 0
+
+    def batch(self) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "labels": self.labels,
+                **loss_positions(self.labels)}  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any], device) -> Rollouts:
+        dtypes = {"input_ids": torch.long, "attention_mask": torch.long, "labels": torch.long,
+                  "completion_lengths": torch.long}  # fmt: skip
+        return cls(**{k: None if v is None else torch.tensor(v, dtype=dtypes.get(k, torch.float32), device=device)
+                      for k, v in state.items()})  # fmt: skip
+
+
+@torch.no_grad()
+def sample_completions(model, prompt_ids: list[list[int]], seeds: list[int], *, pad_token_id: int,
+                       eos_token_id: int | list[int], max_new_tokens: int, temperature: float, top_p: float,
+                       device, greedy: bool = False) -> list[list[int]]:  # fmt: skip
+    """The completion ids of the prompts (one per seed; repeat a prompt for several), each up to and including its
+    first EOS token. `greedy` decodes without noise (evaluation)."""
+    longest = max(len(p) for p in prompt_ids)
+    input_ids = torch.full((len(prompt_ids), longest), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, p in enumerate(prompt_ids):  # left-padded: every completion starts at the same position
+        input_ids[i, longest - len(p) :] = torch.as_tensor(p)
+        attention_mask[i, longest - len(p) :] = 1
+    was_training = model.training
+    model.eval()
+    sampling = {} if greedy else {"logits_processor": LogitsProcessorList([SeededSampling(seeds, temperature, top_p)])}
+    with eager():  # under torch_compile: decoding with a KV cache would compile graphs of its own
+        out = model.generate(
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), max_new_tokens=max_new_tokens,
+            do_sample=False, pad_token_id=pad_token_id, eos_token_id=eos_token_id, **sampling,
+            temperature=None, top_p=None, top_k=None,
+        )  # fmt: skip
+    model.train(was_training)
+    stops = set(eos_token_id if isinstance(eos_token_id, list) else [eos_token_id])
+    completions = []
+    for row in out[:, longest:].tolist():
+        end = next((j + 1 for j, t in enumerate(row) if t in stops), len(row))
+        completions.append(row[:end])
+    return completions
+
+
+def rollout_rows(prompt_ids: list[list[int]], completions: list[list[int]], pad_token_id: int, device):
+    """Right-padded prompt + completion rows (`PadCollator`): input_ids, attention_mask, labels on the completion
+    tokens, and the completions' lengths."""
+    features = [{"input_ids": p + c, "labels": [IGNORE_INDEX] * len(p) + c} for p, c in zip(prompt_ids, completions)]
+    batch = PadCollator(pad_token_id)(features)
+    lengths = torch.tensor([len(c) for c in completions], dtype=torch.long)
+    return tuple(t.to(device) for t in (batch["input_ids"], batch["attention_mask"], batch["labels"], lengths))
+
+
+def completion_log_probs(model, rollouts: Rollouts, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probability of every completion token, flat in loss-position order, float32, with gradients if on;
+    the row, i.e. completion, of each) under `log_softmax(logits / temperature)`.
+
+    Pass the sampling temperature, for the policy, the old policy and the reference alike: the completions were
+    drawn from the tempered distribution, so the ratio, its clipping and the KL refer to it, and at the first
+    update the ratio is that of the policy that sampled (on-policy). TRL does the same: v1.9.0,
+    trl/trainer/grpo_trainer.py, `_get_per_token_logps_and_entropies` lines 1517-1519 (`logits.div_(
+    self.temperature)` before `selective_log_softmax`), called for the old policy (line 2565), the reference (lines
+    2628, 2644) and the policy in the loss (line 3001). Top-p is not applied here, as there: it only truncates.
+    """
+    batch = rollouts.batch()
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
+    losses, positions = causal_lm_token_losses(model, inputs, batch, temperature)
+    return -losses, positions // batch["labels"].shape[1]
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, batch_std: torch.Tensor | None = None):
+    """(advantages, groups whose rewards are all equal): rewards (n,) in groups of `group_size` consecutive
+    completions; `batch_std` is the whole generation batch's reward std (all processes) for `scale='batch'`."""
+    grouped = rewards.view(-1, group_size)
+    centred = (grouped - grouped.mean(dim=1, keepdim=True)).flatten()
+    std = grouped.std(dim=1) if group_size > 1 else torch.zeros(grouped.shape[0], device=rewards.device)
+    if scale == "group":
+        centred = centred / (std.repeat_interleave(group_size) + 1e-4)
+    elif scale == "batch":
+        centred = centred / (batch_std + 1e-4)
+    return centred, (std < 1e-6)
+
+
+def grpo_token_losses(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                      epsilon: float, epsilon_high: float, beta: float = 0.0,
+                      ref_log_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Per-token losses (the clipped surrogate, plus beta x KL), whether each token was clipped, and the per-token
+    KL (zeros without a reference). `advantages` is per token (each completion's, repeated over its tokens)."""
+    ratio = torch.exp(log_probs - old_log_probs)
+    clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+    surrogate = torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    losses = -surrogate
+    clipped = ((ratio < 1 - epsilon) & (advantages < 0)) | ((ratio > 1 + epsilon_high) & (advantages > 0))
+    kl = torch.zeros_like(losses)
+    if beta > 0 and ref_log_probs is not None:
+        delta = ref_log_probs - log_probs
+        kl = torch.exp(delta) - delta - 1  # k3: unbiased, always >= 0
+        losses = losses + beta * kl
+    return losses, clipped.detach(), kl.detach()
+
+
+def loss_numerator(token_losses: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor, loss_type: str):
+    """What a micro-batch adds to the step's loss before the step-wide division (`loss_normaliser`)."""
+    if loss_type == "grpo":  # each completion's token mean, summed over completions
+        return (token_losses / lengths[rows].clamp(min=1).to(token_losses.dtype)).sum()
+    return token_losses.sum()  # dapo and dr_grpo: the token sum
+
+
+def loss_normaliser(loss_type: str, completions: torch.Tensor, tokens: torch.Tensor, max_new_tokens: int):
+    """The step-wide denominator: completions (grpo), completion tokens (dapo) or completions x max_new_tokens
+    (dr_grpo), counted over every micro-batch and process of the step."""
+    if loss_type == "grpo":
+        return completions
+    if loss_type == "dapo":
+        return tokens
+    return completions * max_new_tokens
+
+
+def step_normaliser(rollouts: list[Rollouts], loss_type: str, max_new_tokens: int, accelerator):
+    """(`loss_normaliser` of the step's rollouts on every process, the step's completion tokens): one all-reduce."""
+    device = rollouts[0].completion_lengths.device
+    local = torch.zeros(2, device=device)
+    for r in rollouts:
+        local += torch.stack(
+            [torch.tensor(float(len(r.completion_lengths)), device=device), r.completion_lengths.sum().float()]
+        )
+    completions, tokens = accelerator.reduce(local, "sum")
+    return loss_normaliser(loss_type, completions, tokens, max_new_tokens), tokens
+
+
+class GRPOStats:
+    """Running sums of a logging window (this process) for the logged figures."""
+
+    FIELDS = ("steps", "loss", "completions", "reward", "reward_sq", "zero_std_groups", "groups", "tokens",
+              "max_length", "trained_tokens", "clipped", "kl", "generation_seconds", "training_seconds")  # fmt: skip
+
+    def __init__(self, device, reward_names: list[str]):
+        self.reward_names = reward_names
+        self.sums = torch.zeros(len(self.FIELDS) + 3 * len(reward_names), dtype=torch.float64, device=device)
+
+    def add(self, **values: float | torch.Tensor) -> None:
+        for key, value in values.items():
+            i = self.FIELDS.index(key)
+            if key == "max_length":
+                self.sums[i] = torch.maximum(self.sums[i], torch.as_tensor(value, dtype=torch.float64))
+            else:
+                self.sums[i] += torch.as_tensor(value, dtype=torch.float64, device=self.sums.device)
+
+    def add_rewards(self, per_function: torch.Tensor) -> None:
+        """per_function: (completions, functions) with NaN where a function gave None."""
+        base = len(self.FIELDS)
+        present = ~torch.isnan(per_function)
+        values = torch.nan_to_num(per_function).double()
+        for j in range(len(self.reward_names)):
+            self.sums[base + 3 * j] += present[:, j].sum()
+            self.sums[base + 3 * j + 1] += values[:, j].sum()
+            self.sums[base + 3 * j + 2] += (values[:, j] ** 2).sum()
+
+    def pop(self, accelerator, prefix: str = "") -> dict[str, float | None]:
+        n, longest = len(self.FIELDS), self.FIELDS.index("max_length")
+        gathered = accelerator.gather(self.sums[None].clone())  # (processes, fields): sums, and one maximum
+        self.sums.zero_()
+        s = dict(zip(self.FIELDS, gathered[:, :n].sum(dim=0).tolist()))
+        s["max_length"] = float(gathered[:, longest].max())
+        s["steps"] /= accelerator.num_processes  # every process counts each step; the loss is summed over them
+        rewards = gathered[:, n:].sum(dim=0)
+        if s["steps"] == 0:
+            return {"loss": None}
+        completions, tokens = max(s["completions"], 1.0), max(s["trained_tokens"], 1.0)
+        out = {
+            "loss": s["loss"] / s["steps"],
+            "reward": s["reward"] / completions,
+            "reward_std": math.sqrt(max(s["reward_sq"] / completions - (s["reward"] / completions) ** 2, 0.0)),
+        }
+        values = rewards.tolist()
+        for j, name in enumerate(self.reward_names):
+            count, total, squares = values[3 * j : 3 * j + 3]
+            mean = total / max(count, 1.0)
+            out[f"rewards/{name}/mean"] = mean
+            out[f"rewards/{name}/std"] = math.sqrt(max(squares / max(count, 1.0) - mean**2, 0.0))
+        out.update({
+            "frac_reward_zero_std": s["zero_std_groups"] / max(s["groups"], 1.0),
+            "completions/mean_length": s["tokens"] / completions,
+            "completions/max_length": s["max_length"],
+            "clip_ratio": s["clipped"] / tokens,
+            "kl": s["kl"] / tokens,
+            "generation_seconds": s["generation_seconds"],
+            "training_seconds": s["training_seconds"],
+        })  # fmt: skip
+        return {prefix + k: v for k, v in out.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sums": self.sums.tolist()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sums.copy_(torch.tensor(state["sums"], dtype=torch.float64))
+
+
+class PendingRollouts:
+    """The rollouts still to train on when a checkpoint falls between the `num_iterations` updates of one generation
+    batch: registered for checkpointing (this process's), so a run resumed there trains on them, not on new ones."""
+
+    def __init__(self):
+        self.pending: dict[str, Any] | None = None  # {"iteration": i, "rollouts": [Rollouts.state_dict(), ...]}
+
+    def keep(self, iteration: int, rollouts: list[Rollouts], iterations: int) -> None:
+        """After update `iteration` of a generation batch: the rollouts a checkpoint must keep (none after the
+        last update)."""
+        done = iteration + 1 == iterations
+        self.pending = None if done else {"iteration": iteration + 1, "rollouts": [r.state_dict() for r in rollouts]}
+
+    def take(self, device) -> tuple[int, list[Rollouts]] | None:
+        """(the next update's index, the rollouts) kept by `keep` in the checkpoint resumed from, or None."""
+        if not self.pending:
+            return None
+        return self.pending["iteration"], [Rollouts.from_state_dict(r, device) for r in self.pending["rollouts"]]
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return self.pending
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        self.pending = state
