@@ -1,5 +1,5 @@
-"""What a model or data name refers to: a local path, or a name on the Hugging Face Hub. No heavy imports: configs
-use it before torch is loaded."""
+"""What a model or data name refers to: a local path, or a name on the Hugging Face Hub; and where a run's
+checkpoints are in its output_dir. No heavy imports: configs use it before torch is loaded."""
 
 from __future__ import annotations
 
@@ -9,8 +9,12 @@ from pathlib import Path
 
 __all__ = [
     "DATA_FILE_ENDINGS",
+    "MANIFEST",
+    "STEP_DIR",
+    "TRAINER_STATE",
     "default_cache_dir",
     "hub_name_of_snapshot",
+    "list_checkpoints",
     "looks_like_local_data",
     "looks_like_local_path",
 ]
@@ -47,3 +51,21 @@ def default_cache_dir() -> Path:
     """Where tokenised data, trained tokenizers and generated tasks are cached: $TUNEBOOK_CACHE or
     ~/.cache/tunebook."""
     return Path(os.environ.get("TUNEBOOK_CACHE", Path.home() / ".cache" / "tunebook")).expanduser()
+
+
+# A checkpoint is output_dir/checkpoints/step-<N>/, complete once it holds its manifest (tunebook.training.manifest)
+# or, saved by an earlier Tunebook, its trainer state.
+STEP_DIR = re.compile(r"^step-(\d+)$")
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.json"
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first (temporary folders of interrupted saves are not listed). Complete: renamed
+    into place with a manifest (or, saved by an earlier Tunebook, a trainer state); intact or not is for
+    `verify_checkpoint` to say."""
+    root = Path(output_dir).expanduser() / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found) if (p / MANIFEST).is_file() or (p / TRAINER_STATE).is_file()]

@@ -2,7 +2,7 @@
 
     from tunebook import load_recipe
 
-    sft = load_recipe("sft")                       # or "classify", "pretrain", "dpo", "reward", or a recipe file
+    sft = load_recipe("sft")                       # or another name of RECIPES, or a recipe file
     config = sft.config(max_steps=100, learning_rate=1e-3)           # keyword overrides, checked like the CLI
     config = sft.config("recipes/configs/sft/default.yaml", seed=1)  # a YAML file, then overrides
     summary = sft.main(config)                     # trains in this process; returns what summary.json holds

@@ -2,7 +2,7 @@
 
     tunebook train [ACCELERATE LAUNCH OPTIONS] RECIPE [--config FILE.yaml] [--key value ...]
 
-RECIPE is a name (sft, classify, pretrain, dpo, reward) or the path of a recipe file; the options before it are exactly
+RECIPE is a name of `tunebook.recipe.RECIPES` or the path of a recipe file; the options before it are exactly
 `accelerate launch`'s (`--config_file accelerate_configs/multi_cpu.yaml`, `--num_processes`, ...). Differences
 from calling `accelerate launch recipes/sft.py` directly, and why:
 
@@ -54,9 +54,10 @@ def train(argv: list[str], whole_process: bool = False) -> None:
         raise ConfigError(f"tunebook train needs a recipe ({', '.join(RECIPES)} or a recipe .py file). {USAGE}")
     launcher_args, recipe, recipe_args = argv[:position], argv[position], argv[position + 1 :]
     if recipe in RECIPES:
-        from ..config import load_config
+        from ..config import check_output_dir, load_config
 
-        load_config(recipe_config_class(recipe), recipe_args)  # --help prints and exits; a typo stops here
+        config = load_config(recipe_config_class(recipe), recipe_args)  # --help prints and exits; a typo stops here
+        check_output_dir(config)  # after the inputs' checks: a missing file is named before an earlier run's output
         script = str(recipe_file(recipe))
     else:
         if not Path(recipe).is_file():

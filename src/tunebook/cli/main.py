@@ -1,7 +1,7 @@
 """The `tunebook` command.
 
     tunebook train [ACCELERATE LAUNCH OPTIONS] RECIPE [--config FILE.yaml] [--key value ...]
-    tunebook prepare [--recipe sft|classify|pretrain|dpo|reward] --config FILE.yaml [--key value ...]
+    tunebook prepare [--recipe RECIPE] --config FILE.yaml [--key value ...]
     tunebook prepare --recipe pretrain|sft --config FILE.yaml --num_shards N --output DIR
     tunebook export CHECKPOINT OUT_DIR [--merge] [--trust_remote_code]
     tunebook convert-gguf MODEL.gguf OUT_DIR
@@ -12,12 +12,14 @@ same config would, without loading model weights or starting training, prints wh
 fingerprint, and exits. Point `cache_dir` at a shared file system and a CPU machine can prepare data for a GPU job
 (or for every node of a multi-node one); `--num_shards N --output DIR` also writes the tokenised (for pretrain and
 packed sft, packed) training rows as N Arrow shards with their tokenizer, which any number of nodes then stream
-(`train_data: {path: DIR, streaming: true}`) without tokenising again. `export` turns a checkpoint of any recipe (sft, classify, pretrain, dpo,
-reward), of any number of processes, into a `from_pretrained`-ready model directory, rebuilt from the checkpoint
-alone; a LoRA checkpoint gives its adapter directory, or with `--merge` the merged model. `convert-gguf`
+(`train_data: {path: DIR, streaming: true}`) without tokenising again. `export` turns a checkpoint of any recipe, of
+any number of processes, into a `from_pretrained`-ready model directory, rebuilt from the checkpoint alone; a LoRA
+checkpoint gives its adapter directory, or with `--merge` the merged model. `convert-gguf`
 dequantises a GGUF checkpoint into a safetensors model directory (once; the recipes then load it with
 `model_name_or_path`). `report` re-renders each run's `report.png` from its `metrics.jsonl` and prints the runs'
 summaries side by side, led by the config keys that differ; `--output` also draws all the runs into one figure.
+
+RECIPE is a name of `tunebook.recipe.RECIPES`, the one map of recipe names, which `tunebook --help` lists.
 """
 
 from __future__ import annotations
@@ -30,24 +32,34 @@ __all__ = ["main", "prepare", "report"]
 
 
 USAGE = """usage: tunebook train [ACCELERATE LAUNCH OPTIONS] RECIPE [--config FILE.yaml] [--key value ...]
-       tunebook prepare [--recipe sft|classify|pretrain|dpo|reward] --config FILE.yaml [--key value ...]
+       tunebook prepare [--recipe RECIPE] --config FILE.yaml [--key value ...]
                         [--num_shards N --output DIR]
        tunebook export CHECKPOINT OUT_DIR [--merge] [--trust_remote_code]
        tunebook convert-gguf MODEL.gguf OUT_DIR
        tunebook report RUN_DIR [RUN_DIR ...] [--output FILE.png]
 
 commands:
-  train     accelerate launch a recipe (sft, classify, pretrain, dpo, reward or a .py file): the config is checked
-            first, and a failure or a stop signal ends with the recipe's own lines, not a launcher traceback
+  train     accelerate launch a RECIPE (below) or a recipe .py file: the config is checked first, and a failure or a
+            stop signal ends with the recipe's own lines, not a launcher traceback
   prepare   build the tokenised (and packed) data caches of a recipe config, then exit; with --num_shards N
             --output DIR (pretrain, sft) also write the training rows as N Arrow shards to stream from every node
   export    write a Hugging Face model directory (safetensors + tokenizer) from a checkpoint of any recipe
-            (sft, pretrain, dpo: a causal LM; classify: a sequence classifier with its labels; reward: one output);
+            (a causal LM, or a sequence classifier with its labels or one output, as the recipe trained it);
             of a LoRA run: its adapter directory, or with --merge the merged model; a model with its own code
             (auto_map) needs --trust_remote_code (never taken from the checkpoint's config.yaml)
   convert-gguf  write a Hugging Face model directory (float32 safetensors + tokenizer) from a GGUF file
   report    re-render runs' report.png and print their summaries side by side
 """
+
+
+def usage() -> str:
+    """USAGE and the recipes, each with what it trains, from the one map of recipe names (`tunebook.recipe`)."""
+    from ..recipe import RECIPES, recipe_task
+
+    width = max(map(len, RECIPES))
+    lines = [f"  {name:<{width}}  {recipe_task(name)[0]}" for name in RECIPES]
+    header = "recipes (`tunebook train RECIPE --help` lists a recipe's keys by section, with their defaults):"
+    return "\n".join([USAGE, header, *lines])
 
 
 def prepare(argv: list[str]) -> dict:
@@ -155,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     whole_process = argv is None  # the console script, not a caller in Python
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(usage())
         raise SystemExit(0 if argv else 2)
     command, rest = argv[0], argv[1:]
     if command == "train":

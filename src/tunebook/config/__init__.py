@@ -15,7 +15,7 @@ a command line is checked before torch loads.
 from __future__ import annotations
 
 from ..errors import ConfigError  # importable from here as it always was
-from .checks import BUILTIN_REWARDS, TRACKERS, report_to_names
+from .checks import BUILTIN_REWARDS, TRACKERS, check_output_dir, report_to_names
 from .classify import ClassifyConfig
 from .dpo import DPOConfig
 from .fields import Bounds, check_bounds, config_field, new_default, numeric_keys
@@ -52,6 +52,7 @@ __all__ = [
     "TrainConfig",
     "aliases_used",
     "check_bounds",
+    "check_output_dir",
     "config_field",
     "config_help",
     "config_to_dict",

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..locations import looks_like_local_data, looks_like_local_path
+from ..locations import list_checkpoints, looks_like_local_data, looks_like_local_path
 from ..user_code import load_function
 from .fields import check_bounds
 
@@ -24,6 +24,7 @@ __all__ = [
     "TRACKERS",
     "TRAINING_CHECKS",
     "check_data_files",
+    "check_output_dir",
     "report_to_names",
 ]
 
@@ -85,6 +86,25 @@ def check_report_to(config: Any) -> None:
 def check_epochs(config: Any) -> None:
     if config.max_steps == -1 and config.num_train_epochs <= 0:
         raise ConfigError(f"num_train_epochs must be > 0 when max_steps is -1, got {config.num_train_epochs}")
+
+
+def check_output_dir(config: Any) -> None:
+    """The output_dir a run writes can be one: not a file, and holding no earlier run's checkpoints unless the run
+    resumes them or `overwrite_output_dir` deletes them (the two runs would mix, and `latest` would later resume the
+    old one). It reads and writes nothing else: `tunebook train` runs it before the launch, after the checks of the
+    run's inputs (a missing input is named first), and `start_run` before it creates anything."""
+    output_dir = Path(config.output_dir).expanduser()
+    blocker = next((p for p in [output_dir, *output_dir.parents] if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        where = "" if blocker == output_dir else f": {blocker}"
+        raise ConfigError(f"output_dir {config.output_dir}{where} is a file, not a directory")
+    found = list_checkpoints(output_dir)
+    if found and config.resume_from_checkpoint is None and not config.overwrite_output_dir:
+        raise ConfigError(
+            f"output_dir {config.output_dir} holds checkpoints of an earlier run (newest: {found[-1].name}); continue "
+            "it with --resume_from_checkpoint latest, start over with --overwrite_output_dir true (deletes them), or "
+            "choose another output_dir"
+        )
 
 
 def check_push_to_hub(config: Any) -> None:

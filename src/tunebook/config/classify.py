@@ -24,20 +24,26 @@ class ClassifyConfig(ModelDataConfig):
     tiny_model: ClassVar[dict] = TINY_BERT
 
     # --- data
-    text_column: str = config_field("Column with the text to classify.", "text")
-    text_pair_column: str | None = config_field("Column with the second text of a pair (None: single texts).", None)
-    label_column: str = config_field("Column with the labels: class names (strings) or class ids (integers).", "label")
+    text_column: str = config_field("Column with the text to classify.", "text", section="data", common=True)
+    text_pair_column: str | None = config_field(
+        "Column with the second text of a pair (None: single texts).", None, section="data"
+    )
+    label_column: str = config_field(
+        "Column with the labels: class names (strings) or class ids (integers).", "label", section="data", common=True
+    )
     label_names: list[str] | None = config_field(
         "The classes in id order (None: the sorted distinct string labels of train_data, or 0..K-1 for integers).",
         None,
+        section="data",
     )
     # --- evaluation
     metrics: list[str] = config_field(
         "evaluate metrics computed on the eval set (Tunebook ships accuracy, f1, precision, recall offline).",
         default_factory=lambda: ["accuracy", "f1", "precision", "recall"],
+        section="evaluation",
     )
     metric_average: Literal["binary", "macro", "micro", "weighted"] | None = config_field(
-        "Averaging of f1/precision/recall (None: binary for 2 classes, else macro).", None
+        "Averaging of f1/precision/recall (None: binary for 2 classes, else macro).", None, section="evaluation"
     )
 
     # The embedded default run (see the class docstring).

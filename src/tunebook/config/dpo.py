@@ -31,6 +31,7 @@ class DPOConfig(ChatModelConfig):
     overlong_examples: Literal["truncate", "drop"] = config_field(
         "Pairs longer than max_seq_length: cut the responses to fit (the prompt is kept whole) or drop the pair.",
         "truncate",
+        section="data",
     )
     # --- DPO
     loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"] = config_field(
@@ -39,6 +40,8 @@ class DPOConfig(ChatModelConfig):
         "simpo_gamma) or orpo (odds ratio plus the chosen response's NLL: its token mean over the response, per pair; "
         "TRL's is one token mean over the batch's prompt and response tokens).",
         "sigmoid",
+        section="training",
+        common=True,
     )
     beta: float = config_field(
         "Strength of the KL penalty towards the reference model: the implicit reward is beta x the log-ratio of "
@@ -47,18 +50,22 @@ class DPOConfig(ChatModelConfig):
         "log-prob (the SimPO paper uses 2-2.5). orpo: the weight lambda of the odds-ratio term (paper 0.1).",
         0.1,
         bounds="(0, inf)",
+        section="training",
+        common=True,
     )
     label_smoothing: float = config_field(
         "Assumed probability that a preference label is flipped, sigmoid and robust only (conservative DPO, cDPO, "
         "and robust DPO); 0 is plain DPO. sigmoid's is cDPO as in TRL <= 0.19: TRL 1.16's sigmoid ignores it.",
         0.0,
         bounds="[0, 0.5)",
+        section="training",
     )
     simpo_gamma: float = config_field(
         "simpo only: the target reward margin gamma, loss -log sigmoid(beta x (chosen - rejected mean log-prob) - "
         "gamma) (TRL's default 0.5).",
         0.5,
         bounds="[0, inf)",
+        section="training",
     )
     rpo_alpha: float | None = config_field(
         "Add rpo_alpha x the chosen response's NLL per token to the loss (RPO; the paper uses 1.0): each response's "
@@ -66,17 +73,20 @@ class DPOConfig(ChatModelConfig):
         "loss_type but orpo, whose NLL term is built in. null: none.",
         None,
         bounds="[0, inf)",
+        section="training",
     )
     precompute_ref_log_probs: bool = config_field(
         "Compute the reference model's log-probabilities of every pair once before training and cache them with "
         "the data (no reference forward, or second model, during training).",
         False,
+        section="training",
     )
     sft_warmup_steps: int | None = config_field(
         "Optimizer steps of plain SFT on the chosen responses before DPO, for a model that has not learnt the task "
         "format; unset: 150 for a fresh model built from a config (the embedded default), 0 for a loaded one.",
         None,
         bounds="[0, inf)",
+        section="training",
     )
 
     # The embedded default run (see the class docstring).

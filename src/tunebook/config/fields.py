@@ -1,5 +1,6 @@
-"""How a config key is declared: `config_field` (help text, default, bounds), `new_default` (a recipe's own default
-for a key its base class defines) and `Bounds`, the interval a numeric key's values lie in, with `check_bounds`."""
+"""How a config key is declared: `config_field` (help text, default, bounds, the section of `--help` it is listed in),
+`new_default` (a recipe's own default for a key its base class defines) and `Bounds`, the interval a numeric key's
+values lie in, with `check_bounds`."""
 
 from __future__ import annotations
 
@@ -13,18 +14,59 @@ from typing import Any, Union
 
 from ..errors import ConfigError
 
-__all__ = ["Bounds", "check_bounds", "config_field", "inherit_new_defaults", "new_default", "numeric_keys"]
+__all__ = [
+    "SECTIONS",
+    "Bounds",
+    "check_bounds",
+    "config_field",
+    "inherit_new_defaults",
+    "new_default",
+    "numeric_keys",
+    "section_of",
+]
+
+# The sections of `--help`, in the order it lists them (a newcomer's order: what to train, on what, how), with their
+# headers. A key declared without one is listed under advanced: never left out.
+SECTIONS = {
+    "model": "Model",
+    "data": "Data",
+    "lora": "LoRA",
+    "training": "Training",
+    "evaluation": "Evaluation",
+    "outputs": "Outputs, logging and checkpoints",
+    "hub": "Hugging Face Hub",
+    "advanced": "Advanced (speed, processes, data loading)",
+}
 
 
-def config_field(text: str, default: Any = dataclasses.MISSING, *, bounds: str | None = None, **kwargs) -> Any:
+def config_field(
+    text: str,
+    default: Any = dataclasses.MISSING,
+    *,
+    bounds: str | None = None,
+    section: str = "advanced",
+    common: bool = False,
+    **kwargs,
+) -> Any:
     """A config key: its help text (`--help`, the docs), default (or `default_factory=`) and, for a number or a list
     of numbers, `bounds`: the values it takes, as an interval written as in mathematics ("[0, 1)", "(0, inf)";
     "(-inf, inf)": any number). Every numeric key declares them (a test checks), and non-finite values are never
-    taken."""
+    taken. `section` is where `--help` lists it (one of `SECTIONS`); `common` keys, the ones most runs set, open
+    their section."""
     if default is dataclasses.MISSING and "default_factory" not in kwargs:
         raise TypeError("config fields need a default")
-    metadata = {"help": text} if bounds is None else {"help": text, "bounds": Bounds.parse(bounds)}
+    if section not in SECTIONS:
+        raise ValueError(f"section must be one of {', '.join(SECTIONS)}, got {section!r}")
+    metadata = {"help": text, "section": section, "common": common}
+    if bounds is not None:
+        metadata["bounds"] = Bounds.parse(bounds)
     return field(default=default, metadata=metadata, **kwargs)
+
+
+def section_of(f: dataclasses.Field) -> tuple[str, bool]:
+    """(section, common) of config field `f`: where `--help` lists it ("advanced" for a field made without
+    `config_field`)."""
+    return f.metadata.get("section", "advanced"), bool(f.metadata.get("common", False))
 
 
 _INHERIT = "\0inherit"  # a help text that is not one: take the key's help from the class it overrides

@@ -29,28 +29,42 @@ class GRPOConfig(ChatModelConfig):
     """
 
     # --- data
-    max_prompt_length: int = config_field("Longest prompt in tokens (rendered with the chat template); longer "
-                                          "prompts are dropped, with a warning.", 48, bounds="[1, inf)")  # fmt: skip
+    max_prompt_length: int = config_field(
+        "Longest prompt in tokens (rendered with the chat template); longer prompts are dropped, with a warning.",
+        48,
+        bounds="[1, inf)",
+        section="data",
+    )
     reference_column: str = config_field(
         "Column of the prompt data with the reference answer: what `exact_match` compares against, what the "
         "evaluation's exact match uses, and what an SFT warm-up trains on.",
         "answer",
+        section="data",
     )
     # --- generation
     num_generations: int = config_field(
         "Completions sampled per prompt (the group G of GRPO); advantages compare completions of one prompt.",
         8,
         bounds="[2, inf)",
+        section="training",
+        common=True,
     )
     max_new_tokens: int = config_field(
         "Longest completion in tokens, in training and evaluation (the default run's answers are short; reasoning "
         "tasks need hundreds).",
         12,
         bounds="[1, inf)",
+        section="training",
+        common=True,
     )
-    temperature: float = config_field("Sampling temperature of the completions.", 1.0, bounds="(0, inf)")
+    temperature: float = config_field(
+        "Sampling temperature of the completions.", 1.0, bounds="(0, inf)", section="training"
+    )
     top_p: float = config_field(
-        "Nucleus sampling: sample from the smallest set of tokens with this probability.", 1.0, bounds="(0, 1]"
+        "Nucleus sampling: sample from the smallest set of tokens with this probability.",
+        1.0,
+        bounds="(0, 1]",
+        section="training",
     )
     # --- loss
     loss_type: Literal["grpo", "dapo", "dr_grpo"] = config_field(
@@ -58,6 +72,7 @@ class GRPOConfig(ChatModelConfig):
         "the mean over every completion token of the step (longer completions are not under-weighted); dr_grpo, "
         "the token sum over completions x max_new_tokens (a constant, no length bias).",
         "dapo",
+        section="training",
     )
     scale_rewards: Literal["group", "batch", "none"] = config_field(
         "Divide each advantage (reward minus its group's mean) by the group's reward std, the generation batch's, "
@@ -66,50 +81,63 @@ class GRPOConfig(ChatModelConfig):
         "noise a full-size advantage. frac_reward_zero_std counts groups of equal rewards under each (TRL's, under "
         "batch, whether the whole batch's are).",
         "group",
+        section="training",
     )
     epsilon: float = config_field(
-        "Lower clipping range of the probability ratio: clip at 1 - epsilon.", 0.2, bounds="(0, inf)"
+        "Lower clipping range of the probability ratio: clip at 1 - epsilon.",
+        0.2,
+        bounds="(0, inf)",
+        section="training",
     )
     epsilon_high: float | None = config_field(
         "Upper clipping range: clip at 1 + epsilon_high (DAPO's clip-higher uses 0.28); unset: epsilon.",
         None,
         bounds="(0, inf)",
+        section="training",
     )
     num_iterations: int = config_field(
         "Optimizer updates per generation batch (mu); with more than one, the ratio is against the log-probs the "
         "policy had when it sampled.",
         1,
         bounds="[1, inf)",
+        section="training",
     )
     beta: float = config_field(
         "Weight of the KL penalty towards the reference model (the starting model; with LoRA the policy with its "
         "adapters off); 0 loads no reference.",
         0.0,
         bounds="[0, inf)",
+        section="training",
     )
     # --- rewards
     reward_functions: list[str] = config_field(
         "Reward functions: built-in names (exact_match, format_regex, length_penalty) and your own as "
         "path/to/file.py:function, each called as f(prompts, completions, **columns) -> list of floats.",
         default_factory=lambda: ["exact_match"],
+        section="training",
+        common=True,
     )
     reward_weights: list[float] | None = config_field(
         "One weight per reward function (then reward_model), any number (a negative one penalises what that "
         "function rewards); unset: 1 each.",
         None,
         bounds="(-inf, inf)",
+        section="training",
     )
     reward_model: str | None = config_field(
-        "A reward model directory (from recipes/reward.py) used as one more reward function.", None
+        "A reward model directory (from recipes/reward.py) used as one more reward function.", None, section="training"
     )
     format_pattern: str | None = config_field(
-        "Regular expression the whole (stripped) completion must match for the format_regex reward.", None
+        "Regular expression the whole (stripped) completion must match for the format_regex reward.",
+        None,
+        section="training",
     )
     length_penalty_buffer: int = config_field(
         "length_penalty: completions longer than max_new_tokens minus this many tokens are penalised, linearly "
         "down to -1 at max_new_tokens.",
         16,
         bounds="[0, inf)",
+        section="training",
     )
     sft_warmup_steps: int | None = config_field(
         "Optimizer steps of plain SFT on the prompts' reference answers before GRPO, for a model that has not "
@@ -117,12 +145,14 @@ class GRPOConfig(ChatModelConfig):
         "for a loaded one.",
         None,
         bounds="[0, inf)",
+        section="training",
     )
     sft_warmup_learning_rate: float = config_field(
         "Constant learning rate of the SFT warm-up. Not decayed: a warm-up annealed to 0 ends in a sharp minimum "
         "that GRPO's first updates knock it out of.",
         1e-3,
         bounds="(0, inf)",
+        section="training",
     )
 
     # The embedded default run (see the class docstring).

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import re
 import sys
+import textwrap
 import types
 import typing
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any, Literal, TypeVar, Union
 import yaml
 
 from ..errors import ConfigError, enter_command_line, same_on_every_rank
-from .fields import check_bounds
+from .fields import SECTIONS, check_bounds, section_of
 
 __all__ = [
     "ALIASES",
@@ -332,16 +333,26 @@ def saved_recipe(path: str | Path) -> str | None:
 
 
 def config_help(cls: type) -> str:
+    """Every key of config class `cls` with its type, bounds, default and help, grouped under the headers of
+    `SECTIONS` in their order; within a section the keys most runs set (`common`) first, then the others, each in the
+    order the class declares them."""
     hints = typing.get_type_hints(cls)
-    lines = [f"{cls.__name__} keys (use --config FILE.yaml and/or --key value):"]
     defaults = cls()  # computed defaults (cache_dir, the tiny model...) resolved, as a run would use them
+    grouped: dict[str, list] = {name: [] for name in SECTIONS}
     for f in dataclasses.fields(cls):
-        default = getattr(defaults, f.name)
-        bounds = f", {f.metadata['bounds']}" if "bounds" in f.metadata else ""  # ", in [0, 1)", ", >= 1"
-        lines.append(
-            f"  --{f.name} ({_type_name(hints[f.name])}{bounds}, default {default!r})\n"
-            f"      {f.metadata.get('help', '')}"
-        )
+        section, common = section_of(f)
+        grouped[section].append((not common, f))
+    lines = [f"{cls.__name__} keys: --config FILE.yaml and/or --key value (the keys most runs set open each section)"]
+    for name, entries in grouped.items():
+        if not entries:
+            continue
+        lines.append(f"\n{SECTIONS[name]}:")
+        for _, f in sorted(entries, key=lambda entry: entry[0]):  # stable: declaration order within each group
+            bounds = f", {f.metadata['bounds']}" if "bounds" in f.metadata else ""  # ", in [0, 1)", ", >= 1"
+            lines.append(f"  --{f.name} ({_type_name(hints[f.name])}{bounds}, default {getattr(defaults, f.name)!r})")
+            lines.extend(
+                textwrap.wrap(f.metadata.get("help", ""), 118, initial_indent=" " * 6, subsequent_indent=" " * 6)
+            )
     return "\n".join(lines)
 
 

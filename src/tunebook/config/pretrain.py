@@ -23,10 +23,13 @@ class PretrainConfig(ModelDataConfig):
     streams: ClassVar[bool] = True
 
     # --- data
-    text_column: str = config_field("Column holding the documents (a .txt file gives a 'text' column).", "text")
+    text_column: str = config_field(
+        "Column holding the documents (a .txt file gives a 'text' column).", "text", section="data", common=True
+    )
     text_sample_by: Literal["document", "paragraph", "line"] = config_field(
         "What one document is in a .txt file: the whole file, each blank-line separated paragraph, or each line.",
         "paragraph",
+        section="data",
     )
 
     # The embedded default run (see the class docstring).

@@ -26,6 +26,7 @@ class RewardConfig(ChatModelConfig):
     overlong_examples: Literal["truncate", "drop"] = config_field(
         "Pairs longer than max_seq_length: cut the responses to fit (the prompt is kept whole) or drop the pair.",
         "truncate",
+        section="data",
     )
 
     # The embedded default run (see the class docstring).

@@ -27,47 +27,62 @@ class SFTConfig(ChatModelConfig):
         "alpaca (instruction, output), prompt_completion (prompt, completion: strings or message lists), text "
         "(dataset_text_field; every token carries the loss).",
         "auto",
+        section="data",
+        common=True,
     )
-    dataset_text_field: str = config_field("The plain-text column of text data (data_format text).", "text")
+    dataset_text_field: str = config_field(
+        "The plain-text column of text data (data_format text).", "text", section="data"
+    )
     overlong_examples: Literal["truncate", "drop"] = config_field(
-        "Truncate or drop examples longer than max_seq_length.", "truncate"
+        "Truncate or drop examples longer than max_seq_length.", "truncate", section="data"
     )
     assistant_only_loss: bool = config_field(
         "Compute the loss on assistant turns only; in a prompt/completion row, on its completion's only (the prompt "
         "is context, its assistant turns too: TRL's completion_only_loss).",
         True,
+        section="data",
     )
     split_turns: bool = config_field(
         "One example per assistant turn: the conversation up to it, rendered as the chat template renders it when "
         "that turn is the last (as at generation). For templates that render earlier turns differently once later "
         "ones follow (Qwen3, GPT-OSS), which stop otherwise; costs about k times the tokens for k turns.",
         False,
+        section="data",
     )
     packing: bool = config_field(
         "Pack examples into rows of max_seq_length (best-fit decreasing) with attention kept inside each example; "
         "removes nearly all padding.",
         False,
+        section="data",
+        common=True,
     )
     packing_buffer_size: int = config_field(
         "With streaming: true: examples read, tokenised and (with packing) packed best-fit together at a time. "
         "Larger packs fuller rows; a resumed run reads the current buffer again.",
         1000,
         bounds="[1, inf)",
+        section="data",
     )
     group_by_length: bool = config_field(
         "Without packing: batch examples of similar length together, so a batch pads only to similar lengths. "
         "Off by default (as in TrainingArguments): it makes batches less random, and where length correlates "
         "with content it hurts; on the synthetic task it groups by task and the model stops learning.",
         False,
+        section="data",
     )
     # --- evaluation
-    generation_eval: bool = config_field("Score greedy generations against the reference answers (exact match).", True)
-    generation_max_new_tokens: int = config_field("Tokens to generate per eval prompt.", 32, bounds="[1, inf)")
+    generation_eval: bool = config_field(
+        "Score greedy generations against the reference answers (exact match).", True, section="evaluation"
+    )
+    generation_max_new_tokens: int = config_field(
+        "Tokens to generate per eval prompt.", 32, bounds="[1, inf)", section="evaluation"
+    )
     generation_eval_max_samples: int = config_field(
         "Generate answers for at most this many eval examples (0: all): generation is slow, and an eval split of "
         "thousands would take longer than training.",
         64,
         bounds="[0, inf)",
+        section="evaluation",
     )
 
     # The embedded default run (see the class docstring).

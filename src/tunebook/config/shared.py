@@ -41,49 +41,79 @@ class TrainConfig:
         inherit_new_defaults(cls)  # before @dataclass turns the class body into fields
 
     # --- outputs
-    output_dir: str = config_field("Where the model, checkpoints, metrics.jsonl and summary.json go.", "outputs/run")
+    output_dir: str = config_field(
+        "Where the model, checkpoints, metrics.jsonl and summary.json go.",
+        "outputs/run",
+        section="outputs",
+        common=True,
+    )
     cache_dir: str | None = config_field(
-        "Cache for tokenised data and generated assets (unset: $TUNEBOOK_CACHE or ~/.cache/tunebook).", None
+        "Cache for tokenised data and generated assets (unset: $TUNEBOOK_CACHE or ~/.cache/tunebook).",
+        None,
+        section="outputs",
     )
     push_to_hub: bool = config_field(
         "At the end, upload the final model directory (model, tokenizer, model card, config.yaml, summary.json, "
         "metrics.jsonl, report.png; never checkpoints or tracker files) to the Hub as hub_model_id. Needs network "
         "and a token with write access (HF_TOKEN or `hf auth login`), both checked at start-up.",
         False,
+        section="hub",
+        common=True,
     )
     hub_model_id: str | None = config_field(
-        "The Hub repository to push to, 'name' or 'org/name' (with push_to_hub).", None
+        "The Hub repository to push to, 'name' or 'org/name' (with push_to_hub).", None, section="hub", common=True
     )
     hub_private_repo: bool | None = config_field(
         "Create the repository private (None: the Hub's default for the account); an existing one is left as is.",
         None,
+        section="hub",
     )
     # --- optimisation
-    learning_rate: float = config_field("Peak AdamW learning rate.", 5e-5, bounds="[0, inf)")
-    weight_decay: float = config_field(
-        "AdamW weight decay (not applied to biases and norm weights).", 0.0, bounds="[0, inf)"
+    learning_rate: float = config_field(
+        "Peak AdamW learning rate.", 5e-5, bounds="[0, inf)", section="training", common=True
     )
-    adam_beta1: float = config_field("AdamW beta1.", 0.9, bounds="[0, 1)")
-    adam_beta2: float = config_field("AdamW beta2.", 0.999, bounds="[0, 1)")
-    adam_epsilon: float = config_field("AdamW epsilon.", 1e-8, bounds="[0, inf)")
+    weight_decay: float = config_field(
+        "AdamW weight decay (not applied to biases and norm weights).", 0.0, bounds="[0, inf)", section="training"
+    )
+    adam_beta1: float = config_field("AdamW beta1.", 0.9, bounds="[0, 1)", section="training")
+    adam_beta2: float = config_field("AdamW beta2.", 0.999, bounds="[0, 1)", section="training")
+    adam_epsilon: float = config_field("AdamW epsilon.", 1e-8, bounds="[0, inf)", section="training")
     max_grad_norm: float = config_field(
-        "Clip the global gradient norm to this (0 disables clipping).", 1.0, bounds="[0, inf)"
+        "Clip the global gradient norm to this (0 disables clipping).", 1.0, bounds="[0, inf)", section="training"
     )
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = config_field(
-        "Learning-rate schedule after warmup.", "linear"
+        "Learning-rate schedule after warmup.", "linear", section="training", common=True
     )
     warmup_ratio: float = config_field(
-        "Fraction of the optimizer steps spent warming up linearly from 0.", 0.0, bounds="[0, 1)"
+        "Fraction of the optimizer steps spent warming up linearly from 0.",
+        0.0,
+        bounds="[0, 1)",
+        section="training",
+        common=True,
     )
     # --- batching and length of training
-    per_device_train_batch_size: int = config_field("Micro-batch size per process.", 8, bounds="[1, inf)")
-    per_device_eval_batch_size: int = config_field("Evaluation batch size per process.", 8, bounds="[1, inf)")
-    gradient_accumulation_steps: int = config_field("Micro-batches per optimizer step.", 1, bounds="[1, inf)")
-    num_train_epochs: float = config_field("Epochs to train when max_steps is -1.", 1.0, bounds="[0, inf)")
-    max_steps: int = config_field(
-        "Optimizer steps to train; -1 uses num_train_epochs, 0 only evaluates.", -1, bounds="[-1, inf)"
+    per_device_train_batch_size: int = config_field(
+        "Micro-batch size per process.", 8, bounds="[1, inf)", section="training", common=True
     )
-    gradient_checkpointing: bool = config_field("Recompute activations in backward to save memory.", False)
+    per_device_eval_batch_size: int = config_field(
+        "Evaluation batch size per process.", 8, bounds="[1, inf)", section="evaluation"
+    )
+    gradient_accumulation_steps: int = config_field(
+        "Micro-batches per optimizer step.", 1, bounds="[1, inf)", section="training", common=True
+    )
+    num_train_epochs: float = config_field(
+        "Epochs to train when max_steps is -1.", 1.0, bounds="[0, inf)", section="training", common=True
+    )
+    max_steps: int = config_field(
+        "Optimizer steps to train; -1 uses num_train_epochs, 0 only evaluates.",
+        -1,
+        bounds="[-1, inf)",
+        section="training",
+        common=True,
+    )
+    gradient_checkpointing: bool = config_field(
+        "Recompute activations in backward to save memory.", False, section="training"
+    )
     # --- speed
     torch_compile: bool | Literal["auto"] = config_field(
         "Compile each transformer block with torch.compile (regional compilation: one block's compile serves all). "
@@ -93,7 +123,8 @@ class TrainConfig:
         "auto",
     )
     use_liger_kernel: bool = config_field(
-        "Liger's Triton kernels for RMSNorm, RoPE and SwiGLU (pip install liger-kernel; CUDA only).", False
+        "Liger's Triton kernels for RMSNorm, RoPE and SwiGLU (pip install liger-kernel; CUDA only).",
+        False,
     )
     fused_cpu_layers: bool = config_field(
         "On a CPU, RMSNorm and rotary embeddings of models whose code is Llama's (Mistral, Qwen2/3, ...) run as fused "
@@ -101,44 +132,64 @@ class TrainConfig:
         True,
     )
     # --- logging, evaluation, checkpoints
-    logging_steps: int = config_field("Log train metrics every N optimizer steps.", 10, bounds="[1, inf)")
+    logging_steps: int = config_field(
+        "Log train metrics every N optimizer steps.", 10, bounds="[1, inf)", section="outputs", common=True
+    )
     eval_strategy: Literal["steps", "epoch"] = config_field(
         "When to evaluate during training: every eval_steps optimizer steps, or at the end of every epoch. There is "
         "always an evaluation at the end when there is eval data.",
         "steps",
+        section="evaluation",
+        common=True,
     )
     eval_steps: int = config_field(
-        "With eval_strategy steps: evaluate every N optimizer steps (0: only at the end).", 0, bounds="[0, inf)"
+        "With eval_strategy steps: evaluate every N optimizer steps (0: only at the end).",
+        0,
+        bounds="[0, inf)",
+        section="evaluation",
+        common=True,
     )
-    eval_on_start: bool = config_field("Also evaluate before the first step, to compare with the trained model.", True)
+    eval_on_start: bool = config_field(
+        "Also evaluate before the first step, to compare with the trained model.", True, section="evaluation"
+    )
     metric_for_best_model: str | None = config_field(
         "Evaluation metric that picks the best checkpoint, e.g. eval_loss or eval_accuracy (the eval_ prefix may be "
         "left out). Default eval_loss when load_best_model_at_end or early_stopping_patience asks for one.",
         None,
+        section="evaluation",
     )
     greater_is_better: bool | None = config_field(
-        "Whether a larger metric_for_best_model is better (None: false for losses and perplexity, else true).", None
+        "Whether a larger metric_for_best_model is better (None: false for losses and perplexity, else true).",
+        None,
+        section="evaluation",
     )
     load_best_model_at_end: bool = config_field(
         "Export the best checkpoint's weights as the final model instead of the last step's. Every evaluation that "
         "improves on the best saves a checkpoint, which checkpoint rotation keeps.",
         False,
+        section="evaluation",
     )
     early_stopping_patience: int = config_field(
         "Stop training after this many evaluations in a row without improving metric_for_best_model (0: never).",
         0,
         bounds="[0, inf)",
+        section="evaluation",
     )
     save_strategy: Literal["steps", "epoch", "no"] = config_field(
         "When to save resumable checkpoints: every save_steps optimizer steps, at the end of every epoch, or never "
         "(a stop signal still saves one).",
         "steps",
+        section="outputs",
     )
     save_steps: int = config_field(
-        "With save_strategy steps: save every N optimizer steps (0: no step checkpoints).", 0, bounds="[0, inf)"
+        "With save_strategy steps: save every N optimizer steps (0: no step checkpoints).",
+        0,
+        bounds="[0, inf)",
+        section="outputs",
+        common=True,
     )
     save_total_limit: int = config_field(
-        "Keep at most this many checkpoints, the newest (0: keep all).", 2, bounds="[0, inf)"
+        "Keep at most this many checkpoints, the newest (0: keep all).", 2, bounds="[0, inf)", section="outputs"
     )
     resume_from_checkpoint: str | None = config_field(
         "Continue a run exactly where it stopped: 'latest' (the newest complete checkpoint in output_dir; an error "
@@ -146,16 +197,20 @@ class TrainConfig:
         "requeued) or a checkpoint directory. Keys that would change what the run computes (data, batches, model, "
         "seed) must equal the checkpoint's; the learning-rate schedule and optimizer settings follow the new config.",
         None,
+        section="outputs",
+        common=True,
     )
     overwrite_output_dir: bool = config_field(
         "Start afresh in an output_dir that holds another run's checkpoints, deleting them (and its metrics, "
         "summary and tracker logs); without it such a run stops at start-up.",
         False,
+        section="outputs",
     )
     nan_policy: Literal["stop", "skip"] = config_field(
         "On a non-finite loss or gradient norm: stop (exit non-zero, keeping the last good checkpoint) or skip "
         "that update and count it.",
         "stop",
+        section="training",
     )
     peak_flops: float | None = config_field(
         "Peak FLOP/s of one device for the MFU figure (default: the data-sheet bf16 value of known GPUs; none on CPU).",
@@ -167,8 +222,10 @@ class TrainConfig:
         "(tensorboard when installed) or none. They get the config and every metrics.jsonl record; local ones write "
         "under output_dir/runs.",
         "auto",
+        section="outputs",
+        common=True,
     )
-    disable_tqdm: bool = config_field("Turn off progress bars.", False)
+    disable_tqdm: bool = config_field("Turn off progress bars.", False, section="outputs")
     # --- several processes and machines
     preflight_timeout: int = config_field(
         "Seconds all processes get to meet after data preparation; a node that never started, a crashed rank or "
@@ -182,9 +239,13 @@ class TrainConfig:
         1800,
         bounds="[1, inf)",
     )
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = config_field("Log level of the main process.", "INFO")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = config_field(
+        "Log level of the main process.", "INFO", section="outputs"
+    )
     # numpy (data order, accelerate's set_seed) takes seeds from 0 to 2**32 - 1
-    seed: int = config_field("Seed for model init, data order and dropout.", 42, bounds="[0, 4294967295]")
+    seed: int = config_field(
+        "Seed for model init, data order and dropout.", 42, bounds="[0, 4294967295]", section="training"
+    )
     # --- data loading
     dataloader_num_workers: int = config_field(
         "DataLoader worker processes that collate batches in the background (0: collate in the training loop).",
@@ -194,7 +255,8 @@ class TrainConfig:
     dataloader_prefetch_factor: int = config_field("Batches each worker prepares ahead.", 2, bounds="[1, inf)")
     dataloader_pin_memory: bool = config_field("Pin host memory for faster copies when training on CUDA.", True)
     dataloader_non_blocking: bool = config_field(
-        "Copy batches to the device asynchronously (with pinned memory), overlapping the copy with compute.", True
+        "Copy batches to the device asynchronously (with pinned memory), overlapping the copy with compute.",
+        True,
     )
 
     def __post_init__(self) -> None:
@@ -218,65 +280,89 @@ class ModelDataConfig(TrainConfig):
     """The model, tokenizer and data fields every recipe shares (fields only; each recipe adds its own)."""
 
     # --- model and tokenizer
-    model_name_or_path: str | None = config_field("Local HF model directory or Hub name to fine-tune.", None)
-    model_revision: str | None = config_field("Branch, tag or commit of a Hub model (and of its tokenizer).", None)
+    model_name_or_path: str | None = config_field(
+        "Local HF model directory or Hub name to fine-tune.", None, section="model", common=True
+    )
+    model_revision: str | None = config_field(
+        "Branch, tag or commit of a Hub model (and of its tokenizer).", None, section="model"
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = config_field(
         "Weights' dtype in memory. auto: float32 for the weights that train (bf16/fp16 mixed precision comes from the "
         "accelerate config and computes in half precision over float32 master weights); with LoRA the frozen base "
         "as stored in the checkpoint. bfloat16/float16: all weights in that dtype, trained ones too (less memory, "
         "updates lose precision).",
         "auto",
+        section="model",
+        common=True,
     )
     use_safetensors: bool = config_field(
         "Load weights only from safetensors files; false also allows pickled .bin weights (which can run code).",
         True,
+        section="model",
     )
     model_config: dict | str | None = config_field(
         "Build a fresh model from this config dict (or JSON/YAML file) instead of loading weights; unset with no "
         "model_name_or_path either: the recipe's tiny default model (the embedded offline run).",
         None,
+        section="model",
     )
     tokenizer_name_or_path: str | None = config_field(
         "Tokenizer to load (default: the model's); with no model either, one is trained locally on train_data.",
         None,
+        section="model",
     )
     trust_remote_code: bool = config_field(
         "Allow a model or tokenizer directory to run its own Python code (off: only standard architectures load).",
         False,
+        section="model",
     )
-    tokenizer_vocab_size: int = config_field("Vocabulary size of a locally trained tokenizer.", 512, bounds="[1, inf)")
+    tokenizer_vocab_size: int = config_field(
+        "Vocabulary size of a locally trained tokenizer.", 512, bounds="[1, inf)", section="model"
+    )
     attn_implementation: str | None = config_field(
-        "Attention kernel: sdpa, eager, flash_attention_2 (None: model default).", "sdpa"
+        "Attention kernel: sdpa, eager, flash_attention_2 (None: model default).", "sdpa", section="model"
     )
     # --- LoRA / QLoRA through peft (pip install 'tunebook[peft]')
     use_peft: bool = config_field(
         "Train LoRA adapters instead of all weights: the base stays frozen, checkpoints hold only the adapters and "
         "the output is a peft adapter directory.",
         False,
+        section="lora",
+        common=True,
     )
-    lora_r: int = config_field("Rank of the LoRA update matrices.", 16, bounds="[1, inf)")
+    lora_r: int = config_field("Rank of the LoRA update matrices.", 16, bounds="[1, inf)", section="lora", common=True)
     lora_alpha: float = config_field(
-        "LoRA scale numerator: the update is scaled by lora_alpha / lora_r.", 32, bounds="(0, inf)"
+        "LoRA scale numerator: the update is scaled by lora_alpha / lora_r.",
+        32,
+        bounds="(0, inf)",
+        section="lora",
+        common=True,
     )
-    lora_dropout: float = config_field("Dropout on the input of the LoRA update.", 0.05, bounds="[0, 1)")
+    lora_dropout: float = config_field(
+        "Dropout on the input of the LoRA update.", 0.05, bounds="[0, 1)", section="lora"
+    )
     lora_target_modules: str | list[str] = config_field(
         "Modules that get adapters: all-linear (every linear layer except the output head), a module name, or a "
         "list of names (e.g. [q_proj, v_proj]).",
         "all-linear",
+        section="lora",
     )
     modules_to_save: list[str] | None = config_field(
         "Modules trained in full and saved with the adapters (e.g. [embed_tokens, lm_head] when the tokenizer has "
         "new tokens); a classifier's head is always trained.",
         None,
+        section="lora",
     )
     merge_adapter: bool = config_field(
         "Also write the adapters folded into the base weights, as a plain model directory in output_dir/merged.",
         False,
+        section="lora",
     )
     load_in_4bit: bool = config_field(
         "QLoRA: load the base model quantised to 4-bit NF4 through bitsandbytes (CUDA only; needs use_peft and "
         "model_name_or_path).",
         False,
+        section="lora",
     )
     # --- data
     train_data: str | dict | list | None = config_field(
@@ -285,37 +371,52 @@ class ModelDataConfig(TrainConfig):
         "them (streaming: true reads it as training goes, uncached). "
         "A folder or Hub data set with several splits needs split. None: generate the recipe's synthetic task.",
         None,
+        section="data",
+        common=True,
     )
     eval_data: str | dict | list | None = config_field(
-        "Evaluation data, same forms as train_data (e.g. {path: HuggingFaceH4/ultrachat_200k, split: test_sft}).", None
+        "Evaluation data, same forms as train_data (e.g. {path: HuggingFaceH4/ultrachat_200k, split: test_sft}).",
+        None,
+        section="data",
+        common=True,
     )
     eval_split_ratio: float = config_field(
         "Hold out this fraction of train_data for evaluation when eval_data is unset (0: no split).",
         0.0,
         bounds="[0, 1)",
+        section="data",
     )
     mixture_stopping_strategy: Literal["all_exhausted", "first_exhausted"] = config_field(
         "A mixture of streamed sources (streaming: true) ends its pass over the data when every source has run out "
         "(all_exhausted: the smaller ones start again meanwhile, keeping their weights) or the first one has "
         "(first_exhausted: nothing is read twice within a pass). The stream then starts its next pass.",
         "all_exhausted",
+        section="data",
     )
     stream_shuffle: bool = config_field(
         "With streaming: true: shuffle the training rows within each group a reader makes at a time "
         "(packing_buffer_size examples for sft, 256 documents for pretrain), seeded by the group's position, so a "
         "resumed run sees the same order. Off: the order of the files.",
         True,
+        section="data",
     )
-    max_seq_length: int = config_field("Longest tokenised example in tokens.", 1024, bounds="[2, inf)")
-    dataset_num_proc: int | None = config_field("Processes for tokenisation (None: one).", None, bounds="[1, inf)")
+    max_seq_length: int = config_field(
+        "Longest tokenised example in tokens.", 1024, bounds="[2, inf)", section="data", common=True
+    )
+    dataset_num_proc: int | None = config_field(
+        "Processes for tokenisation (None: one).", None, bounds="[1, inf)", section="data"
+    )
     pad_to_multiple_of: int | None = config_field(
-        "Round padded batch lengths up to a multiple of this (tensor-core friendly).", 8, bounds="[1, inf)"
+        "Round padded batch lengths up to a multiple of this (tensor-core friendly).",
+        8,
+        bounds="[1, inf)",
+        section="data",
     )
     synthetic_train_size: int = config_field(
-        "Training examples of the synthetic task (when train_data is None).", 8000, bounds="[1, inf)"
+        "Training examples of the synthetic task (when train_data is None).", 8000, bounds="[1, inf)", section="data"
     )
     synthetic_eval_size: int = config_field(
-        "Held-out examples of the synthetic task (when train_data is None).", 200, bounds="[1, inf)"
+        "Held-out examples of the synthetic task (when train_data is None).", 200, bounds="[1, inf)", section="data"
     )
 
     # The model a recipe builds when the config names none: the embedded default's (tunebook.config.tiny).
@@ -344,4 +445,5 @@ class ChatModelConfig(ModelDataConfig):
         "the tokenizer's own, or ChatML with <|im_start|>/<|im_end|> added as tokens. The token ending an assistant "
         "turn becomes eos_token, so the model learns to stop.",
         None,
+        section="model",
     )

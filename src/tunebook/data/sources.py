@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import math
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +49,15 @@ from .files import (
     reader_options,
 )
 
-__all__ = ["DataSource", "config_sources", "fingerprint_sources", "load_source", "parse_sources", "raise_unless_text"]
+__all__ = [
+    "DataSource",
+    "config_sources",
+    "fingerprint_sources",
+    "load_source",
+    "parse_sources",
+    "raise_unless_text",
+    "suggested_split",
+]
 
 KEYS = ("path", "name", "split", "revision", "data_files", "data_dir", "columns", "weight", "samples", "streaming")
 SAVED_DATASET_FILES = ("dataset_dict.json", "state.json")  # what save_to_disk writes
@@ -69,6 +78,8 @@ class DataSource:
     samples: int | None = None  # a row count; replaces weight when set
     # Out of the repr, which cache fingerprints hash: adding the key must not invalidate every existing cache.
     streaming: bool = field(default=False, repr=False)
+    # The config key it was given in, for messages (which split to suggest): no part of what the source reads.
+    key: str = field(default="train_data", repr=False, compare=False)
 
     @property
     def is_local(self) -> bool:
@@ -96,7 +107,7 @@ def parse_sources(spec: str | list | dict | None, key: str) -> list[DataSource]:
 
 def _parse_one(item: Any, key: str) -> DataSource:
     if isinstance(item, str):
-        return DataSource(item)
+        return DataSource(item, key=key)
     if not isinstance(item, dict) or "path" not in item or set(item) - set(KEYS):
         unknown = sorted(set(item) - set(KEYS)) if isinstance(item, dict) else []
         hint = f" (unknown keys {unknown}; a source takes {', '.join(KEYS)})" if unknown else ""
@@ -125,7 +136,7 @@ def _parse_one(item: Any, key: str) -> DataSource:
     text = {k: None if item.get(k) is None else str(item[k]) for k in ("name", "split", "revision", "data_dir")}
     data_files = None if item.get("data_files") is None else json.dumps(item["data_files"], sort_keys=True)
     return DataSource(path, **text, data_files=data_files, columns=json.dumps(columns) if columns else None,
-                      weight=weight, samples=samples, streaming=streaming)  # fmt: skip
+                      weight=weight, samples=samples, streaming=streaming, key=key)  # fmt: skip
 
 
 def config_sources(config, cache_dir: Path, write_synthetic) -> tuple[list[DataSource], list[DataSource]]:
@@ -256,7 +267,27 @@ def _choose_split(available: list[str], source: DataSource, what: str) -> str:
     if not available:
         raise DataError(f"{source.path}: found no data files or splits")
     raise DataError(f"{source.path} has several splits ({', '.join(available)}); choose one: "
-                    f"{{path: {source.path}, split: {available[0]}}}")  # fmt: skip
+                    f"{source.key}: {{path: {source.path}, split: {suggested_split(available, source.key)}}}")  # fmt: skip
+
+
+# The splits a message suggests, most likely first: training data's, then evaluation data's.
+_TRAIN_SPLITS = ("train",)
+_EVAL_SPLITS = ("validation", "valid", "val", "dev", "eval", "test")
+
+
+def suggested_split(available: list[str], key: str) -> str:
+    """The split of `available` a message offers as its example for config key `key`: for train_data the training
+    one (`train`, else a `train_*`/`train-*` one such as `train_sft`, else the first), for eval_data the evaluation one
+    (validation, then test, eval..., or a split named after one, such as `test_sft`)."""
+    names = _EVAL_SPLITS if key == "eval_data" else _TRAIN_SPLITS
+    for name in names:
+        if name in available:
+            return name
+    for name in names:
+        for split in available:
+            if re.match(rf"{name}[\W_]", split.lower()) or re.search(rf"[\W_]{name}$", split.lower()):
+                return split
+    return available[0]
 
 
 def fingerprint_sources(sources: list[DataSource], text_sample_by: str = "paragraph") -> str:

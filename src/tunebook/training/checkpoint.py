@@ -17,7 +17,6 @@ import errno
 import json
 import logging
 import os
-import re
 import shutil
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -30,6 +29,7 @@ from .. import compat
 from ..config import save_config
 from ..distributed import decided_by_main
 from ..errors import ConfigError, TrainingError, first_line, same_on_every_rank
+from ..locations import TRAINER_STATE, list_checkpoints
 from ..models.wrappers import unwrap
 from .manifest import MANIFEST, manifest_bytes, verify_checkpoint, write_manifest
 
@@ -47,8 +47,6 @@ __all__ = [
 
 logger = logging.getLogger("tunebook")
 
-STEP_DIR = re.compile(r"^step-(\d+)$")
-TRAINER_STATE = "trainer_state.json"
 MODEL_CONFIG_DIR = "model_config"  # the model's config.json (and generation_config.json), inside a checkpoint
 SCHEDULE = "lr_scheduler.json"  # the learning-rate schedule's state where Accelerate's save_state leaves it out
 DAMAGED = ".damaged"  # suffix of a damaged checkpoint set aside by `resolve_checkpoint`
@@ -57,17 +55,6 @@ DAMAGED = ".damaged"  # suffix of a damaged checkpoint set aside by `resolve_che
 def checkpoint_path(output_dir: str | Path, step: int) -> Path:
     """Where `save_checkpoint` puts the checkpoint of optimizer step `step`."""
     return Path(output_dir) / "checkpoints" / f"step-{step}"
-
-
-def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first (temporary folders of interrupted saves are not listed). Complete: renamed
-    into place with a manifest (or, saved by an earlier Tunebook, a trainer state); intact or not is for
-    `verify_checkpoint` to say."""
-    root = Path(output_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found) if (p / MANIFEST).is_file() or (p / TRAINER_STATE).is_file()]
 
 
 def resolve_checkpoint(output_dir: str | Path, spec: str, log: logging.Logger = logger) -> Path | None:

@@ -63,8 +63,9 @@ def start_run(config, recipe: str) -> Run:
     """Timer, Accelerator, logging, seed, output and cache folders, `config.yaml`, the start-up log."""
     from accelerate.utils import set_seed
 
-    from ..config import save_config
+    from ..config import check_output_dir, save_config
     from ..data.loaders import start_worker_server
+    from ..distributed import decided_by_main
     from ..process import resume_collector
     from ..run.logging import log_run_start, setup_logging
     from ..run.output_lock import lock_run_output_dir
@@ -80,9 +81,12 @@ def start_run(config, recipe: str) -> Run:
     set_seed(config.seed)
     output_dir = Path(config.output_dir)
     cache_dir = Path(config.cache_dir).expanduser()  # resolved by the config when unset
+    # Nothing is written before the checks pass: another run's checkpoints there stop this one (resume, overwrite or
+    # another output_dir) before the lock creates the folder (`tunebook train` checked it before the launch too).
+    decided_by_main(accelerator, lambda: check_output_dir(config))
     # One run per output_dir, for the run's lifetime: a second run there stops now, naming this one's PID and host.
     output_lock = lock_run_output_dir(accelerator, output_dir, recipe)
-    prepare_output_dir(accelerator, config, log)  # another run's checkpoints there: resume, overwrite, or stop
+    prepare_output_dir(accelerator, config, log)  # overwrite_output_dir: the earlier run's files deleted
     if accelerator.is_main_process:
         save_config(config, output_dir / "config.yaml", recipe)
     log_run_start(log, config, accelerator)

@@ -14,10 +14,10 @@ import logging
 from pathlib import Path, PurePosixPath
 
 from ..errors import first_line
+from ..locations import MANIFEST
 
 __all__ = ["MANIFEST", "manifest_bytes", "verify_checkpoint", "write_manifest"]
 
-MANIFEST = "manifest.json"
 CHECKSUM = "xxh3_64"
 CHUNK = 8 << 20  # bytes read at a time: large enough that the per-call cost is nothing, small enough to stay cached
 

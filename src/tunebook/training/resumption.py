@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from .. import compat
-from ..config import config_to_dict
+from ..config import check_output_dir, config_to_dict
 from ..distributed import decided_by_main
 from ..errors import ConfigError, TrainingError, TunebookError, first_line, same_on_every_rank
 from .checkpoint import (
@@ -67,16 +67,12 @@ RUN_FILES = ("checkpoints", "runs", "metrics.jsonl", "summary.json", "report.png
 
 def prepare_output_dir(accelerator, config, log: logging.Logger) -> None:
     """A fresh run (no `resume_from_checkpoint`) into an output_dir that holds checkpoints would mix two runs
-    (`latest` would later resume the old one): stop, unless `overwrite_output_dir` asks to delete them."""
+    (`latest` would later resume the old one): stop (`check_output_dir`, checked again under the run's lock), unless
+    `overwrite_output_dir` asks to delete them."""
+    check_output_dir(config)
     output_dir = Path(config.output_dir)
-    found = list_checkpoints(output_dir)
-    if config.resume_from_checkpoint is not None or not found:
+    if config.resume_from_checkpoint is not None or not list_checkpoints(output_dir):
         return
-    if not config.overwrite_output_dir:
-        raise ConfigError(
-            f"output_dir {output_dir} holds checkpoints of an earlier run (newest: {found[-1].name}); continue it with "
-            "--resume_from_checkpoint latest, or start over with --overwrite_output_dir true (deletes them)"
-        )
     if accelerator.is_main_process:
         for name in RUN_FILES:
             path = output_dir / name
