@@ -7,7 +7,7 @@ import pytest
 from support import ASSETS
 
 from tunebook.data.sft import load_conversations
-from tunebook.data.sources import load_source, parse_sources
+from tunebook.data.sources import load_source, parse_sources, suggested_split
 from tunebook.errors import DataError
 
 
@@ -95,3 +95,21 @@ def test_mixture_by_sample_counts_is_deterministic(tmp_path):
         parse_sources([{"path": "a.jsonl", "weight": 1, "samples": 3}], "train_data")
     with pytest.raises(DataError, match="must be > 0"):
         parse_sources([{"path": "a.jsonl", "samples": 0}], "train_data")
+
+
+@pytest.mark.parametrize(
+    ("available", "key", "suggested"),
+    [
+        (["test_sft", "train_sft"], "train_data", "train_sft"),  # UltraChat: not the first one listed
+        (["test", "train", "validation"], "train_data", "train"),
+        (["test_gen", "train_gen", "train"], "train_data", "train"),  # train itself before train_*
+        (["sft_test", "sft_train"], "train_data", "sft_train"),
+        (["a", "b"], "train_data", "a"),  # no name to go by: the first
+        (["test_sft", "train_sft"], "eval_data", "test_sft"),
+        (["train", "test", "validation"], "eval_data", "validation"),  # validation before test
+        (["train", "dev"], "eval_data", "dev"),
+        (["train", "b"], "eval_data", "train"),
+    ],
+)
+def test_a_folder_with_several_splits_suggests_the_one_its_key_would_use(available, key, suggested):
+    assert suggested_split(available, key) == suggested

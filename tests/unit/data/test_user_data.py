@@ -54,8 +54,11 @@ def _loss_text(tokenizer, ids, labels) -> str:
 
 def test_a_hub_snapshot_folder_needs_a_split_and_gives_exactly_that_split(tmp_path):
     folder = _hub_layout(tmp_path / "datasets--HuggingFaceH4--ultrachat_200k" / "snapshots" / "0a1b2c3d")
-    with pytest.raises(DataError, match=r"has several splits \((test_sft, train_sft|train_sft, test_sft)\); choose"):
-        _load(str(folder), tmp_path)
+    with pytest.raises(DataError, match=r"has several splits \((test_sft, train_sft|train_sft, test_sft)\); choose one: "
+                       r"train_data: \{path: .*, split: train_sft\}$"):  # fmt: skip
+        _load(str(folder), tmp_path)  # the training split suggested, whichever the folder lists first
+    with pytest.raises(DataError, match=r"choose one: eval_data: \{path: .*, split: test_sft\}$"):
+        load_source(parse_sources(str(folder), "eval_data")[0], tmp_path / "cache", seed=0)
     assert len(_load({"path": str(folder), "split": "train_sft"}, tmp_path)[0]) == 30
     assert len(_load({"path": str(folder), "split": "test_sft"}, tmp_path)[0]) == 10
     with pytest.raises(DataError, match=r"no split 'train'; the folder's files name these splits: .*train_sft"):
