@@ -334,14 +334,15 @@ def saved_recipe(path: str | Path) -> str | None:
 
 def config_help(cls: type) -> str:
     """Every key of config class `cls` with its type, bounds, default and help, grouped under the headers of
-    `SECTIONS` in their order; within a section the keys most runs set (`common`) first, then the others, each in the
-    order the class declares them."""
+    `SECTIONS` in their order. Within a section: the keys most runs set (`common`), then the recipe's own (those no
+    base class declares: GRPO's loss before AdamW's betas), then the rest, each group in the order of declaration."""
     hints = typing.get_type_hints(cls)
     defaults = cls()  # computed defaults (cache_dir, the tiny model...) resolved, as a run would use them
+    inherited = {name for base in cls.__mro__[1:] for name in getattr(base, "__dataclass_fields__", {})}
     grouped: dict[str, list] = {name: [] for name in SECTIONS}
     for f in dataclasses.fields(cls):
         section, common = section_of(f)
-        grouped[section].append((not common, f))
+        grouped[section].append(((not common, not common and f.name in inherited), f))
     lines = [f"{cls.__name__} keys: --config FILE.yaml and/or --key value (the keys most runs set open each section)"]
     for name, entries in grouped.items():
         if not entries:
@@ -350,9 +351,8 @@ def config_help(cls: type) -> str:
         for _, f in sorted(entries, key=lambda entry: entry[0]):  # stable: declaration order within each group
             bounds = f", {f.metadata['bounds']}" if "bounds" in f.metadata else ""  # ", in [0, 1)", ", >= 1"
             lines.append(f"  --{f.name} ({_type_name(hints[f.name])}{bounds}, default {getattr(defaults, f.name)!r})")
-            lines.extend(
-                textwrap.wrap(f.metadata.get("help", ""), 118, initial_indent=" " * 6, subsequent_indent=" " * 6)
-            )
+            help_text = f.metadata.get("help", "")
+            lines.extend(textwrap.wrap(help_text, 118, initial_indent=" " * 6, subsequent_indent=" " * 6))
     return "\n".join(lines)
 
 

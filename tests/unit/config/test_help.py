@@ -56,7 +56,15 @@ def test_the_keys_most_runs_set_open_their_sections():
     training = [key for key, _ in sections["Training:"]]
     assert training.index("max_steps") < training.index("adam_beta1")  # optimizer details after the common keys
     data = [key for key, _ in sections["Data:"]]
-    assert data.index("data_format") < data.index("synthetic_train_size")  # a recipe's own common key moves up
+    assert data[:5] == ["train_data", "eval_data", "max_seq_length", "data_format", "packing"]  # the common keys
+    assert data.index("group_by_length") < data.index("eval_split_ratio")  # then the recipe's own, then the rest
+
+
+def test_a_recipes_own_keys_come_before_the_shared_ones_of_their_section():
+    from tunebook.config import GRPOConfig
+
+    training = [key for key, _ in _sections(config_help(GRPOConfig))["Training:"]]
+    assert training.index("reward_functions") < training.index("loss_type") < training.index("adam_beta1")
 
 
 def test_a_key_declared_without_a_section_is_listed_under_advanced():
