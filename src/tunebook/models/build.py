@@ -229,6 +229,8 @@ class _LoadReport(logging.Filter):
             logger.info("Not in %s, so newly initialised (trained from a random start): %s", source, _names(missing))
         if unexpected:
             logger.info("In %s but not used by this model: %s", source, _names(unexpected))
+        if mismatched := sorted(key for key, *_ in info.get("mismatched_keys") or ()):
+            logger.info("Of another shape in %s, so newly initialised: %s", source, _names(mismatched))
 
 
 def _names(keys: list[str], shown: int = 6) -> str:

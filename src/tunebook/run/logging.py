@@ -9,7 +9,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PlainFormatter", "describe_processes", "log_run_start", "setup_logging", "show_progress", "strip_ansi"]
+__all__ = [
+    "PlainFormatter",
+    "describe_processes",
+    "log_run_start",
+    "setup_logging",
+    "show_heartbeat",
+    "show_progress",
+    "strip_ansi",
+]
 
 logger = logging.getLogger("tunebook")
 
@@ -53,6 +61,10 @@ def setup_logging(
     # earlier run in this process (a notebook's second run) captured already and warnings.showwarning was reset since.
     logging.captureWarnings(False)
     logging.captureWarnings(True)
+    # transformers writes its records to stderr through a handler of its own, in its own format and with its colours
+    # (its "LOAD REPORT"); through ours they get the run's format, the other ranks' filter and no escape codes.
+    transformers.utils.logging.disable_default_handler()
+    transformers.utils.logging.enable_propagation()
     if not is_main_process:
         datasets.utils.logging.set_verbosity_error()
         transformers.utils.logging.set_verbosity_error()
@@ -95,6 +107,17 @@ def show_progress(progress, record: dict[str, Any], total_steps: int, log: loggi
         log.info("Step %d/%d: %s", record["step"], total_steps, ", ".join(f"{k} {v}" for k, v in shown.items()))
     else:
         progress.set_postfix(shown, refresh=False)
+
+
+def show_heartbeat(
+    progress, step: int, total_steps: int, figures: dict[str, str], log: logging.Logger = logger
+) -> None:
+    """A timed progress line between logging steps (`tunebook.training.throughput.Heartbeat`): a log line, or the
+    progress bar's figures where a bar shows (its own elapsed time and ETA are on it)."""
+    if progress.disable:
+        log.info("Step %d/%d: %s", step, total_steps, ", ".join(f"{k} {v}" for k, v in figures.items()))
+    else:
+        progress.set_postfix({"loss so far": figures["loss so far"]})
 
 
 def log_run_start(log: logging.Logger, config, accelerator) -> None:
