@@ -1,5 +1,5 @@
 """`tunebook train` passes `accelerate launch` the values it would otherwise pick and warn about, as it would pick
-them (the launches themselves: tests/recipes/test_launch_errors.py, tests/recipes/test_quiet_start.py)."""
+them (the launches themselves: tests/recipes/test_launch_errors.py, tests/recipes/test_run_log.py)."""
 
 from __future__ import annotations
 
