@@ -131,12 +131,12 @@ def log_run_start(log: logging.Logger, config, accelerator) -> None:
     log.info("Config: %s (every key: %s)", shown, Path(config.output_dir) / "config.yaml")
     for alias, key in aliases_used(config).items():
         log.info("Config key '%s' (TRL's / transformers' name) is read as '%s'", alias, key)
-    log.info("Launch: %s on %s, %s", _describe_accelerator(accelerator), accelerator.device.type,
+    log.info("Launch: %s on %s, %s", _describe_accelerator(accelerator), str(accelerator.device).split(":")[0],  # "cpu", "cuda"
              "no mixed precision" if accelerator.mixed_precision == "no" else f"{accelerator.mixed_precision} mixed precision")  # fmt: skip
 
 
 def _describe_accelerator(accelerator) -> str:
-    state = accelerator.state
+    state = getattr(accelerator, "state", None)  # a test's stand-in may have none
     deepspeed = getattr(state, "deepspeed_plugin", None)
     fsdp = getattr(state, "fsdp_plugin", None)
     return describe_processes(
