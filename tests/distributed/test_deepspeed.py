@@ -118,7 +118,8 @@ def _weights(out) -> dict[str, torch.Tensor]:
 def test_deepspeed_trains_as_plain_training_and_resumes_exactly(tmp_path, start, plain_run, config, recipe, processes):
     plain, full, resumed = plain_run(recipe, processes), tmp_path / "deepspeed", tmp_path / "resumed"
     result = _train(recipe, config, processes, start, full)
-    assert f"{processes} process(es), DEEPSPEED, device cpu" in result.stdout + result.stderr
+    stage = config.removeprefix("deepspeed_zero").removesuffix(".yaml")
+    assert f"Launch: DeepSpeed ZeRO-{stage}, {processes} processes on cpu" in result.stdout + result.stderr
     if recipe == "dpo":  # the frozen reference is sharded as the policy is, not whole on every process
         assert f"Reference model: ZeRO-3 partitioned over {processes} process(es)" in result.stdout + result.stderr
     assert (full / "checkpoints" / "step-3" / "pytorch_model").is_dir()  # DeepSpeed's own checkpoint files

@@ -72,7 +72,10 @@ def test_gpu_engine_trains_saves_and_resumes(tmp_path, accelerate_config):
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     engine = {"fsdp.yaml": "FSDP", "single_gpu.yaml": "NO"}.get(accelerate_config, "DEEPSPEED")
-    assert f"1 process(es), {engine}, device cuda" in result.stdout
+    setup = {"fsdp.yaml": "FSDP2, 1 process", "single_gpu.yaml": "single process"}.get(
+        accelerate_config, f"DeepSpeed ZeRO-{accelerate_config[-6]}, 1 process"
+    )
+    assert f"Launch: {setup} on cuda, bf16 mixed precision" in result.stdout
     summary = json.loads((full / "summary.json").read_text())
     assert summary["mixed_precision"] == "bf16" and summary["peak_device_memory_mb"] > 0 and summary["mfu"] > 0
     if engine == "FSDP":  # the checkpoint holds the sharded state (distributed checkpoint files)

@@ -31,10 +31,7 @@ def test_no_test_module_imports_another():
 
 
 # Subpackages whose tests are end to end by nature, and where they are.
-TESTED_ELSEWHERE = {
-    "recipes": "tests/recipes",
-    "cli": "tests/recipes/test_launch_errors.py, tests/recipes/test_cli_start.py, tests/distributed",
-}
+TESTED_ELSEWHERE = {"recipes": "tests/recipes"}
 
 
 def test_unit_tests_mirror_the_package():

@@ -16,6 +16,10 @@ from calling `accelerate launch recipes/sft.py` directly, and why:
   recipe runs as a child in a session of its own and the launcher forwards those signals to it (accelerate's own
   single-process launcher does not, and a terminal's Ctrl-C would reach the recipe twice if it shared the launcher's
   process group);
+- what `accelerate launch` would pick by default and warn about (no config file: `--num_processes`, `--num_machines`,
+  `--mixed_precision`, `--dynamo_backend`; on a CPU, `--num_cpu_threads_per_process`) is passed to it, with the
+  value it would have picked (`complete_launch_args`), so a run does not open with its "run `accelerate config`"
+  warning;
 - in that case, Python's cyclic garbage collector is paused while one of our recipes imports its libraries, and the
   objects made by then are frozen out of its collections (`pause_collector`: about 1 s of every run). A script of
   one's own runs with the collector as Python sets it: nothing guarantees that it ends the pause.
@@ -30,7 +34,9 @@ import runpy
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from ..errors import ConfigError
 from ..process import LAUNCH_TIME_VARIABLE, launch_time, pause_collector, resume_collector
@@ -69,6 +75,7 @@ def train(argv: list[str], whole_process: bool = False) -> None:
     # The run's time to first step counts from this command's start, also in child processes.
     os.environ.setdefault(LAUNCH_TIME_VARIABLE, repr(launch_time()))
     args = accelerate_launch.launch_command_parser().parse_args([*launcher_args, script, *recipe_args])
+    _complete_from_this_machine(args)
     # One process: our launcher instead of accelerate's (see the module docstring); the rest is accelerate's.
     # Only our recipes pause the collector: each calls `start_run`, which resumes it, before anything else.
     pause = whole_process and recipe in RECIPES
@@ -87,6 +94,81 @@ def train(argv: list[str], whole_process: bool = False) -> None:
         if isinstance(error, SignalException):  # torchrun has passed the signal on and waited for the workers
             raise SystemExit(128 + int(error.sigval)) from None
         raise
+
+
+def _complete_from_this_machine(args) -> None:
+    """`complete_launch_args` with the accelerate config file `accelerate launch` reads (the one given, else the
+    default one unless `--cpu`), this machine's devices and cores, and this environment."""
+    import psutil
+    from accelerate.commands.config import default_config_file, load_config_from_file
+
+    reads_config = args.config_file is not None or (os.path.isfile(default_config_file) and not args.cpu)
+    defaults = load_config_from_file(args.config_file) if reads_config else None
+    needs_devices = defaults is None and args.num_processes is None
+    complete_launch_args(args, defaults, _device_count() if needs_devices else 0, psutil.cpu_count(logical=False),
+                         os.environ)  # fmt: skip
+
+
+def complete_launch_args(
+    args, defaults, device_count: int, physical_cores: int | None, environ: Mapping[str, str]
+) -> dict[str, Any]:
+    """Sets on `args` (parsed by `accelerate launch`'s parser) the values `accelerate launch` would choose itself and
+    warn about, each as it would choose it (accelerate 1.15's `_validate_launch_command`), and returns them.
+
+    `defaults`: the accelerate config file's values, None where it reads none. Without one it picks the device count
+    for `num_processes` (0 on a CPU-only machine: one process), multi-GPU when that is more than one, one machine,
+    no mixed precision and no dynamo; with one, those come from the file. Either way, on the CPU with
+    OMP_NUM_THREADS unset it gives each process of this machine its share of the physical cores."""
+    filled: dict[str, Any] = {}
+    if defaults is None:
+        if args.num_processes is None:
+            filled["num_processes"] = device_count
+        processes = filled.get("num_processes", args.num_processes)
+        if not args.multi_gpu and processes > 1 and device_count > 1:
+            filled["multi_gpu"] = True
+        for key in ("num_machines", "mixed_precision", "dynamo_backend"):
+            if getattr(args, key) is None:
+                filled[key] = 1 if key == "num_machines" else "no"
+        use_cpu, machines = args.cpu, filled.get("num_machines", args.num_machines)
+    elif defaults.compute_environment == "AMAZON_SAGEMAKER":  # SageMaker sets its own threads
+        return filled
+    else:
+        use_cpu = defaults.use_cpu
+        processes = defaults.num_processes if args.num_processes is None else args.num_processes
+        machines = defaults.num_machines if args.num_machines is None else args.num_machines
+    if (
+        args.num_cpu_threads_per_process is None
+        and use_cpu
+        and processes >= 1
+        and _env_int(environ, "OMP_NUM_THREADS") <= 0
+    ):
+        local = _env_int(environ, "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
+        threads = int((physical_cores or 0) / (local if local >= 0 else max(int(processes / machines), 1)))
+        if threads > 1:
+            filled["num_cpu_threads_per_process"] = threads
+    for key, value in filled.items():
+        setattr(args, key, value)
+    return filled
+
+
+def _env_int(environ: Mapping[str, str], *keys: str) -> int:
+    """The first of `keys` set to a non-negative integer, else -1 (accelerate's `get_int_from_env`)."""
+    for key in keys:
+        value = int(environ.get(key, -1))
+        if value >= 0:
+            return value
+    return -1
+
+
+def _device_count() -> int:
+    """The accelerators `accelerate launch` counts when it is not told how many processes to start."""
+    import torch
+    from accelerate import utils
+
+    for backend in ("xpu", "mlu", "sdaa", "musa", "npu", "hpu", "neuron"):
+        if getattr(utils, f"is_{backend}_available")():
+            return getattr(torch, backend).device_count()
+    return torch.cuda.device_count()
 
 
 def _quiet_torchrun() -> None:

@@ -135,6 +135,14 @@ class TrainConfig:
     logging_steps: int = config_field(
         "Log train metrics every N optimizer steps.", 10, bounds="[1, inf)", section="outputs", common=True
     )
+    log_every_seconds: float = config_field(
+        "Longest silence of the log while training: a progress line (step, loss so far, tokens/s, elapsed, ETA) after "
+        "the first optimizer step and whenever this many seconds pass without a logged step, whatever logging_steps "
+        "says. A log line only: metrics.jsonl keeps one record every logging_steps.",
+        30.0,
+        bounds="(0, inf)",
+        section="outputs",
+    )
     eval_strategy: Literal["steps", "epoch"] = config_field(
         "When to evaluate during training: every eval_steps optimizer steps, or at the end of every epoch. There is "
         "always an evaluation at the end when there is eval data.",

@@ -198,6 +198,46 @@ def refuse_pickled_weights(model_dir: str | Path, use_safetensors: bool) -> None
             )
 
 
+class _LoadReport(logging.Filter):
+    """transformers 5 logs a "LOAD REPORT" table, in terminal colours, at every `from_pretrained` that did not load
+    every weight, even the expected case of a new classification head on an encoder. While loading, the report is
+    held back (a filter on that one logger); `log_keys` then says the same in a line or two, and a load that fails
+    lets it through, as the error refers to it."""
+
+    logger = logging.getLogger("transformers.modeling_utils")
+
+    def __enter__(self) -> _LoadReport:
+        self.held: list[logging.LogRecord] = []
+        self.logger.addFilter(self)
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        self.logger.removeFilter(self)
+        if error is not None:
+            for record in self.held:
+                self.logger.handle(record)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "LOAD REPORT" in record.getMessage():
+            self.held.append(record)
+            return False
+        return True
+
+    def log_keys(self, info: dict[str, Any], source: str) -> None:
+        missing, unexpected = sorted(info.get("missing_keys") or ()), sorted(info.get("unexpected_keys") or ())
+        if missing:
+            logger.info("Not in %s, so newly initialised (trained from a random start): %s", source, _names(missing))
+        if unexpected:
+            logger.info("In %s but not used by this model: %s", source, _names(unexpected))
+        if mismatched := sorted(key for key, *_ in info.get("mismatched_keys") or ()):
+            logger.info("Of another shape in %s, so newly initialised: %s", source, _names(mismatched))
+
+
+def _names(keys: list[str], shown: int = 6) -> str:
+    more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
+    return ", ".join(keys[:shown]) + more
+
+
 def _load_or_build(
     auto_class, what, tokenizer, options: ModelOptions, config_values, **load_kwargs
 ) -> PreTrainedModel:
@@ -216,9 +256,14 @@ def _load_or_build(
                              "with config.json) or a Hub name")  # fmt: skip
         refuse_pickled_weights(model_name_or_path, load_kwargs.get("use_safetensors", True))
         try:
-            return auto_class.from_pretrained(model_name_or_path, **config_values, **kwargs, **load_kwargs)
+            with _LoadReport() as report:
+                model, info = auto_class.from_pretrained(
+                    model_name_or_path, **config_values, **kwargs, **load_kwargs, output_loading_info=True
+                )
         except (OSError, ValueError) as e:
             raise ModelError(f"could not load {what} from '{model_name_or_path}': {_reason(e)}") from None
+        report.log_keys(info, model_name_or_path)
+        return model
     values = read_model_config(model_config or {})
     model_type = values.pop("model_type", None)
     if model_type is None:

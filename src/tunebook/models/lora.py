@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -57,7 +58,11 @@ def apply_lora(model: torch.nn.Module, config, task: str = "causal_lm") -> torch
         trainable_token_indices=None if config.modules_to_save else _new_token_rows(model),
     )
     try:
-        return get_peft_model(model, lora)
+        # peft (0.21) asks the model `is_gradient_checkpointing`, which transformers 5 deprecates with a FutureWarning
+        # at every LoRA start; the answer is the same (`is_activation_checkpointing`), and the call is peft's.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", r"`is_gradient_checkpointing` is deprecated", FutureWarning)
+            return get_peft_model(model, lora)
     except ValueError as error:  # e.g. target modules not found in the model
         raise ConfigError(f"lora_target_modules: {str(error).splitlines()[0]}") from None
 

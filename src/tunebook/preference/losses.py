@@ -188,6 +188,11 @@ class RewardStats:
         self.sums.zero_()
         return means
 
+    def local_loss(self) -> float | None:
+        """This process's mean loss of the window so far, without ending it (the timed progress line)."""
+        pairs, loss = self.sums[:2].tolist()
+        return loss / pairs if pairs else None
+
     def state_dict(self) -> dict[str, list[float]]:
         return {"sums": self.sums.tolist()}
 

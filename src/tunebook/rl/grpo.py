@@ -245,6 +245,11 @@ class GRPOStats:
             self.sums[base + 3 * j + 1] += values[:, j].sum()
             self.sums[base + 3 * j + 2] += (values[:, j] ** 2).sum()
 
+    def local_loss(self) -> float | None:
+        """This process's mean loss of the window so far, without ending it (the timed progress line)."""
+        steps, loss = self.sums[:2].tolist()
+        return loss / steps if steps else None
+
     def pop(self, accelerator, prefix: str = "") -> dict[str, float | None]:
         n, longest = len(self.FIELDS), self.FIELDS.index("max_length")
         gathered = accelerator.gather(self.sums[None].clone())  # (processes, fields): sums, and one maximum

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["log_run_start", "setup_logging", "show_progress"]
+__all__ = [
+    "PlainFormatter",
+    "describe_processes",
+    "log_run_start",
+    "setup_logging",
+    "show_heartbeat",
+    "show_progress",
+    "strip_ansi",
+]
 
 logger = logging.getLogger("tunebook")
 
@@ -37,7 +46,7 @@ def setup_logging(
     rank = os.environ.get("RANK", "0")
     prefix = "" if is_main_process else f"[rank {rank}] "
     handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    handler.setFormatter(PlainFormatter(f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     if not is_main_process:
         handler.addFilter(_OtherRanksFilter())
     for old in [h for h in logger.handlers if getattr(h, "tunebook", False)]:  # an earlier run's, in this process
@@ -52,23 +61,34 @@ def setup_logging(
     # earlier run in this process (a notebook's second run) captured already and warnings.showwarning was reset since.
     logging.captureWarnings(False)
     logging.captureWarnings(True)
+    # transformers writes its records to stderr through a handler of its own, in its own format and with its colours
+    # (its "LOAD REPORT"); through ours they get the run's format, the other ranks' filter and no escape codes.
+    transformers.utils.logging.disable_default_handler()
+    transformers.utils.logging.enable_propagation()
     if not is_main_process:
         datasets.utils.logging.set_verbosity_error()
         transformers.utils.logging.set_verbosity_error()
-    # Tied embeddings are one tensor saved once: accelerate warns about it at every checkpoint, and resuming from
-    # them is tested exact (tests/equivalence/test_resume.py).
-    accelerate_logger = logging.getLogger("accelerate.utils.other")
-    if not any(isinstance(f, _SharedTensorNote) for f in accelerate_logger.filters):  # once, not once per run
-        accelerate_logger.addFilter(_SharedTensorNote())
     if not is_main_process or disable_tqdm or not sys.stderr.isatty():
         datasets.disable_progress_bars()
         transformers.utils.logging.disable_progress_bar()
     return logger
 
 
-class _SharedTensorNote(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Removed shared tensor")
+# ANSI escape sequences: CSI (colours, cursor moves: ESC [ ... final byte) and OSC (titles, links: ESC ] ... BEL/ST).
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
+
+
+def strip_ansi(text: str) -> str:
+    """`text` without terminal escape sequences (a library's colours), as a log file should hold it."""
+    return _ANSI.sub("", text)
+
+
+class PlainFormatter(logging.Formatter):
+    """A `logging.Formatter` whose lines never hold terminal escape codes: the run's log is usually a file (`> run.log
+    2>&1`, a job's output), where a library's colours would be raw `\x1b[1m` bytes."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return strip_ansi(super().format(record))
 
 
 class _OtherRanksFilter(logging.Filter):
@@ -89,6 +109,17 @@ def show_progress(progress, record: dict[str, Any], total_steps: int, log: loggi
         progress.set_postfix(shown, refresh=False)
 
 
+def show_heartbeat(
+    progress, step: int, total_steps: int, figures: dict[str, str], log: logging.Logger = logger
+) -> None:
+    """A timed progress line between logging steps (`tunebook.training.throughput.Heartbeat`): a log line, or the
+    progress bar's figures where a bar shows (its own elapsed time and ETA are on it)."""
+    if progress.disable:
+        log.info("Step %d/%d: %s", step, total_steps, ", ".join(f"{k} {v}" for k, v in figures.items()))
+    else:
+        progress.set_postfix({"loss so far": figures["loss so far"]})
+
+
 def log_run_start(log: logging.Logger, config, accelerator) -> None:
     """The resolved config, the other tools' key names it was given with (once each), and the processes."""
     from ..config import aliases_used, config_to_dict
@@ -100,10 +131,39 @@ def log_run_start(log: logging.Logger, config, accelerator) -> None:
     log.info("Config: %s (every key: %s)", shown, Path(config.output_dir) / "config.yaml")
     for alias, key in aliases_used(config).items():
         log.info("Config key '%s' (TRL's / transformers' name) is read as '%s'", alias, key)
-    log.info(
-        "%d process(es), %s, device %s, mixed precision %s",
-        accelerator.num_processes,
+    log.info("Launch: %s on %s, %s", _describe_accelerator(accelerator), str(accelerator.device).split(":")[0],  # "cpu", "cuda"
+             "no mixed precision" if accelerator.mixed_precision == "no" else f"{accelerator.mixed_precision} mixed precision")  # fmt: skip
+
+
+def _describe_accelerator(accelerator) -> str:
+    state = getattr(accelerator, "state", None)  # a test's stand-in may have none
+    deepspeed = getattr(state, "deepspeed_plugin", None)
+    fsdp = getattr(state, "fsdp_plugin", None)
+    return describe_processes(
         accelerator.distributed_type.value,
-        accelerator.device,
-        accelerator.mixed_precision,
+        accelerator.num_processes,
+        zero_stage=getattr(deepspeed, "zero_stage", None),
+        fsdp_version=getattr(fsdp, "fsdp_version", None),
     )
+
+
+# Accelerate's names of the distributed setups (`DistributedType`) in the words the docs use; MULTI_<device> is DDP.
+_SETUPS = {"MULTI_CPU": "DDP on CPUs", "FSDP": "FSDP", "XLA": "XLA", "MEGATRON_LM": "Megatron-LM"}
+
+
+def describe_processes(
+    distributed_type: str, num_processes: int, zero_stage: int | None = None, fsdp_version: int | None = None
+) -> str:
+    """accelerate's `DistributedType` name and process count in words: "single process", "DDP, 4 processes",
+    "FSDP, 8 processes", "DeepSpeed ZeRO-3, 8 processes", "DDP on CPUs, 2 processes"."""
+    if distributed_type == "NO":
+        return "single process" if num_processes == 1 else f"{num_processes} processes, no process group"
+    if distributed_type == "DEEPSPEED":
+        setup = "DeepSpeed" if zero_stage is None else f"DeepSpeed ZeRO-{zero_stage}"
+    elif distributed_type == "FSDP" and fsdp_version == 2:
+        setup = "FSDP2"
+    elif distributed_type.startswith("MULTI_") and distributed_type != "MULTI_CPU":
+        setup = "DDP"
+    else:
+        setup = _SETUPS.get(distributed_type, distributed_type)
+    return f"{setup}, {num_processes} process{'' if num_processes == 1 else 'es'}"

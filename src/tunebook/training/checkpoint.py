@@ -171,9 +171,31 @@ def _start_save(tmp: Path, needed: int) -> None:
 
 
 def _save_process_parts(accelerator: Accelerator, tmp: Path, process_state: dict[str, Any] | None) -> None:
-    accelerator.save_state(str(tmp), safe_serialization=True)
+    hook = accelerator.register_save_state_pre_hook(_drop_tied_copies)
+    try:
+        accelerator.save_state(str(tmp), safe_serialization=True)
+    finally:
+        hook.remove()
     if process_state is not None:
         (tmp / f"process_state_{accelerator.process_index}.json").write_text(json.dumps(process_state))
+
+
+def _drop_tied_copies(models: list, weights: list[dict[str, Any]], output_dir: str) -> None:
+    """Tied weights (embeddings and LM head) are one tensor under two names, which safetensors stores once: keep the
+    first name, as Accelerate would when it writes the file, so it does not warn "Removed shared tensor" at every
+    checkpoint. The file is the same; loading ties the weights again."""
+    import collections
+
+    from accelerate.utils import id_tensor_storage
+
+    for state_dict in weights:
+        names = collections.defaultdict(list)
+        for name, tensor in state_dict.items():
+            if not isinstance(tensor, str):  # bitsandbytes' serialized entries
+                names[id_tensor_storage(tensor)].append(name)
+        for shared in names.values():
+            for name in shared[1:]:
+                del state_dict[name]
 
 
 def _complete_save(accelerator, tmp: Path, final: Path, config, recipe, tokenizer, shared, schedule) -> None:

@@ -59,6 +59,12 @@ class LossWindow:
         self.sums.zero_()
         return {"loss": total / count if count else None}
 
+    def local_loss(self) -> float | None:
+        """This process's mean loss of the window so far, without ending it or waiting for the others (the timed
+        progress line between logging steps)."""
+        total, count = self.sums.tolist()
+        return total / count if count else None
+
     def state_dict(self) -> dict[str, list[float]]:
         return {"sums": self.sums.tolist()}
 

@@ -135,12 +135,12 @@ def start_training(
     compiled=None,
 ) -> Training:  # fmt: skip
     """What logs the run: the trackers (tensorboard etc.: the config now, every metrics record later) and
-    `metrics.jsonl`; then the evaluation before training (`eval_on_start`, on a fresh run), the progress bar and
-    the throughput. `data` is the prepared data (its training rows give the FLOPs per token)."""
+    `metrics.jsonl`; then the evaluation before training (`eval_on_start`, on a fresh run), the progress bar, the
+    throughput and the timed progress lines (`log_every_seconds`). `data` is the prepared data (its training rows give the FLOPs per token)."""
     from ..progress import progress_bar
     from ..run.record import MetricsWriter
     from ..run.trackers import start_trackers
-    from .throughput import Throughput
+    from .throughput import Heartbeat, Throughput
 
     config, accelerator, state = run.config, run.accelerator, saved.state
     start_trackers(accelerator, config, run.recipe)
@@ -151,8 +151,12 @@ def start_training(
     progress = progress_bar(accelerator.is_main_process, config.disable_tqdm, total=plan.total_steps,
                             initial=state.global_step, desc="Training")  # fmt: skip
     throughput = Throughput(accelerator, model, data.train, run.timer, saved.counters, config.peak_flops)
+    heartbeat = None
+    if accelerator.is_main_process:  # it reads this process's counters only: no collective for the others to join
+        heartbeat = Heartbeat(config.log_every_seconds, run.timer, saved.counters, accelerator.num_processes,
+                              state.global_step)  # fmt: skip
     return Training(plan, saved, model, optimizer, lr_scheduler, train_loader, data, evaluation, compiled, metrics,
-                    progress, throughput)  # fmt: skip
+                    progress, throughput, heartbeat)  # fmt: skip
 
 
 def epochs(run: Run, loop: Training) -> Iterator[Any]:
@@ -177,10 +181,11 @@ def after_step(
     run: Run, loop: Training, window: list, grad_norm, learning_rate: float, data_advanced: bool = True
 ) -> bool:
     """After an optimizer step (`grad_norm` and `learning_rate` are the step's): count it, then log, evaluate, note
-    the best model, honour a stop signal, save, stop early, as each falls due. `data_advanced` False: the step trained
+    the best model, honour a stop signal, save, stop early, as each falls due; between logging steps, a timed progress
+    line (the first step's, then every `log_every_seconds`). `data_advanced` False: the step trained
     on `window` again (GRPO's updates before the last of a generation batch), so the data position stays. Returns
     True when the epoch's loop should end (the run stops or is done)."""
-    from ..run.logging import show_progress
+    from ..run.logging import show_heartbeat, show_progress
 
     config, state, plan, saved = run.config, loop.state, loop.plan, loop.saved
     if run.stop is not None:  # a non-finite step under nan_policy: stop (nothing logged or saved after it)
@@ -193,7 +198,11 @@ def after_step(
         loop.compiled.step_done()
     loop.progress.update(1)
     step = state.global_step
-    if step % config.logging_steps == 0 or step == plan.total_steps:
+    logging_step = step % config.logging_steps == 0 or step == plan.total_steps
+    if loop.heartbeat is not None and loop.heartbeat.due(logged=logging_step):  # a slow run is never silent long
+        figures = loop.heartbeat.figures(step, plan.total_steps, saved.figures.local_loss())
+        show_heartbeat(loop.progress, step, plan.total_steps, figures, run.log)
+    if logging_step:
         figures = saved.figures.pop(run.accelerator)  # means over the window's updated steps, all processes
         if figures["loss"] is not None:  # None: every step of the window was skipped as non-finite
             state.last_train_loss = figures["loss"]

@@ -86,7 +86,8 @@ class Checkpointed:
 @dataclass
 class Training:
     """What the loop holds while it trains, given whole by `start_training`: the plan, the checkpointed state, the
-    prepared objects, the data, the evaluation, and what logs the run (metrics.jsonl, progress bar, throughput)."""
+    prepared objects, the data, the evaluation, and what logs the run (metrics.jsonl, progress bar, throughput, the
+    timed progress lines)."""
 
     plan: Plan
     saved: Checkpointed
@@ -100,6 +101,7 @@ class Training:
     metrics: Any  # tunebook.run.record.MetricsWriter
     progress: Any
     throughput: Any  # tunebook.training.Throughput
+    heartbeat: Any = None  # tunebook.training.throughput.Heartbeat on the main process: timed lines between logs
 
     @property
     def state(self) -> RunState:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -11,7 +13,7 @@ from ..models.wrappers import unwrap
 from ..run.record import peak_rss_mb
 from .flops import dataset_flop_shape, device_peak_flops, mfu, model_flops_per_token
 
-__all__ = ["Throughput", "peak_memory"]
+__all__ = ["Heartbeat", "Throughput", "format_duration", "peak_memory"]
 
 
 class Throughput:
@@ -84,3 +86,58 @@ def peak_memory(device: torch.device) -> dict[str, float]:
             "peak_device_memory_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20,
         }
     return {"peak_rss_mb": peak_rss_mb()}
+
+
+class Heartbeat:
+    """A progress line between logging steps, so a slow run is never silent for long: after the first optimizer step
+    (a first line within seconds of the start) and then whenever `every_seconds` have passed since the last line,
+    whatever `logging_steps` says. A logging step's own line counts as one. The line is for the log only: the
+    window's figures and `metrics.jsonl` are untouched, and it reads this process's counters, with no collective, so
+    only the main process needs to ask (`due`).
+
+    Args:
+        every_seconds: the longest silence between lines (the config's `log_every_seconds`).
+        timer: the run's `RunTimer` (training time without evaluations and saves, for the rate and the ETA).
+        counters: this process's `TrainCounters` (tokens seen).
+        processes: how many processes train alike (this process's rate times it is the run's).
+        step: the optimizer step the loop starts from (a resumed run's).
+        clock: seconds, monotonic (a fake one in tests).
+    """
+
+    def __init__(self, every_seconds: float, timer, counters, processes: int, step: int,
+                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
+        self.every_seconds, self.timer, self.counters, self.processes = every_seconds, timer, counters, processes
+        self.clock, self.last = clock, None
+        self.start_step, self.start_tokens = step, int(counters.tokens_seen)
+
+    def due(self, logged: bool) -> bool:
+        """After an optimizer step: whether to log a timed line now. `logged`: the step logged its own line."""
+        now = self.clock()
+        if logged:
+            self.last = now
+            return False
+        if self.last is None or now - self.last >= self.every_seconds:
+            self.last = now
+            return True
+        return False
+
+    def figures(self, step: int, total_steps: int, loss: float | None) -> dict[str, str]:
+        """The line's figures: step, the window's loss so far (this process's), tokens/s, elapsed and ETA."""
+        runtime = self.timer.train_runtime()
+        steps = max(step - self.start_step, 1)
+        tokens = (int(self.counters.tokens_seen) - self.start_tokens) * self.processes
+        shown = {"loss so far": "-" if loss is None else f"{loss:.4f}"}
+        shown["tok/s"] = f"{tokens / runtime:,.0f}" if runtime > 0 else "-"
+        shown["elapsed"] = format_duration(time.perf_counter() - self.timer.train_start)  # evaluations included
+        shown["ETA"] = format_duration(runtime / steps * (total_steps - step))
+        return shown
+
+
+def format_duration(seconds: float) -> str:
+    """42s, 5m07s, 1h02m: a duration as a progress line shows it."""
+    seconds = max(int(round(seconds)), 0)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"

@@ -125,3 +125,25 @@ def test_model_options_come_from_the_config_in_one_object_and_keywords_override_
     assert model.config.use_cache is False  # the keyword took: checkpointing turns the KV cache off
     with pytest.raises(TypeError):
         build_causal_lm(tiny_tokenizer, plain, no_such_option=True)
+
+
+def test_a_new_head_on_a_pretrained_encoder_is_one_plain_line_not_transformers_load_report(
+    tmp_path, caplog, monkeypatch
+):
+    from transformers import BertConfig, BertModel
+
+    from tunebook.models.build import build_sequence_classifier
+
+    tokenizer = base_tokenizer()
+    encoder = BertModel(BertConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1,
+                                   num_attention_heads=2, intermediate_size=32))  # fmt: skip
+    encoder.save_pretrained(tmp_path / "encoder")
+    monkeypatch.setattr(logging.getLogger("transformers"), "propagate", True)  # its records reach caplog too
+    with caplog.at_level(logging.INFO):
+        build_sequence_classifier(tokenizer, ["a", "b"], model_name_or_path=str(tmp_path / "encoder"))
+    assert "LOAD REPORT" not in caplog.text and "\x1b[" not in caplog.text
+    lines = [r.getMessage() for r in caplog.records if r.name == "tunebook"]
+    assert f"Not in {tmp_path / 'encoder'}, so newly initialised (trained from a random start): classifier.bias, " \
+           "classifier.weight" in lines, lines  # fmt: skip
+    # The filter was on that one logger for the load only: transformers' later records pass.
+    assert not logging.getLogger("transformers.modeling_utils").filters

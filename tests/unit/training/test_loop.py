@@ -73,6 +73,7 @@ def _fake(events: _Events, config, step: int = 1, signal: int | None = None, bes
     )
     loop = SimpleNamespace(
         plan=Plan(total_steps=6, steps_per_epoch=3, micro_batches=6), saved=saved, state=saved.state, compiled=None,
+        heartbeat=None,  # the main process's timed lines: tests/unit/training/test_throughput.py
         progress=SimpleNamespace(update=lambda n: None), train_loader=[0, 1, 2],
         throughput=SimpleNamespace(window=lambda: {}), metrics=SimpleNamespace(write=lambda record: None),
         evaluation=lambda: events.append("evaluate") or {"eval_loss": 1.0},

@@ -72,3 +72,50 @@ def test_throughput_window_rates_mfu_and_memory(tiny_tokenizer, tiny_model_confi
     assert summary["mfu"] == pytest.approx(meter.flops_per_token * 100.0 / 1e9)
     assert summary["attention_span"] == 10.0 and summary["peak_flops_per_device"] == 1e9
     assert "mfu" not in Throughput(accelerator, model, dataset, timer, counters).window()  # CPU, no peak_flops
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_heartbeat_after_the_first_step_then_after_each_silence_of_its_interval():
+    from tunebook.training.throughput import Heartbeat
+
+    clock = _Clock()
+    beat = Heartbeat(30, RunTimer(), TrainCounters.zeros("cpu"), processes=1, step=0, clock=clock)
+    seen = []
+    # Steps of 7 s with logging_steps 10: the first step's line at once, then one whenever 30 s passed silently.
+    for step in range(1, 26):
+        clock.now += 7
+        if beat.due(logged=step % 10 == 0):
+            seen.append(step)
+    # 1 at once; 6: 35 s after it (5 was 28 s); 10 logs itself, so 15 is the first 30 s after that, and 25 after 20.
+    assert seen == [1, 6, 15, 25]
+    # A logging step's own line restarts the silence: nothing for 29 s after it, a line at 30 s.
+    beat = Heartbeat(30, RunTimer(), TrainCounters.zeros("cpu"), processes=1, step=0, clock=clock)
+    assert beat.due(logged=True) is False
+    clock.now += 29
+    assert beat.due(logged=False) is False
+    clock.now += 1
+    assert beat.due(logged=False) is True
+
+
+def test_heartbeat_figures_rate_elapsed_and_eta():
+    from types import SimpleNamespace
+
+    from tunebook.training.throughput import Heartbeat, format_duration
+
+    counters = TrainCounters.zeros("cpu")
+    counters.tokens_seen += 1000  # a resumed run's tokens before this session do not count
+    timer = SimpleNamespace(train_start=time.perf_counter() - 125, train_runtime=lambda: 100.0)
+    beat = Heartbeat(30, timer, counters, processes=2, step=40)
+    counters.tokens_seen += 5000
+    shown = beat.figures(step=50, total_steps=250, loss=1.23456)
+    # 5000 tokens on this process x 2 processes in 100 s; 10 steps in 100 s, 200 to go.
+    assert shown == {"loss so far": "1.2346", "tok/s": "100", "elapsed": "2m05s", "ETA": "33m20s"}
+    assert beat.figures(step=50, total_steps=250, loss=None)["loss so far"] == "-"
+    assert [format_duration(s) for s in (0.4, 42, 307, 3720, 90000)] == ["0s", "42s", "5m07s", "1h02m", "25h00m"]
