@@ -100,6 +100,7 @@ class Training:
     metrics: Any  # tunebook.run.record.MetricsWriter
     progress: Any
     throughput: Any  # tunebook.training.Throughput
+    samples: Callable[[], list[dict[str, str]]] | None = None  # replies to sample_prompts (evaluation.prompt_sampler)
 
     @property
     def state(self) -> RunState:
