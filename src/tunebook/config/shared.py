@@ -2,7 +2,9 @@
 logging, evaluation, checkpoints, processes) and `ModelDataConfig` / `ChatModelConfig` (model, tokenizer, LoRA, data).
 
 `CausalLMConfig` holds the fields of the recipes that train a causal LM (sft, pretrain, dpo, grpo), listed beside
-their other base class. They share fields, not behaviour: each class's `validate` runs a flat tuple of the plain functions in
+their other base class.
+
+They share fields, not behaviour: each class's `validate` runs a flat tuple of the plain functions in
 `tunebook.config.checks`, and calls no base class's `validate`.
 """
 

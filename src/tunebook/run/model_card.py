@@ -12,6 +12,7 @@ from typing import Any
 import huggingface_hub
 
 from ..data.sources import DataSource, parse_sources
+from ..errors import ConfigError
 from ..locations import hub_name_of_snapshot, looks_like_local_path
 from ..models.lora import BASE_MODEL_DIR
 from ..recipe import recipe_task
@@ -206,7 +207,7 @@ def _samples_section(output_dir: Path) -> list[str]:
     """The replies to `sample_prompts` at the first and the last evaluation (from metrics.jsonl), or nothing."""
     try:
         sampled = [r for r in read_metrics(output_dir)[1] if r.get("samples")]
-    except Exception:  # no metrics.jsonl (a card written for a folder that is not a run's): no section
+    except ConfigError:  # no metrics.jsonl (a card written for a folder that is not a run's): no section
         return []
     if not sampled:
         return []
@@ -216,8 +217,8 @@ def _samples_section(output_dir: Path) -> list[str]:
     rows = [
         (_one_line(s["prompt"]), *(_one_line(r.get(s["prompt"], "")) for r in replies)) for s in shown[-1]["samples"]
     ]
-    return ["## Sample generations\n\nGreedy replies to `sample_prompts` (every evaluation's are in `metrics.jsonl`).\n\n"
-            + _table(header, rows)]  # fmt: skip
+    intro = "Greedy replies to `sample_prompts` (every evaluation's are in `metrics.jsonl`)."
+    return [f"## Sample generations\n\n{intro}\n\n" + _table(header, rows)]
 
 
 def _one_line(text: str) -> str:

@@ -102,7 +102,8 @@ def log_samples(accelerator, samples: list[dict[str, str]], step: int) -> None:
 
 
 def samples_markdown(samples: list[dict[str, str]]) -> str:
-    """Prompts and replies as a Markdown table, each cell on one line (newlines shown as ⏎, `|` escaped; an empty reply, a turn ended at once, as *(empty)*)."""
+    """Prompts and replies as a Markdown table, each cell on one line (newlines shown as ⏎, `|` escaped; an empty
+    reply, a turn ended at once, as *(empty)*)."""
 
     def cell(text: str) -> str:
         return text.replace("|", "\\|").replace("\r\n", "\n").replace("\n", " ⏎ ") or "*(empty)*"
