@@ -23,6 +23,7 @@ from typing import TextIO
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+from transformers.utils import logging as hf_logging
 
 from ..errors import ConfigError, ModelError, first_line
 from ..evaluation.samples import generate_reply, prompt_ids
@@ -142,6 +143,8 @@ def load_chat_model(model_dir: str | Path, trust_remote_code: bool = False):
     path = Path(model_dir).expanduser()
     _check_model_dir(path)
     tokenizer = _tokenizer(path, trust_remote_code)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # transformers' "Loading weights" bar, in front of the conversation
     try:
         if (path / "adapter_config.json").is_file():
             model = _adapter_model(path, tokenizer, trust_remote_code)
@@ -149,6 +152,9 @@ def load_chat_model(model_dir: str | Path, trust_remote_code: bool = False):
             model = AutoModelForCausalLM.from_pretrained(path, dtype="auto", trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
         raise ModelError(f"{path}: the model does not load: {first_line(error)}") from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     return model.to("cuda" if torch.cuda.is_available() else "cpu").eval(), tokenizer
 
 

@@ -16,7 +16,9 @@ from tunebook.evaluation import generate_reply, prompt_ids, prompt_sampler, samp
 def chat_model(tiny_chat_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return AutoModelForCausalLM.from_pretrained(tiny_chat_model_dir), AutoTokenizer.from_pretrained(tiny_chat_model_dir)
+    return AutoModelForCausalLM.from_pretrained(tiny_chat_model_dir), AutoTokenizer.from_pretrained(
+        tiny_chat_model_dir
+    )
 
 
 def test_prompts_are_a_user_turn_with_the_generation_prompt_or_plain_text(tiny_tokenizer):
