@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from recipe_runs import _records, _run, _weights, _without_rates
+from recipe_runs import _records, _run, _signal_at, _weights, _without_rates
 from support import TINY_TEST_MODEL, launch
 
 pytestmark = pytest.mark.slow
@@ -31,6 +31,20 @@ def test_samples_at_every_evaluation_leave_the_run_as_it_was(name, tmp_path):
     # Greedy generation in eval mode: the same losses, evaluations and weights as without it.
     assert [_plain(r) for r in sampled] == [_plain(r) for r in plain]
     assert _weights(tmp_path / "sampled") == _weights(tmp_path / "plain")
+
+
+def test_a_run_with_samples_stopped_and_resumed_equals_the_uninterrupted_one(tmp_path, monkeypatch):
+    sampled = {"eval_steps": 2, "sample_prompts": ["12345"], "sample_max_new_tokens": 4}
+    _run("sft", tmp_path / "full", tmp_path / "cache", **sampled)
+    with monkeypatch.context() as patch:
+        _signal_at(patch, "sft", 3)
+        with pytest.raises(SystemExit):
+            _run("sft", tmp_path / "cut", tmp_path / "cache", **sampled)
+    _run("sft", tmp_path / "cut", tmp_path / "cache", **sampled, resume_from_checkpoint="latest")
+    full, cut = _records(tmp_path / "full"), _records(tmp_path / "cut")
+    assert [_without_rates(r) for r in cut] == [_without_rates(r) for r in full]  # the samples too
+    assert [r["step"] for r in cut if "samples" in r] == [2, 4, 6]
+    assert _weights(tmp_path / "cut") == _weights(tmp_path / "full")
 
 
 SMALL = ["--model_config", json.dumps(TINY_TEST_MODEL), "--disable_tqdm", "true", "--synthetic_train_size", "300",

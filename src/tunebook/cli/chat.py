@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
@@ -209,7 +210,9 @@ def _adapter_model(adapter_dir: Path, tokenizer, trust_remote_code: bool):
                                                 trust_remote_code=trust_remote_code)  # fmt: skip
     if len(tokenizer) > base.get_input_embeddings().weight.shape[0]:
         base.resize_token_embeddings(len(tokenizer))
-    return PeftModel.from_pretrained(base, adapter_dir)
+    with warnings.catch_warnings():  # peft asks transformers a deprecated question on loading: not the user's concern
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        return PeftModel.from_pretrained(base, adapter_dir)
 
 
 class Streamer(TextStreamer):
