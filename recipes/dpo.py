@@ -26,6 +26,7 @@ from tunebook import compat
 from tunebook.config import DPOConfig, load_config
 from tunebook.data import PairCollator, fingerprint, format_loss_mask, train_and_eval_loaders
 from tunebook.distributed import prepare_then_join
+from tunebook.evaluation import prompt_sampler
 from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options, whole_weights
 from tunebook.preference import (
     REFERENCE_FREE_LOSSES,
@@ -172,7 +173,10 @@ def main(config: DPOConfig) -> dict:
     evaluation = run_evaluation if eval_loader is not None else None
     figures = RewardStats(accelerator.device)  # loss, rewards and reward accuracy: means over the window's pairs
     saved = load_checkpoint_or_start(run, optimizer, lr_scheduler, train_loader, figures, evaluation is not None)
-    loop = start_training(run, plan, saved, model, optimizer, lr_scheduler, train_loader, data, evaluation, compiled)
+    samples = prompt_sampler(config, model, tokenizer, accelerator)  # sample_prompts, at each evaluation
+    loop = start_training(
+        run, plan, saved, model, optimizer, lr_scheduler, train_loader, data, evaluation, compiled, samples
+    )
     model.train()
     k = config.gradient_accumulation_steps
     for loader in epochs(run, loop):

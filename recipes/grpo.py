@@ -28,6 +28,7 @@ import torch
 from tunebook.config import GRPOConfig, load_config
 from tunebook.data import train_and_eval_loaders
 from tunebook.distributed import prepare_then_join
+from tunebook.evaluation import prompt_sampler
 from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options, unwrap, whole_weights
 from tunebook.preference import frozen_copy, partition_reference
 from tunebook.rl import PromptData, PromptRows, prepare_prompt_data, reference_examples, reward_inputs
@@ -209,7 +210,10 @@ def main(config: GRPOConfig) -> dict:
     saved = load_checkpoint_or_start(
         run, optimizer, lr_scheduler, train_loader, figures, evaluation is not None, pending_rollouts=pending
     )
-    loop = start_training(run, plan, saved, model, optimizer, lr_scheduler, train_loader, data, evaluation, compiled)
+    samples = prompt_sampler(config, model, tokenizer, accelerator)  # sample_prompts, at each evaluation
+    loop = start_training(
+        run, plan, saved, model, optimizer, lr_scheduler, train_loader, data, evaluation, compiled, samples
+    )
     model.train()
     k, device = config.gradient_accumulation_steps, accelerator.device
     for loader in epochs(run, loop):

@@ -37,7 +37,7 @@ from tunebook.data import (
     use_packed_attention,
 )
 from tunebook.distributed import prepare_then_join
-from tunebook.evaluation import evaluate_loss, generation_exact_match
+from tunebook.evaluation import evaluate_loss, generation_exact_match, prompt_sampler
 from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options
 from tunebook.training import (
     LossWindow,
@@ -134,7 +134,10 @@ def main(config: SFTConfig) -> dict:
     evaluation = run_evaluation if eval_loader is not None else None
     figures = LossWindow(accelerator.device)  # the logged loss: a mean over loss tokens
     saved = load_checkpoint_or_start(run, optimizer, lr_scheduler, train_loader, figures, evaluation is not None)
-    loop = start_training(run, plan, saved, model, optimizer, lr_scheduler, train_loader, data, evaluation, compiled)
+    samples = prompt_sampler(config, model, tokenizer, accelerator)  # sample_prompts, at each evaluation
+    loop = start_training(
+        run, plan, saved, model, optimizer, lr_scheduler, train_loader, data, evaluation, compiled, samples
+    )
     model.train()
     k = config.gradient_accumulation_steps
     for loader in epochs(run, loop):

@@ -13,7 +13,7 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from support import TINY_TEST_MODEL  # noqa: E402
+from support import TINY_TEST_MODEL, save_tiny_chat_model  # noqa: E402
 
 _real_connect = socket.socket.connect
 
@@ -46,3 +46,9 @@ def tiny_tokenizer():
 @pytest.fixture
 def tiny_model_config() -> dict:
     return dict(TINY_TEST_MODEL)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model_dir(tmp_path_factory):
+    """A saved tiny chat model that answers "hi" with `support.CHAT_REPLY` (trained once per session, ~2 s)."""
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat-model"))

@@ -165,3 +165,41 @@ def hold_lock(directory: Path) -> subprocess.Popen:
                               env=env)  # fmt: skip
     assert holder.stdout.readline().strip() == "locked"
     return holder
+
+
+CHAT_REPLY = "the answer is 42"
+
+
+def save_tiny_chat_model(directory: Path, steps: int = 120) -> Path:
+    """A tiny Llama and a locally trained ChatML tokenizer saved in `directory`, trained until it answers "hi" (or
+    "what is it?") with `CHAT_REPLY` and ends its turn with `<|im_end|>`. It learnt whole two-turn conversations, so
+    after its turn the text goes on (`<|im_start|>user ...`): a chat that missed the end of turn would print that.
+    Its generation config's EOS is `<|endoftext|>` (as a base model's is), the tokenizer's `<|im_end|>`: only a stop
+    rule that takes the tokenizer's end of turn stops it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tunebook.models.tokenizer import train_chat_tokenizer
+
+    questions = ["hi", "what is it?"]
+    tokenizer = train_chat_tokenizer([CHAT_REPLY, *questions, "user assistant system"] * 5, vocab_size=300)
+
+    def turn(question):
+        return [{"role": "user", "content": question}, {"role": "assistant", "content": CHAT_REPLY}]
+
+    texts = [tokenizer.apply_chat_template(turn(a) + turn(b), tokenize=False) for a in questions for b in questions]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    config = {k: v for k, v in TINY_TEST_MODEL.items() if k != "model_type"}
+    config.update(hidden_size=64, intermediate_size=128, vocab_size=len(tokenizer))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**config, pad_token_id=tokenizer.pad_token_id,
+                                         eos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>")))  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        model(**batch, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

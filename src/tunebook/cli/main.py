@@ -6,6 +6,7 @@
     tunebook export CHECKPOINT OUT_DIR [--merge] [--trust_remote_code]
     tunebook convert-gguf MODEL.gguf OUT_DIR
     tunebook report RUN_DIR [RUN_DIR ...] [--output FILE.png]
+    tunebook chat MODEL_DIR [--prompt TEXT] [--system TEXT] [--max_new_tokens N] [--temperature T]
 
 `prepare` builds the tokenised (and packed) data caches exactly as the recipe (`recipes/sft.py` by default) with the
 same config would, without loading model weights or starting training, prints what it built and the data's content
@@ -18,6 +19,7 @@ checkpoint gives its adapter directory, or with `--merge` the merged model. `con
 dequantises a GGUF checkpoint into a safetensors model directory (once; the recipes then load it with
 `model_name_or_path`). `report` re-renders each run's `report.png` from its `metrics.jsonl` and prints the runs'
 summaries side by side, led by the config keys that differ; `--output` also draws all the runs into one figure.
+`chat` talks to a saved causal LM or LoRA adapter (`tunebook.cli.chat`).
 
 RECIPE is a name of `tunebook.recipe.RECIPES`, the one map of recipe names, which `tunebook --help` lists.
 """
@@ -37,6 +39,7 @@ USAGE = """usage: tunebook train [ACCELERATE LAUNCH OPTIONS] RECIPE [--config FI
        tunebook export CHECKPOINT OUT_DIR [--merge] [--trust_remote_code]
        tunebook convert-gguf MODEL.gguf OUT_DIR
        tunebook report RUN_DIR [RUN_DIR ...] [--output FILE.png]
+       tunebook chat MODEL_DIR [--prompt TEXT] [--system TEXT] [--max_new_tokens N] [--temperature T]
 
 commands:
   train     accelerate launch a RECIPE (below) or a recipe .py file: the config is checked first, and a failure or a
@@ -49,6 +52,8 @@ commands:
             (auto_map) needs --trust_remote_code (never taken from the checkpoint's config.yaml)
   convert-gguf  write a Hugging Face model directory (float32 safetensors + tokenizer) from a GGUF file
   report    re-render runs' report.png and print their summaries side by side
+  chat      talk to a model a run saved (or its LoRA adapter) with its chat template, replies streamed; --prompt
+            answers once and exits; in the conversation an empty line or /exit quits, /reset clears the history
 """
 
 
@@ -178,6 +183,10 @@ def main(argv: list[str] | None = None) -> None:
         prepare(rest)
     elif command == "report":
         report(rest)
+    elif command == "chat":
+        from .chat import chat
+
+        chat(rest)
     elif command in ("export", "convert-gguf"):
         flags = set(rest) & ({"--merge", "--trust_remote_code"} if command == "export" else set())
         rest = [a for a in rest if a not in flags]

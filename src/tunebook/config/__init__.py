@@ -5,7 +5,8 @@
   coercion, aliases) and the way back (`save_config`, `--help`);
 - `checks`: the rules that tie keys together, one plain function each, run by each class's `validate` in a flat
   tuple;
-- `shared`: the fields every recipe shares (`TrainConfig`, `ModelDataConfig`, `ChatModelConfig`);
+- `shared`: the fields every recipe shares (`TrainConfig`, `ModelDataConfig`, `ChatModelConfig`) and the
+  causal-LM recipes' (`CausalLMConfig`);
 - `sft`, `classify`, `pretrain`, `dpo`, `reward`, `grpo`: each recipe's config class, named as its recipe file.
 
 Everything a recipe, a notebook or a test needs is importable from `tunebook.config`. Nothing here imports torch:
@@ -33,13 +34,14 @@ from .parsing import (
 from .pretrain import PretrainConfig
 from .reward import RewardConfig
 from .sft import SFTConfig
-from .shared import ChatModelConfig, ModelDataConfig, TrainConfig
+from .shared import CausalLMConfig, ChatModelConfig, ModelDataConfig, TrainConfig
 
 __all__ = [
     "ALIASES",
     "BUILTIN_REWARDS",
     "TRACKERS",
     "Bounds",
+    "CausalLMConfig",
     "ChatModelConfig",
     "ClassifyConfig",
     "ConfigError",

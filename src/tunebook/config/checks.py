@@ -193,6 +193,17 @@ def check_data_files(config: Any) -> None:
 # One recipe's keys
 
 
+def check_sample_prompts(config: Any) -> None:  # sft, pretrain, dpo, grpo
+    for position, prompt in enumerate(config.sample_prompts, 1):
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ConfigError(f"sample_prompts: item {position} must be a non-empty string, got {prompt!r} (quote "
+                              "prompts that YAML would read as numbers: --sample_prompts '[\"12345\"]')")  # fmt: skip
+    evaluates = config.train_data is None or config.eval_data is not None or config.eval_split_ratio > 0
+    if config.sample_prompts and not evaluates:
+        raise ConfigError("sample_prompts are answered at each evaluation, and this run has no eval data: set "
+                          "eval_data or eval_split_ratio")  # fmt: skip
+
+
 def check_streamed_group_by_length(config: Any) -> None:  # sft
     if _streamed(config.train_data) and config.group_by_length:
         raise ConfigError("group_by_length with streaming: true: a stream's lengths are not known ahead to group "

@@ -11,15 +11,16 @@ from .checks import (
     check_label_smoothing,
     check_reference_to_precompute,
     check_rpo_alpha,
+    check_sample_prompts,
 )
 from .fields import config_field, new_default
-from .shared import ChatModelConfig, fill_cache_dir, fill_tiny_model
+from .shared import CausalLMConfig, ChatModelConfig, fill_cache_dir, fill_tiny_model
 
 __all__ = ["DPOConfig"]
 
 
 @dataclass
-class DPOConfig(ChatModelConfig):
+class DPOConfig(CausalLMConfig, ChatModelConfig):
     """Direct Preference Optimization of a causal LM on (prompt, chosen, rejected) pairs.
 
     The defaults are the embedded offline run: generated preference pairs over the SFT default's digit task (the
@@ -114,5 +115,6 @@ class DPOConfig(ChatModelConfig):
             check_label_smoothing,
             check_rpo_alpha,
             check_reference_to_precompute,
+            check_sample_prompts,
         ):
             check(self)

@@ -11,16 +11,17 @@ from .checks import (
     check_reward_functions,
     check_reward_model,
     check_reward_weights,
+    check_sample_prompts,
     check_some_reward,
 )
 from .fields import config_field, new_default
-from .shared import ChatModelConfig, fill_cache_dir, fill_tiny_model
+from .shared import CausalLMConfig, ChatModelConfig, fill_cache_dir, fill_tiny_model
 
 __all__ = ["GRPOConfig"]
 
 
 @dataclass
-class GRPOConfig(ChatModelConfig):
+class GRPOConfig(CausalLMConfig, ChatModelConfig):
     """Group Relative Policy Optimization of a causal LM on prompts, with rewards from Python functions.
 
     The defaults are the embedded offline run: the SFT default's digit task as prompts with reference answers, a
@@ -184,5 +185,6 @@ class GRPOConfig(ChatModelConfig):
             check_reward_functions,
             check_reward_weights,
             check_reward_model,
+            check_sample_prompts,
         ):
             check(self)

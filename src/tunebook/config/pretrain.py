@@ -5,15 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from .checks import MODEL_DATA_CHECKS, TRAINING_CHECKS
+from .checks import MODEL_DATA_CHECKS, TRAINING_CHECKS, check_sample_prompts
 from .fields import config_field, new_default
-from .shared import ModelDataConfig
+from .shared import CausalLMConfig, ModelDataConfig
 
 __all__ = ["PretrainConfig"]
 
 
 @dataclass
-class PretrainConfig(ModelDataConfig):
+class PretrainConfig(CausalLMConfig, ModelDataConfig):
     """Continued pretraining of a causal LM on plain text (next-token loss on every token).
 
     The defaults are the embedded offline run: generated topical documents, a locally trained tokenizer and a
@@ -49,5 +49,5 @@ class PretrainConfig(ModelDataConfig):
     )
 
     def validate(self) -> None:
-        for check in (*TRAINING_CHECKS, *MODEL_DATA_CHECKS):
+        for check in (*TRAINING_CHECKS, *MODEL_DATA_CHECKS, check_sample_prompts):
             check(self)

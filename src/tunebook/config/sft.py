@@ -5,15 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from .checks import MODEL_DATA_CHECKS, TRAINING_CHECKS, check_split_turns, check_streamed_group_by_length
+from .checks import (
+    MODEL_DATA_CHECKS,
+    TRAINING_CHECKS,
+    check_sample_prompts,
+    check_split_turns,
+    check_streamed_group_by_length,
+)
 from .fields import config_field, new_default
-from .shared import ChatModelConfig
+from .shared import CausalLMConfig, ChatModelConfig
 
 __all__ = ["SFTConfig"]
 
 
 @dataclass
-class SFTConfig(ChatModelConfig):
+class SFTConfig(CausalLMConfig, ChatModelConfig):
     """Supervised fine-tuning of a causal LM on instruction or chat data.
 
     The defaults are the embedded offline run: a synthetic digit task, a locally trained tokenizer and a tiny
@@ -98,5 +104,6 @@ class SFTConfig(ChatModelConfig):
     streams: ClassVar[bool] = True
 
     def validate(self) -> None:
-        for check in (*TRAINING_CHECKS, *MODEL_DATA_CHECKS, check_streamed_group_by_length, check_split_turns):
+        for check in (*TRAINING_CHECKS, *MODEL_DATA_CHECKS, check_streamed_group_by_length, check_split_turns,
+                      check_sample_prompts):  # fmt: skip
             check(self)

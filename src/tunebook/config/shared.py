@@ -1,6 +1,9 @@
 """The config classes every recipe's config builds on: `TrainConfig` (outputs, optimisation, batching, speed,
 logging, evaluation, checkpoints, processes) and `ModelDataConfig` / `ChatModelConfig` (model, tokenizer, LoRA, data).
 
+`CausalLMConfig` holds the fields of the recipes that train a causal LM (sft, pretrain, dpo, grpo), listed beside
+their other base class.
+
 They share fields, not behaviour: each class's `validate` runs a flat tuple of the plain functions in
 `tunebook.config.checks`, and calls no base class's `validate`.
 """
@@ -14,7 +17,7 @@ from .checks import MODEL_DATA_CHECKS, TRAINING_CHECKS, check_data_files
 from .fields import config_field, inherit_new_defaults
 from .tiny import TINY_LLAMA
 
-__all__ = ["ChatModelConfig", "ModelDataConfig", "TrainConfig", "fill_cache_dir", "fill_tiny_model"]
+__all__ = ["CausalLMConfig", "ChatModelConfig", "ModelDataConfig", "TrainConfig", "fill_cache_dir", "fill_tiny_model"]
 
 
 def fill_cache_dir(config) -> None:
@@ -454,4 +457,22 @@ class ChatModelConfig(ModelDataConfig):
         "turn becomes eos_token, so the model learns to stop.",
         None,
         section="model",
+    )
+
+
+@dataclass
+class CausalLMConfig:
+    """Fields of the recipes that train a causal LM (sft, pretrain, dpo, grpo; fields only): a second base class,
+    listed first (`class SFTConfig(CausalLMConfig, ChatModelConfig)`), so its keys follow the shared ones."""
+
+    sample_prompts: list[str] = config_field(
+        "Prompts the model answers at every evaluation (the one before training too), greedily: the replies go to "
+        "the log, metrics.jsonl (key samples), the trackers (tensorboard: text) and the model card. A user turn in "
+        "the chat template (sft, dpo, grpo) or plain text (pretrain). Needs eval data. "
+        'On the command line a YAML list: --sample_prompts \'["What is 2+2?", "12345"]\'.',
+        default_factory=list,
+        section="evaluation",
+    )
+    sample_max_new_tokens: int = config_field(
+        "Tokens generated at most per sample prompt.", 64, bounds="[1, 4096]", section="evaluation"
     )

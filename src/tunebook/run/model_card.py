@@ -12,10 +12,11 @@ from typing import Any
 import huggingface_hub
 
 from ..data.sources import DataSource, parse_sources
+from ..errors import ConfigError
 from ..locations import hub_name_of_snapshot, looks_like_local_path
 from ..models.lora import BASE_MODEL_DIR
 from ..recipe import recipe_task
-from .report import format_cell
+from .report import format_cell, read_metrics
 from .upload import has_model, shareable_config, shareable_path
 
 __all__ = ["write_model_card"]
@@ -64,6 +65,7 @@ def _card(model_dir: Path, output_dir: Path, summary, config, *, lora: bool, mer
         "## Data\n\n" + _data_text(config, train, evaluation),
         "## Training settings\n\n" + _settings_text(summary, config, lora or merged),
         "## Results\n\n" + _results_text(summary),
+        *_samples_section(output_dir),
         "## How to load\n\n" + _load_text(model_dir, output_dir, ref, recipe, config, lora, merged),
         "## Framework versions\n\n" + _versions_text(summary),
     ]
@@ -199,6 +201,28 @@ def _results_text(summary) -> str:
     parts.append(_table(["training", ""], rows))
     parts.append("Every logged step and evaluation is in `metrics.jsonl`, the summary in `summary.json`.")
     return "\n\n".join(parts)
+
+
+def _samples_section(output_dir: Path) -> list[str]:
+    """The replies to `sample_prompts` at the first and the last evaluation (from metrics.jsonl), or nothing."""
+    try:
+        sampled = [r for r in read_metrics(output_dir)[1] if r.get("samples")]
+    except ConfigError:  # no metrics.jsonl (a card written for a folder that is not a run's): no section
+        return []
+    if not sampled:
+        return []
+    shown = [sampled[0], sampled[-1]] if len(sampled) > 1 else sampled[:1]
+    header = ["prompt", *("before training" if r["step"] == 0 else f"step {r['step']}" for r in shown)]
+    replies = [{s["prompt"]: s["completion"] for s in r["samples"]} for r in shown]
+    rows = [
+        (_one_line(s["prompt"]), *(_one_line(r.get(s["prompt"], "")) for r in replies)) for s in shown[-1]["samples"]
+    ]
+    intro = "Greedy replies to `sample_prompts` (every evaluation's are in `metrics.jsonl`)."
+    return [f"## Sample generations\n\n{intro}\n\n" + _table(header, rows)]
+
+
+def _one_line(text: str) -> str:
+    return text.replace("\n", " ⏎ ") or "*(empty)*"  # a reply that ended its turn at once
 
 
 def _load_text(model_dir: Path, output_dir: Path, ref: str, recipe: str, config, lora: bool, merged: bool) -> str:

@@ -66,9 +66,11 @@ class MetricsWriter:
             with open(self.path, "a") as f:
                 f.write(json.dumps(_jsonable(record)) + "\n")
             if self.accelerator is not None and self.accelerator.trackers:
-                from .trackers import tracker_values
+                from .trackers import log_samples, tracker_values
 
                 self.accelerator.log(tracker_values(_jsonable(record)), step=record["step"])
+                if record.get("samples"):  # replies to sample_prompts: text, which tracker_values leaves out
+                    log_samples(self.accelerator, record["samples"], record["step"])
 
 
 class RunTimer:

@@ -18,7 +18,15 @@ from typing import Any
 from ..config import TRACKERS, report_to_names
 from ..errors import ConfigError
 
-__all__ = ["TRACKERS", "resolve_report_to", "start_trackers", "tracker_values", "trackers_dir"]
+__all__ = [
+    "TRACKERS",
+    "log_samples",
+    "resolve_report_to",
+    "samples_markdown",
+    "start_trackers",
+    "tracker_values",
+    "trackers_dir",
+]
 
 
 def resolve_report_to(report_to: str | list[str]) -> list[str]:
@@ -79,6 +87,29 @@ def tracker_values(record: dict[str, Any]) -> dict[str, float]:
             continue
         values[f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"] = value
     return values
+
+
+def log_samples(accelerator, samples: list[dict[str, str]], step: int) -> None:
+    """The replies to `sample_prompts` of one evaluation, as each tracker shows text: wandb a table (step, prompt,
+    completion), as TRL logs its completions; tensorboard a Markdown table in its Text tab (`samples`). The other
+    trackers take numbers only; the replies stay in metrics.jsonl and the log."""
+    for tracker in accelerator.trackers:
+        if tracker.name == "wandb":
+            rows = [[step, s["prompt"], s["completion"]] for s in samples]
+            tracker.log_table("samples", columns=["step", "prompt", "completion"], data=rows, step=step)
+        elif tracker.name == "tensorboard":
+            tracker.log({"samples": samples_markdown(samples)}, step=step)  # accelerate: add_text for a str
+
+
+def samples_markdown(samples: list[dict[str, str]]) -> str:
+    """Prompts and replies as a Markdown table, each cell on one line (newlines shown as ⏎, `|` escaped; an empty
+    reply, a turn ended at once, as *(empty)*)."""
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\r\n", "\n").replace("\n", " ⏎ ") or "*(empty)*"
+
+    rows = [f"| {cell(s['prompt'])} | {cell(s['completion'])} |" for s in samples]
+    return "\n".join(["| prompt | completion |", "| --- | --- |", *rows])
 
 
 def _hparam(value: Any) -> int | float | str | bool:

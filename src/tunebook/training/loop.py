@@ -132,11 +132,13 @@ def load_checkpoint_or_start(
 
 def start_training(
     run: Run, plan: Plan, saved: Checkpointed, model, optimizer, lr_scheduler, train_loader, data, evaluation,
-    compiled=None,
+    compiled=None, samples=None,
 ) -> Training:  # fmt: skip
     """What logs the run: the trackers (tensorboard etc.: the config now, every metrics record later) and
     `metrics.jsonl`; then the evaluation before training (`eval_on_start`, on a fresh run), the progress bar, the
-    throughput and the timed progress lines (`log_every_seconds`). `data` is the prepared data (its training rows give the FLOPs per token)."""
+    throughput and the timed progress lines (`log_every_seconds`). `data` is the prepared data (its training rows
+    give the FLOPs per token). `samples`: what answers `sample_prompts` at every evaluation
+    (`tunebook.evaluation.prompt_sampler`), or None."""
     from ..progress import progress_bar
     from ..run.record import MetricsWriter
     from ..run.trackers import start_trackers
@@ -147,7 +149,7 @@ def start_training(
     resumed_step = state.global_step if saved.resumed_from else None
     metrics = MetricsWriter(run.output_dir / "metrics.jsonl", accelerator.is_main_process, resumed_step, accelerator)
     if evaluation is not None and config.eval_on_start and saved.resumed_from is None:
-        _evaluate(run, evaluation, saved, metrics, 0, "Before training")
+        _evaluate(run, evaluation, saved, metrics, 0, "Before training", samples)
     progress = progress_bar(accelerator.is_main_process, config.disable_tqdm, total=plan.total_steps,
                             initial=state.global_step, desc="Training")  # fmt: skip
     throughput = Throughput(accelerator, model, data.train, run.timer, saved.counters, config.peak_flops)
@@ -156,7 +158,7 @@ def start_training(
         heartbeat = Heartbeat(config.log_every_seconds, run.timer, saved.counters, accelerator.num_processes,
                               state.global_step)  # fmt: skip
     return Training(plan, saved, model, optimizer, lr_scheduler, train_loader, data, evaluation, compiled, metrics,
-                    progress, throughput, heartbeat)  # fmt: skip
+                    progress, throughput, heartbeat, samples)  # fmt: skip
 
 
 def epochs(run: Run, loop: Training) -> Iterator[Any]:
@@ -220,7 +222,7 @@ def after_step(
     epoch_done = state.batches_in_epoch >= len(loop.train_loader)
     new_best = False
     if loop.evaluation is not None and eval_due(config, step, plan.total_steps, epoch_done):
-        new_best = _evaluate(run, loop.evaluation, saved, loop.metrics, step, f"Step {step}")
+        new_best = _evaluate(run, loop.evaluation, saved, loop.metrics, step, f"Step {step}", loop.samples)
     signum = run.signals.requested(run.accelerator)
     if signum:  # preemption or Ctrl-C: this step is done and evaluated; save it and leave
         if _save(run, loop, f"stopped by signal {signum}"):
@@ -245,15 +247,19 @@ def _mixture_shares(run: Run, loop: Training) -> dict[str, float]:
     return {f"mixture/{n}": d["share"] for n, d in resumable(loop.train_loader).delivered(run.accelerator).items()}
 
 
-def _evaluate(run: Run, evaluation, saved: Checkpointed, metrics, step: int, label: str) -> bool:
-    """Evaluate now (not counted as training time), log and record it; True if it is the best so far."""
+def _evaluate(run: Run, evaluation, saved: Checkpointed, metrics, step: int, label: str, samples=None) -> bool:
+    """Evaluate now (not counted as training time), log and record it; True if it is the best so far. The replies
+    to `sample_prompts` go to the log and the record, not into the evaluation's results (nor checkpoints)."""
     from .compilation import eager
 
     with run.timer.paused(), eager():  # evaluation's shapes would compile graphs of their own
         results = evaluation()
+        replies = samples() if samples is not None else []
     saved.state.eval_history[step] = results
     run.log.info("%s: %s", label, results)
-    metrics.write({"step": step, **results})
+    for reply in replies:
+        run.log.info("  sample %r -> %r", reply["prompt"], reply["completion"])
+    metrics.write({"step": step, **results, **({"samples": replies} if replies else {})})
     return step > 0 and saved.best is not None and saved.best.update(step, results)
 
 
@@ -295,7 +301,7 @@ def finish(run: Run, loop: Training, headline: tuple[str, str, str] | None = Non
     if loop.evaluation is not None:
         step = state.global_step
         if step not in state.eval_history:  # the last step's own weights, before the best is chosen
-            _evaluate(run, loop.evaluation, saved, loop.metrics, step, "Final evaluation")
+            _evaluate(run, loop.evaluation, saved, loop.metrics, step, "Final evaluation", loop.samples)
         final_eval = state.eval_history[step]
         best = saved.best
         if config.load_best_model_at_end and best is not None and best.best_step not in (None, step):

@@ -53,7 +53,7 @@ RUN_CONTROL_KEYS = frozenset(
         "dataloader_pin_memory", "dataloader_non_blocking", "dataset_num_proc", "peak_flops", "nan_policy",
         "per_device_eval_batch_size", "eval_data", "generation_eval", "generation_max_new_tokens",
         "generation_eval_max_samples", "metrics", "metric_average", "push_to_hub", "hub_model_id", "hub_private_repo",
-        "merge_adapter", "trust_remote_code",
+        "merge_adapter", "trust_remote_code", "sample_prompts", "sample_max_new_tokens",
     }
 )  # fmt: skip
 # Keys applied to the optimizer and the schedule from the step the run resumes at.

@@ -102,6 +102,7 @@ class Training:
     progress: Any
     throughput: Any  # tunebook.training.Throughput
     heartbeat: Any = None  # tunebook.training.throughput.Heartbeat on the main process: timed lines between logs
+    samples: Callable[[], list[dict[str, str]]] | None = None  # replies to sample_prompts (evaluation.prompt_sampler)
 
     @property
     def state(self) -> RunState:

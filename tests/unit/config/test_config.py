@@ -342,3 +342,26 @@ def test_a_config_with_two_faults_reports_the_first_check(cls_name, values, mess
     with pytest.raises(ConfigError) as error:
         getattr(tunebook.config, cls_name)(**values).validate()
     assert str(error.value).startswith(message)
+
+
+def test_sample_prompts_in_the_causal_lm_configs_only(tmp_path):
+    from tunebook.config import ClassifyConfig, DPOConfig, GRPOConfig, PretrainConfig, RewardConfig
+
+    config = load_config(SFTConfig, ["--sample_prompts", '["12345", "Sort the digits.\\n312"]'])
+    assert config.sample_prompts == ["12345", "Sort the digits.\n312"] and config.sample_max_new_tokens == 64
+    for cls in (PretrainConfig, DPOConfig, GRPOConfig):
+        assert parse_config(cls, overrides={"sample_prompts": '["hi"]'}).sample_prompts == ["hi"]
+    assert SFTConfig().sample_prompts == [] and SFTConfig().sample_prompts is not SFTConfig().sample_prompts
+    for cls in (ClassifyConfig, RewardConfig):  # no generations from a classifier
+        with pytest.raises(ConfigError, match="unknown config key 'sample_prompts'"):
+            parse_config(cls, overrides={"sample_prompts": '["hi"]'})
+    with pytest.raises(ConfigError, match=r"sample_prompts: item 2 must be a non-empty string, got 12345 \(quote"):
+        load_config(SFTConfig, ["--sample_prompts", "[hi, 12345]"])
+    with pytest.raises(ConfigError, match="sample_max_new_tokens' must be in"):
+        load_config(SFTConfig, ["--sample_max_new_tokens", "0"])
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "a", "completion": "b"}\n')
+    with pytest.raises(ConfigError, match="this run has no eval data: set eval_data or eval_split_ratio"):
+        load_config(SFTConfig, ["--train_data", str(data), "--sample_prompts", "[hi]"])
+    assert load_config(SFTConfig, ["--train_data", str(data), "--eval_split_ratio", "0.1",
+                                   "--sample_prompts", "[hi]"]).sample_prompts == ["hi"]  # fmt: skip

@@ -326,3 +326,21 @@ def test_shareable_paths(tmp_path):
     assert shareable_path(str(tmp_path / "gone" / "step-3"), out) == "../gone/step-3"  # need not exist
     for unchanged in ("exact_match", "org/name", "data/train.jsonl", "^/\\d+$", "/(\\d+)/", "{{ '/' }}\n"):
         assert shareable_path(unchanged, out) == unchanged
+
+
+def test_the_card_shows_the_sample_replies_before_training_and_at_the_last_evaluation(tmp_path):
+    records = [
+        {"step": 0, "eval_loss": 3.0, "samples": [{"prompt": "12345", "completion": "��"}, {"prompt": "a\nb", "completion": ""}]},
+        {"step": 5, "loss": 2.0},
+        {"step": 10, "eval_loss": 1.0, "samples": [{"prompt": "12345", "completion": "54321"}, {"prompt": "a\nb", "completion": "c"}]},
+        {"step": 20, "eval_loss": 0.5, "samples": [{"prompt": "12345", "completion": "54321"}, {"prompt": "a\nb", "completion": "b a"}]},
+    ]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    card = write_model_card(tmp_path, SUMMARY, _config(use_peft=False)).read_text()
+    assert "## Sample generations" in card
+    assert (
+        "| prompt | before training | step 20 |\n|---|---|---|\n| 12345 | �� | 54321 |\n| a ⏎ b | *(empty)* | b a |"
+        in card
+    )
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(records[1]) + "\n")
+    assert "Sample generations" not in write_model_card(tmp_path, SUMMARY, _config(use_peft=False)).read_text()

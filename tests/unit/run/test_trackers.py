@@ -40,3 +40,24 @@ def test_tracker_values_group_train_and_eval_scalars():
     }
     evaluation = {"step": 4, "eval_loss": 0.7, "eval_accuracy": 0.9, "eval_sample": "text", "eval_best": None}
     assert tracker_values(evaluation) == {"eval/loss": 0.7, "eval/accuracy": 0.9}
+
+
+def test_samples_go_to_tensorboard_as_text_and_to_wandb_as_a_table():
+    from types import SimpleNamespace
+
+    from tunebook.run.trackers import log_samples, samples_markdown
+
+    calls = []
+    trackers = [
+        SimpleNamespace(name="tensorboard", log=lambda values, step: calls.append(("text", values, step))),
+        SimpleNamespace(name="wandb", log_table=lambda name, columns, data, step: calls.append((name, columns, data))),
+        SimpleNamespace(name="mlflow", log=lambda values, step: calls.append(("numbers only", values))),
+    ]
+    samples = [{"prompt": "Sort | these\n312", "completion": "123"}, {"prompt": "hi", "completion": ""}]
+    log_samples(SimpleNamespace(trackers=trackers), samples, step=7)
+    table = "| prompt | completion |\n| --- | --- |\n| Sort \\| these ⏎ 312 | 123 |\n| hi | *(empty)* |"
+    assert samples_markdown(samples) == table
+    assert calls == [
+        ("text", {"samples": table}, 7),
+        ("samples", ["step", "prompt", "completion"], [[7, "Sort | these\n312", "123"], [7, "hi", ""]]),
+    ]

@@ -76,7 +76,7 @@ def _fake(events: _Events, config, step: int = 1, signal: int | None = None, bes
         heartbeat=None,  # the main process's timed lines: tests/unit/training/test_throughput.py
         progress=SimpleNamespace(update=lambda n: None), train_loader=[0, 1, 2],
         throughput=SimpleNamespace(window=lambda: {}), metrics=SimpleNamespace(write=lambda record: None),
-        evaluation=lambda: events.append("evaluate") or {"eval_loss": 1.0},
+        evaluation=lambda: events.append("evaluate") or {"eval_loss": 1.0}, samples=None,
     )  # fmt: skip
     return run, loop
 
@@ -132,3 +132,16 @@ def test_the_last_step_ends_the_loop(saves):
     run, loop = _fake(saves, _config(), step=6)
     assert after_step(run, loop, window=[0], grad_norm=1.0, learning_rate=0.1)
     assert "evaluate" not in saves  # the last step's evaluation is finish's
+
+
+def test_sample_replies_go_to_the_log_and_the_record_not_into_the_evaluation(saves, caplog):
+    run, loop = _fake(saves, _config(eval_steps=2), step=2)
+    written = []
+    loop.metrics = SimpleNamespace(write=written.append)
+    loop.samples = lambda: saves.append("samples") or [{"prompt": "12345", "completion": "54321"}]
+    with caplog.at_level(logging.INFO, logger="tunebook"):
+        after_step(run, loop, window=[0], grad_norm=1.0, learning_rate=0.1)
+    assert saves[saves.index("evaluate") + 1] == "samples"  # with the evaluation, the model in the same state
+    assert written[-1] == {"step": 2, "eval_loss": 1.0, "samples": [{"prompt": "12345", "completion": "54321"}]}
+    assert loop.state.eval_history[2] == {"eval_loss": 1.0}  # the best model and checkpoints never see them
+    assert "  sample '12345' -> '54321'" in caplog.text
