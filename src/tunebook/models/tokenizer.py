@@ -23,6 +23,7 @@ __all__ = [
     "CHATML_TEMPLATE",
     "config_tokenizer",
     "load_tokenizer",
+    "save_tokenizer",
     "setup_chat_template",
     "text_pieces",
     "tokenizer_max_chars",
@@ -175,12 +176,25 @@ def _train_into(directory: Path, texts, vocab_size: int, kind: str, max_chars: i
 
     tokenizer = TRAINERS[kind](bounded(texts()), vocab_size)
     tmp = directory.with_name(f"{directory.name}.tmp{os.getpid()}")
-    tokenizer.save_pretrained(tmp)
+    save_tokenizer(tokenizer, tmp)
     (tmp / TOKENIZER_STATS).write_text(json.dumps({"texts_overlong": left_out, "max_chars": max_chars}))
     try:
         tmp.rename(directory)
     except OSError:  # another process finished first; its files are identical
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# What transformers' `from_pretrained` records in a tokenizer's init_kwargs about how it was loaded (from a local
+# folder, offline), which `save_pretrained` would write into tokenizer_config.json: a saved model would then tell
+# whoever loads it, on another machine, that it is local and to be loaded from local files only.
+LOADING_KWARGS = ("is_local", "local_files_only")
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerBase, directory: str | Path) -> None:
+    """`tokenizer.save_pretrained(directory)` without the loading flags (`LOADING_KWARGS`) in its config."""
+    for key in LOADING_KWARGS:
+        tokenizer.init_kwargs.pop(key, None)
+    tokenizer.save_pretrained(directory)
 
 
 def tokenizer_max_chars(max_tokens: int) -> int:
@@ -239,7 +253,11 @@ def config_tokenizer(
 def load_tokenizer(
     name_or_path: str, trust_remote_code: bool = False, revision: str | None = None
 ) -> PreTrainedTokenizerBase:
-    """`AutoTokenizer.from_pretrained` with a readable error for a missing path or an offline Hub name."""
+    """`AutoTokenizer.from_pretrained` with a readable error for a missing path or an offline Hub name; a `pip:`
+    name loads the model an installed package holds (`tunebook.models.gguf.resolve_model_name`)."""
+    from .gguf import resolve_model_name
+
+    name_or_path = resolve_model_name(name_or_path)
     if looks_like_local_path(name_or_path) and not Path(name_or_path).expanduser().exists():
         raise ModelError(f"tokenizer path not found: {name_or_path}")
     if Path(name_or_path).expanduser().is_file():

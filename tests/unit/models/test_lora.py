@@ -66,14 +66,15 @@ def test_lora_trains_only_adapters_and_the_merged_model_has_the_same_logits(
     with torch.no_grad():
         assert torch.equal(model(**batch).logits, logits)
 
-    # The output: an adapter directory (AutoPeftModel finds the saved base), and the merged plain model.
+    # The output: an adapter directory (load_adapter_model finds the saved base), and the merged plain model.
     save_adapter(accelerator, model, tiny_tokenizer, tmp_path / "out", merge=True)
-    from peft import AutoPeftModelForCausalLM
     from transformers import AutoModelForCausalLM
+
+    from tunebook.models import load_adapter_model
 
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
     with torch.no_grad():
-        adapter_logits = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "out").eval()(**inputs).logits
+        adapter_logits = load_adapter_model(tmp_path / "out").eval()(**inputs).logits
         merged_logits = AutoModelForCausalLM.from_pretrained(tmp_path / "out/merged").eval()(**inputs).logits
     torch.testing.assert_close(adapter_logits, logits, rtol=0, atol=1e-5)
     torch.testing.assert_close(merged_logits, adapter_logits, rtol=0, atol=1e-5)
