@@ -156,8 +156,9 @@ def adapter_writer(accelerator, model, tokenizer, output_dir: str | Path, merge:
         _copy_sharded_base(peft_model, output_dir, accelerator)
 
     def write() -> None:
-        _point_at_base(peft_model, _base_model_path(peft_model, output_dir), output_dir)
+        _point_at_base(peft_model, _base_model_path(peft_model, output_dir))
         peft_model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
+        _record_base_relative(output_dir)
         save_tokenizer(tokenizer, output_dir)
         if merge:
             merge_adapter_dir(output_dir, output_dir / "merged")
@@ -178,8 +179,9 @@ def save_checkpoint_adapter(accelerator, peft_model, adapter_dir: Path, run_dir:
         adapters = {k: _full(v) for k, v in state.items() if id(v) in kept}  # full names, as save_pretrained filters
         _copy_sharded_base(peft_model, run_dir, accelerator)
     if accelerator.is_main_process:
-        _point_at_base(peft_model, _base_model_path(peft_model, run_dir), adapter_dir)
+        _point_at_base(peft_model, _base_model_path(peft_model, run_dir))
         peft_model.save_pretrained(adapter_dir, state_dict=adapters, safe_serialization=True)
+        _record_base_relative(adapter_dir)
 
 
 def _dtensor_type() -> type | None:
@@ -216,10 +218,11 @@ def _copy_sharded_base(peft_model, run_dir: Path, accelerator) -> None:
         peft_model.get_base_model().save_pretrained(base_dir, state_dict=base, safe_serialization=True)
 
 
-def _point_at_base(peft_model, base: tuple[str, str | None], adapter_dir: Path) -> None:
-    name, revision = base
+def _point_at_base(peft_model, base: tuple[str, str | None]) -> None:
+    # The whole path while peft saves: it reads the base's config to tell whether the vocabulary grew (and then saves
+    # the embeddings), from the current directory. `_record_base_relative` then makes it relative.
     for peft_config in peft_model.peft_config.values():
-        peft_config.base_model_name_or_path = recorded_base(name, adapter_dir)
+        peft_config.base_model_name_or_path, revision = base
         if revision:  # the exact weights trained on, not whatever the name resolves to later
             peft_config.revision = revision
 
@@ -253,6 +256,13 @@ def _base_model_path(peft_model, output_dir: Path) -> tuple[str, str | None]:
         base = copy.deepcopy(peft_model).unload()
         base.save_pretrained(base_dir, safe_serialization=True)
     return str(base_dir.resolve()), None
+
+
+def _record_base_relative(adapter_dir: Path) -> None:
+    path = adapter_dir / "adapter_config.json"
+    config = json.loads(path.read_text())
+    config["base_model_name_or_path"] = recorded_base(config.get("base_model_name_or_path") or "", adapter_dir)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def recorded_base(base: str, adapter_dir: str | Path) -> str:

@@ -78,3 +78,14 @@ def test_a_pip_name_resolves_to_the_package_s_folder_or_to_one_cached_conversion
     assert first == resolve_model_name("pip:with-gguf")  # converted once, then read from the cache
     assert conversions == [gguf_file]
     assert first.startswith(str(tmp_path / "cache" / "gguf" / "Tiny.Q4_1-")) and (tmp_path / first).is_dir()
+
+
+def test_without_gguf_reading_one_is_one_line_naming_the_extra(tmp_path, monkeypatch):
+    import sys
+
+    from tunebook.errors import ModelError
+
+    path = write_gguf(tmp_path / "a.gguf")
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    with pytest.raises(ModelError, match=r"needs the gguf package: pip install 'tunebook\[gguf\]'$"):
+        gguf_context_length(path)
