@@ -21,6 +21,7 @@ from ..errors import ModelError, first_line
 from ..locations import PACKAGE_PREFIX, default_cache_dir, package_model
 from ..preparation import preparation_lock
 from .quiet import deepspeed_cpu_notice_filtered
+from .saving import save_tokenizer
 
 __all__ = ["convert_gguf", "gguf_context_length", "resolve_model_name"]
 
@@ -59,8 +60,6 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path) -> Path:
     tokenizer's `model_max_length` is the GGUF's context length (`<architecture>.context_length`)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .tokenizer import save_tokenizer
 
     path = Path(gguf_file).expanduser()
     if not path.is_file():

@@ -18,6 +18,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 from ..errors import ModelError, first_line
 from ..locations import looks_like_local_path
 from ..preparation import preparation_lock
+from .saving import save_tokenizer
 
 __all__ = [
     "CHATML_TEMPLATE",
@@ -182,19 +183,6 @@ def _train_into(directory: Path, texts, vocab_size: int, kind: str, max_chars: i
         tmp.rename(directory)
     except OSError:  # another process finished first; its files are identical
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-# What transformers' `from_pretrained` records in a tokenizer's init_kwargs about how it was loaded (from a local
-# folder, offline), which `save_pretrained` would write into tokenizer_config.json: a saved model would then tell
-# whoever loads it, on another machine, that it is local and to be loaded from local files only.
-LOADING_KWARGS = ("is_local", "local_files_only")
-
-
-def save_tokenizer(tokenizer: PreTrainedTokenizerBase, directory: str | Path) -> None:
-    """`tokenizer.save_pretrained(directory)` without the loading flags (`LOADING_KWARGS`) in its config."""
-    for key in LOADING_KWARGS:
-        tokenizer.init_kwargs.pop(key, None)
-    tokenizer.save_pretrained(directory)
 
 
 def tokenizer_max_chars(max_tokens: int) -> int:
