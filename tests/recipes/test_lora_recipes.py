@@ -21,8 +21,9 @@ def _ok(result):
 
 
 def test_sft_lora_outputs_adapters_merges_exactly_and_exports(tmp_path):
-    from peft import AutoPeftModelForCausalLM
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tunebook.models import load_adapter_model
 
     # LoRA adapts a pretrained model: here a tiny one, briefly fully fine-tuned (a frozen random base barely moves).
     base = tmp_path / "base"
@@ -36,7 +37,9 @@ def test_sft_lora_outputs_adapters_merges_exactly_and_exports(tmp_path):
     assert "trainable (" in result.stdout
     losses = [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert losses[-1] < 0.97 * losses[0], losses
-    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+    assert (
+        json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == "../base"
+    )  # movable with it
     assert not (out / "base_model").exists()  # the base loads from where it came from
     summary = json.loads((out / "summary.json").read_text())
     assert 0 < summary["trainable_parameters"] < 0.5 * summary["total_parameters"]
@@ -47,7 +50,7 @@ def test_sft_lora_outputs_adapters_merges_exactly_and_exports(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(out)
     inputs = tokenizer(["Reverse the digits.\n1234", "Sort the digits.\n981"], padding=True, return_tensors="pt")
     with torch.no_grad():
-        adapter_logits = AutoPeftModelForCausalLM.from_pretrained(out).eval()(**inputs).logits
+        adapter_logits = load_adapter_model(out).eval()(**inputs).logits
         merged_logits = AutoModelForCausalLM.from_pretrained(out / "merged").eval()(**inputs).logits
         torch.testing.assert_close(merged_logits, adapter_logits, rtol=0, atol=1e-5)
 
@@ -60,7 +63,7 @@ def test_sft_lora_outputs_adapters_merges_exactly_and_exports(tmp_path):
 
 @pytest.mark.parametrize("recipe", ["classify", "pretrain"])
 def test_classify_and_pretrain_train_adapters(tmp_path, recipe):
-    from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification
+    from tunebook.models import load_adapter_model
 
     out = tmp_path / recipe
     args = [*LORA, "--max_steps", "4", "--synthetic_train_size", "120", "--synthetic_eval_size", "16",
@@ -70,7 +73,6 @@ def test_classify_and_pretrain_train_adapters(tmp_path, recipe):
     _ok(launch(f"recipes/{recipe}.py", args))
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["task_type"] == ("SEQ_CLS" if recipe == "classify" else "CAUSAL_LM")
-    auto = AutoPeftModelForSequenceClassification if recipe == "classify" else AutoPeftModelForCausalLM
-    model = auto.from_pretrained(out)
+    model = load_adapter_model(out)
     if recipe == "classify":  # the new head is trained in full and saved with the adapters
         assert model.config.num_labels == len(json.loads((out / "summary.json").read_text())["labels"])

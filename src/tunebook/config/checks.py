@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..locations import list_checkpoints, looks_like_local_data, looks_like_local_path
+from ..locations import PACKAGE_PREFIX, list_checkpoints, looks_like_local_data, looks_like_local_path, package_model
 from ..user_code import load_function
 from .fields import check_bounds
 
@@ -138,6 +138,9 @@ def check_model_paths(config: Any) -> None:
         ("tokenizer_name_or_path", "tokenizer", "tokenizer_config.json"),
     ):
         value = getattr(config, key)
+        if value and value.startswith(PACKAGE_PREFIX):
+            package_model(value)  # an installed package holding one model, or one line saying what it holds
+            continue
         if value and looks_like_local_path(value) and not Path(value).expanduser().exists():
             raise ConfigError(f"{what} path not found: {value} ({key})")
         if value and Path(value).expanduser().is_file():

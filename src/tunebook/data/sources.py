@@ -14,7 +14,9 @@ a Hub cache snapshot; a `save_to_disk` folder with `load_from_disk`. A folder or
 needs `split`: they are never merged. `columns` renames columns before the format is detected. `weight` is a multiple
 of the rows (0.5 a seeded half, 2.0 twice), `samples` a row count (a seeded subset, or whole copies then a subset).
 `streaming: true` reads the source as it trains instead of caching it first (`tunebook.data.stream`); a streamed
-source's `weight` is its share of a mixture's rows.
+source's `weight` is its share of a mixture's rows. `format: label_text` reads a file of `<label> <text>` lines
+(SST-2's `stsa.binary.train`, and many classic classification files, whatever their names end with) into the
+columns `label` and `text`: a label of digits as a number, any other as its name.
 
 CSV and TSV cells are read as text, exactly as written: `0043` stays `0043` and `NA`, `null` or an empty cell stay
 what they are (pandas would guess numbers and missing values). JSON values arrive as written too: a column whose type
@@ -59,7 +61,9 @@ __all__ = [
     "suggested_split",
 ]
 
-KEYS = ("path", "name", "split", "revision", "data_files", "data_dir", "columns", "weight", "samples", "streaming")
+KEYS = ("path", "name", "split", "revision", "data_files", "data_dir", "columns", "weight", "samples", "streaming",
+        "format")  # fmt: skip
+FORMATS = ("label_text",)  # how a file is read whatever its name ends with (`format`)
 SAVED_DATASET_FILES = ("dataset_dict.json", "state.json")  # what save_to_disk writes
 
 
@@ -80,6 +84,7 @@ class DataSource:
     streaming: bool = field(default=False, repr=False)
     # The config key it was given in, for messages (which split to suggest): no part of what the source reads.
     key: str = field(default="train_data", repr=False, compare=False)
+    format: str | None = field(default=None, repr=False)  # hashed by fingerprint_sources when set
 
     @property
     def is_local(self) -> bool:
@@ -133,10 +138,15 @@ def _parse_one(item: Any, key: str) -> DataSource:
     if streaming and samples is not None:
         raise DataError(f"{key}: '{path}' is streamed, so its size is not known to take {samples} samples from; "
                         "give it a weight (its share of the mixture) instead")  # fmt: skip
+    file_format = item.get("format")
+    if file_format is not None and file_format not in FORMATS:
+        raise DataError(f"{key}: format of '{path}' must be one of {', '.join(FORMATS)}, got {file_format!r}")
+    if file_format and streaming:
+        raise DataError(f"{key}: '{path}' with format {file_format} is read whole; remove streaming")
     text = {k: None if item.get(k) is None else str(item[k]) for k in ("name", "split", "revision", "data_dir")}
     data_files = None if item.get("data_files") is None else json.dumps(item["data_files"], sort_keys=True)
     return DataSource(path, **text, data_files=data_files, columns=json.dumps(columns) if columns else None,
-                      weight=weight, samples=samples, streaming=streaming, key=key)  # fmt: skip
+                      weight=weight, samples=samples, streaming=streaming, format=file_format, key=key)  # fmt: skip
 
 
 def config_sources(config, cache_dir: Path, write_synthetic) -> tuple[list[DataSource], list[DataSource]]:
@@ -177,7 +187,9 @@ def _resolve(source: DataSource, text_sample_by: str) -> _Resolved:
             raise DataError(f"{source.path}: name, revision, data_files and data_dir apply to folders and Hub data "
                             "sets, not to a single file")  # fmt: skip
     if path.is_file():
-        ending = file_ending(source.path)
+        ending = ".txt" if source.format == "label_text" else file_ending(source.path)  # read line by line
+        if source.format == "label_text":
+            text_sample_by = "line"
         if ending is None:
             endings = ", ".join(EXTENSIONS)
             raise DataError(f"{path}: unsupported data file type '{path.suffix}' (use {endings}, or a folder)")
@@ -295,7 +307,7 @@ def fingerprint_sources(sources: list[DataSource], text_sample_by: str = "paragr
     how (split, renames, weights): what tokenised caches depend on."""
     h = hashlib.sha256()
     for source in sources:
-        h.update(repr(source).encode())
+        h.update(repr(source).encode() + (f"|format {source.format}".encode() if source.format else b""))
         resolved = _resolve(source, text_sample_by)
         h.update(f"{resolved.kind}|{resolved.split}\n".encode())
         if resolved.kind == "hub":
@@ -348,6 +360,8 @@ def load_source(
         dataset = None  # valid JSON that datasets could not give one type per column: read below
     if json_files and (dataset is None or holds_json(dataset.features)):
         dataset = json_as_written(resolved.files, raw_cache)
+    if source.format == "label_text":
+        dataset = _label_text(dataset, source)
     if len(dataset) == 0:
         raise DataError(f"{source.where}: no rows")
     dataset = _rename(dataset, source)
@@ -373,7 +387,7 @@ def _load(source: DataSource, resolved: _Resolved, **options):
         dataset = datasets.load_from_disk(source.path)
         return dataset[resolved.split] if resolved.split else dataset
     if resolved.kind == "file":
-        builder = EXTENSIONS[file_ending(source.path)][0]
+        builder = "text" if source.format == "label_text" else EXTENSIONS[file_ending(source.path)][0]
         return datasets.load_dataset(builder, data_files=[str(resolved.files[0])], split=resolved.split, **options,
                                      **resolved.options)  # fmt: skip
     kwargs = {"name": source.name, "revision": source.revision, "data_dir": source.data_dir}
@@ -381,6 +395,21 @@ def _load(source: DataSource, resolved: _Resolved, **options):
     if source.data_files:
         kwargs["data_files"] = json.loads(source.data_files)
     return datasets.load_dataset(source.path, split=resolved.split, **options, **kwargs)
+
+
+def _label_text(dataset: datasets.Dataset, source: DataSource) -> datasets.Dataset:
+    """`<label> <text>` lines (read as the `text` column, one row a line) as `label` and `text`; blank lines dropped.
+    Labels of digits become numbers (class ids), others stay names."""
+    rows = [line.strip() for line in dataset["text"] if line.strip()]
+    pairs = [row.split(None, 1) for row in rows]
+    bad = next((i for i, p in enumerate(pairs) if len(p) < 2), None)
+    if bad is not None:
+        raise DataError(f"{source.where}: line '{rows[bad]:.80}' is not '<label> <text>' (format: label_text)")
+    labels = [label for label, _ in pairs]
+    numeric = all(label.isdigit() for label in labels)
+    return datasets.Dataset.from_dict(
+        {"text": [text for _, text in pairs], "label": [int(x) for x in labels] if numeric else labels}
+    )
 
 
 @contextmanager

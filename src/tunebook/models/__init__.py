@@ -13,14 +13,14 @@ _LAZY = {
         "whole_weights",
     ],
     "tunebook.models.lora": [
-        "apply_lora", "describe_parameters", "is_peft_model", "merge_adapter_dir", "parameter_counts",
-        "register_adapter_checkpoints",
+        "apply_lora", "describe_parameters", "is_peft_model", "load_adapter_model", "merge_adapter_dir",
+        "parameter_counts", "register_adapter_checkpoints",
     ],
     "tunebook.models.wrappers": ["unwrap"],
     "tunebook.models.attention": ["attention_inputs", "packing_mechanism", "use_packed_attention"],
     "tunebook.models.tokenizer": [
-        "CHATML_TEMPLATE", "load_or_train_tokenizer", "load_tokenizer", "setup_chat_template", "train_chat_tokenizer",
-        "train_encoder_tokenizer",
+        "CHATML_TEMPLATE", "load_or_train_tokenizer", "load_tokenizer", "save_tokenizer", "setup_chat_template",
+        "train_chat_tokenizer", "train_encoder_tokenizer",
     ],
 }  # fmt: skip
 _WHERE = {name: module for module, names in _LAZY.items() for name in names}

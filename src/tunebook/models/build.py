@@ -21,6 +21,7 @@ from transformers import (
 from ..errors import ConfigError, ModelError, first_line
 from ..locations import looks_like_local_path
 from .fused_cpu import set_fused_cpu_layers
+from .gguf import resolve_model_name
 
 __all__ = [
     "ModelOptions", "build_causal_lm", "build_sequence_classifier", "eos_ids", "model_options", "read_model_config",
@@ -248,6 +249,7 @@ def _load_or_build(
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     kwargs["trust_remote_code"] = trust_remote_code
     if model_name_or_path:
+        model_name_or_path = resolve_model_name(model_name_or_path)  # pip:PACKAGE: the model it installs
         path = Path(model_name_or_path).expanduser()
         if looks_like_local_path(model_name_or_path) and not path.exists():
             raise ModelError(f"model path not found: {model_name_or_path}")

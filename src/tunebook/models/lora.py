@@ -2,15 +2,22 @@
 
 A LoRA run trains and saves only the adapters (and `modules_to_save`, such as a new classification head). Its
 checkpoints hold them and the trainer state, not the frozen base weights; its output is a peft adapter directory
-that `peft.AutoPeftModelForCausalLM.from_pretrained` loads (it finds the base through `base_model_name_or_path`),
-and with `merge_adapter` also a plain merged model directory. A base model built from a config (the tiny defaults)
-has no path to point to, so its weights are saved once, as `output_dir/base_model/`.
+that `load_adapter_model` loads (it finds the base through `base_model_name_or_path`), and with `merge_adapter`
+also a plain merged model directory. A base model built from a config (the tiny defaults) has no path to point to,
+so its weights are saved once, as `output_dir/base_model/`.
+
+The adapter records its base as a Hub name (with the commit, for a folder of the Hugging Face cache) or, for a local
+folder, as a path relative to the adapter directory (`./base_model`, `../models/my-base`): the run's folder moves and
+still loads, together with the base it names. `load_adapter_model` resolves such a path against the adapter
+directory; `peft.AutoPeftModelForCausalLM.from_pretrained` resolves it against the current directory, so it loads an
+adapter with a Hub base from anywhere, and one with a local base from inside the adapter directory.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -18,7 +25,9 @@ import torch
 
 from .. import compat
 from ..errors import ConfigError
-from ..locations import hub_name_of_snapshot
+from ..locations import hub_name_of_snapshot, looks_like_local_path
+from .quiet import deepspeed_cpu_notice_filtered
+from .tokenizer import save_tokenizer
 from .wrappers import unwrap
 
 __all__ = [
@@ -28,7 +37,9 @@ __all__ = [
     "merge_adapter_dir",
     "parameter_counts",
     "register_adapter_checkpoints",
+    "adapter_base",
     "adapter_writer",
+    "load_adapter_model",
     "save_checkpoint_adapter",
 ]
 
@@ -152,7 +163,8 @@ def adapter_writer(accelerator, model, tokenizer, output_dir: str | Path, merge:
     def write() -> None:
         _point_at_base(peft_model, _base_model_path(peft_model, output_dir))
         peft_model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(output_dir)
+        _record_base_relative(output_dir)
+        save_tokenizer(tokenizer, output_dir)
         if merge:
             merge_adapter_dir(output_dir, output_dir / "merged")
 
@@ -174,6 +186,7 @@ def save_checkpoint_adapter(accelerator, peft_model, adapter_dir: Path, run_dir:
     if accelerator.is_main_process:
         _point_at_base(peft_model, _base_model_path(peft_model, run_dir))
         peft_model.save_pretrained(adapter_dir, state_dict=adapters, safe_serialization=True)
+        _record_base_relative(adapter_dir)
 
 
 def _dtensor_type() -> type | None:
@@ -211,6 +224,8 @@ def _copy_sharded_base(peft_model, run_dir: Path, accelerator) -> None:
 
 
 def _point_at_base(peft_model, base: tuple[str, str | None]) -> None:
+    # The whole path while peft saves: it reads the base's config to tell whether the vocabulary grew (and then saves
+    # the embeddings), from the current directory. `_record_base_relative` then makes it relative.
     for peft_config in peft_model.peft_config.values():
         peft_config.base_model_name_or_path, revision = base
         if revision:  # the exact weights trained on, not whatever the name resolves to later
@@ -248,21 +263,69 @@ def _base_model_path(peft_model, output_dir: Path) -> tuple[str, str | None]:
     return str(base_dir.resolve()), None
 
 
+def _record_base_relative(adapter_dir: Path) -> None:
+    path = adapter_dir / "adapter_config.json"
+    config = json.loads(path.read_text())
+    config["base_model_name_or_path"] = recorded_base(config.get("base_model_name_or_path") or "", adapter_dir)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def recorded_base(base: str, adapter_dir: str | Path) -> str:
+    """How `adapter_dir`'s config names its base: a local folder by its path relative to the adapter directory
+    (`./base_model`, `../models/my-base`; the two move together), a Hub name as it is."""
+    path = Path(base).expanduser()
+    if not looks_like_local_path(base) or not path.is_dir():
+        return base
+    relative = Path(os.path.relpath(path.resolve(), Path(adapter_dir).resolve())).as_posix()
+    return relative if relative.startswith("../") else f"./{relative}"
+
+
+def adapter_base(adapter_dir: str | Path) -> tuple[str, str | None]:
+    """(path or Hub name, revision) of the base model `adapter_dir`'s config names: a relative path resolved against
+    the adapter directory (`recorded_base`), an absolute one (adapters of earlier versions) or a Hub name as it is."""
+    adapter_dir = Path(adapter_dir)
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    base = config.get("base_model_name_or_path") or ""
+    if base.startswith(("./", "../")):
+        base = str((adapter_dir / base).resolve())
+    return base, config.get("revision")
+
+
+def load_adapter_model(adapter_dir: str | Path, trust_remote_code: bool = False, **kwargs):
+    """The peft model of an adapter directory, on its base model (`adapter_base`): a causal LM, or a sequence
+    classifier for a classifier's adapters. `kwargs` go to the base's `from_pretrained` (`dtype="auto"` unless
+    given). `trust_remote_code`: the base model may run its own Python code."""
+    peft = _peft()
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    adapter_dir = Path(adapter_dir)
+    task = json.loads((adapter_dir / "adapter_config.json").read_text()).get("task_type")
+    auto_class = AutoModelForSequenceClassification if task == "SEQ_CLS" else AutoModelForCausalLM
+    base, revision = adapter_base(adapter_dir)
+    kwargs = {"dtype": "auto", **({"revision": revision} if revision else {}), **kwargs}
+    model = auto_class.from_pretrained(base, trust_remote_code=trust_remote_code, **kwargs)
+    return peft.PeftModel.from_pretrained(model, adapter_dir)
+
+
+def _peft():
+    """peft, or one line saying how to install it."""
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError("LoRA adapters need peft: pip install 'tunebook[peft]'") from None
+    return peft
+
+
 def merge_adapter_dir(adapter_dir: str | Path, out_dir: str | Path, trust_remote_code: bool = False) -> Path:
     """Load an adapter directory with its base model, fold the adapters into the weights and save a plain model
     directory (with the tokenizer, when the adapter directory has one). `trust_remote_code`: the base model may
     run its own Python code."""
-    from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification
-
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
-    task = json.loads((adapter_dir / "adapter_config.json").read_text()).get("task_type")
-    auto_class = AutoPeftModelForSequenceClassification if task == "SEQ_CLS" else AutoPeftModelForCausalLM
-    merged = auto_class.from_pretrained(
-        adapter_dir, dtype="auto", trust_remote_code=trust_remote_code
-    ).merge_and_unload()
-    merged.save_pretrained(out_dir, safe_serialization=True)
+    merged = load_adapter_model(adapter_dir, trust_remote_code).merge_and_unload()
+    with deepspeed_cpu_notice_filtered():  # save_pretrained imports DeepSpeed, where installed
+        merged.save_pretrained(out_dir, safe_serialization=True)
     if (adapter_dir / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
 
-        AutoTokenizer.from_pretrained(adapter_dir, trust_remote_code=trust_remote_code).save_pretrained(out_dir)
+        save_tokenizer(AutoTokenizer.from_pretrained(adapter_dir, trust_remote_code=trust_remote_code), out_dir)
     return out_dir

@@ -18,11 +18,13 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 from ..errors import ModelError, first_line
 from ..locations import looks_like_local_path
 from ..preparation import preparation_lock
+from .saving import save_tokenizer
 
 __all__ = [
     "CHATML_TEMPLATE",
     "config_tokenizer",
     "load_tokenizer",
+    "save_tokenizer",
     "setup_chat_template",
     "text_pieces",
     "tokenizer_max_chars",
@@ -175,7 +177,7 @@ def _train_into(directory: Path, texts, vocab_size: int, kind: str, max_chars: i
 
     tokenizer = TRAINERS[kind](bounded(texts()), vocab_size)
     tmp = directory.with_name(f"{directory.name}.tmp{os.getpid()}")
-    tokenizer.save_pretrained(tmp)
+    save_tokenizer(tokenizer, tmp)
     (tmp / TOKENIZER_STATS).write_text(json.dumps({"texts_overlong": left_out, "max_chars": max_chars}))
     try:
         tmp.rename(directory)
@@ -239,7 +241,11 @@ def config_tokenizer(
 def load_tokenizer(
     name_or_path: str, trust_remote_code: bool = False, revision: str | None = None
 ) -> PreTrainedTokenizerBase:
-    """`AutoTokenizer.from_pretrained` with a readable error for a missing path or an offline Hub name."""
+    """`AutoTokenizer.from_pretrained` with a readable error for a missing path or an offline Hub name; a `pip:`
+    name loads the model an installed package holds (`tunebook.models.gguf.resolve_model_name`)."""
+    from .gguf import resolve_model_name
+
+    name_or_path = resolve_model_name(name_or_path)
     if looks_like_local_path(name_or_path) and not Path(name_or_path).expanduser().exists():
         raise ModelError(f"tokenizer path not found: {name_or_path}")
     if Path(name_or_path).expanduser().is_file():

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
 
 from ..config import saved_recipe
 from ..errors import ConfigError, ModelError, first_line
+from ..models.quiet import deepspeed_cpu_notice_filtered
+from ..models.tokenizer import save_tokenizer
 from ..training.checkpoint import MODEL_CONFIG_DIR, TRAINER_STATE, load_trainer_state
 from ..training.manifest import MANIFEST, verify_checkpoint
 
@@ -38,9 +41,13 @@ def export_checkpoint(
             caller decides this, never the checkpoint: its `config.yaml` is a file from wherever the checkpoint
             came from, and an export must not run code because that file says so.
     """
+    with deepspeed_cpu_notice_filtered():  # save_pretrained imports DeepSpeed, where installed (models.quiet)
+        return _export(Path(checkpoint), Path(out_dir), merge, trust_remote_code)
+
+
+def _export(checkpoint: Path, out_dir: Path, merge: bool, trust_remote_code: bool) -> Path:
     from transformers import AutoTokenizer
 
-    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if not (checkpoint / TRAINER_STATE).is_file() and not (checkpoint / MANIFEST).is_file():
         raise ConfigError(f"{checkpoint} is not a complete Tunebook checkpoint (no {TRAINER_STATE})")
     if problem := verify_checkpoint(checkpoint, logging.getLogger("tunebook")):
@@ -53,9 +60,9 @@ def export_checkpoint(
             merge_adapter_dir(checkpoint / "adapter", out_dir, trust_remote_code=trust_remote_code)
         else:
             shutil.copytree(checkpoint / "adapter", out_dir, dirs_exist_ok=True)
-        AutoTokenizer.from_pretrained(checkpoint / "tokenizer", trust_remote_code=trust_remote_code).save_pretrained(
-            out_dir
-        )
+            _repoint_base(checkpoint / "adapter", out_dir)
+        save_tokenizer(AutoTokenizer.from_pretrained(checkpoint / "tokenizer", trust_remote_code=trust_remote_code),
+                       out_dir)  # fmt: skip
         return out_dir
     if merge:
         raise ConfigError(f"--merge: {checkpoint} is not a LoRA checkpoint (no adapter/), its model is whole already")
@@ -63,8 +70,18 @@ def export_checkpoint(
     model = _rebuild_model(checkpoint, recipe, tokenizer, trust_remote_code)
     _load_checkpoint_weights(model, checkpoint)
     model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
+    save_tokenizer(tokenizer, out_dir)
     return out_dir
+
+
+def _repoint_base(adapter_dir: Path, out_dir: Path) -> None:
+    """A copied adapter's config names its local base relative to where it now is (`models.lora.recorded_base`)."""
+    from ..models.lora import adapter_base, recorded_base
+
+    path = out_dir / "adapter_config.json"
+    config = json.loads(path.read_text())
+    config["base_model_name_or_path"] = recorded_base(adapter_base(adapter_dir)[0], out_dir)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _checkpoint_recipe(checkpoint: Path) -> str | None:

@@ -6,6 +6,7 @@ what was trained from what data, its settings and results, and how to load it. `
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import huggingface_hub
 
 from ..data.sources import DataSource, parse_sources
 from ..errors import ConfigError
-from ..locations import hub_name_of_snapshot, looks_like_local_path
+from ..locations import PACKAGE_PREFIX, hub_name_of_snapshot, looks_like_local_path
 from ..models.lora import BASE_MODEL_DIR
 from ..recipe import recipe_task
 from .report import format_cell, read_metrics
@@ -96,6 +97,8 @@ def _base_text(config) -> str:
         hub = _hub_model(name)
         if hub:
             return f"[{hub}](https://huggingface.co/{hub})"
+        if name.startswith(PACKAGE_PREFIX):
+            return f"`{name}` (the model the pip package {name.removeprefix(PACKAGE_PREFIX).split('/')[0]} installs)"
         return f"`{name}` (a local folder)"
     model_config = config.get("model_config")
     if isinstance(model_config, dict):
@@ -241,16 +244,24 @@ def _load_text(model_dir: Path, output_dir: Path, ref: str, recipe: str, config,
         return f"```python\n{code}\n```"
     base = _adapter_base(model_dir)
     tokenizer = f'tokenizer = AutoTokenizer.from_pretrained("{ref}")'
-    if not on_hub or not looks_like_local_path(base):
+    if not looks_like_local_path(base):  # a Hub base, which AutoPeftModel finds from anywhere
         peft_auto = "AutoPeftModelForSequenceClassification" if classify else "AutoPeftModelForCausalLM"
         code = (f"from peft import {peft_auto}\nfrom transformers import AutoTokenizer\n\n"
                 f'model = {peft_auto}.from_pretrained("{ref}")  # loads the base model, then the adapters\n'
                 f"{tokenizer}")  # fmt: skip
         return f"```python\n{code}\n```"
-    saved = Path(base) == (output_dir / BASE_MODEL_DIR).resolve()
-    base_load = f'"{ref}", subfolder="{BASE_MODEL_DIR}"' if saved else f'"{base}"'
+    # A local base is recorded relative to the adapter directory (tunebook.models.lora.recorded_base), which
+    # AutoPeftModel would resolve against the current directory: the snippet loads the base itself.
+    resolved = (model_dir / base).resolve()
+    saved = resolved == (output_dir / BASE_MODEL_DIR).resolve()
+    if not on_hub:
+        code = (f"from peft import PeftModel\nfrom transformers import {auto}, AutoTokenizer\n\n"
+                f'base = {auto}.from_pretrained("{os.path.normpath(Path(ref) / base)}")\n'
+                f'model = PeftModel.from_pretrained(base, "{ref}")\n{tokenizer}')  # fmt: skip
+        return f"```python\n{code}\n```"
+    base_load = f'"{ref}", subfolder="{BASE_MODEL_DIR}"' if saved else f'"{resolved}"'
     note = ("The base model is saved beside the adapters, in `base_model/`." if saved else
-            f"The base model was the local folder `{shareable_path(base, output_dir)}` (relative to this run's "
+            f"The base model was the local folder `{shareable_path(str(resolved), output_dir)}` (relative to this run's "
             "folder): load it from where you have it.")  # fmt: skip
     code = (f"from peft import PeftModel\nfrom transformers import {auto}, AutoTokenizer\n\n"
             f"base = {auto}.from_pretrained({base_load})\n"
@@ -295,7 +306,7 @@ def _labels(model_dir: Path) -> list[str]:
 
 def _hub_model(name: str | None) -> str | None:
     """The Hub name a model was loaded as: the name itself, or the one of a folder in the Hugging Face cache."""
-    if not name:
+    if not name or name.startswith(PACKAGE_PREFIX):  # pip:PACKAGE, a model a pip package installs
         return None
     if not looks_like_local_path(name):
         return name

@@ -30,6 +30,7 @@ from ..config import save_config
 from ..distributed import decided_by_main
 from ..errors import ConfigError, TrainingError, first_line, same_on_every_rank
 from ..locations import TRAINER_STATE, list_checkpoints
+from ..models.tokenizer import save_tokenizer
 from ..models.wrappers import unwrap
 from .manifest import MANIFEST, manifest_bytes, verify_checkpoint, write_manifest
 
@@ -203,7 +204,7 @@ def _complete_save(accelerator, tmp: Path, final: Path, config, recipe, tokenize
     rename."""
     save_config(config, tmp / "config.yaml", recipe)
     if tokenizer is not None:
-        tokenizer.save_pretrained(tmp / "tokenizer")
+        save_tokenizer(tokenizer, tmp / "tokenizer")
     _save_model_config(accelerator, tmp / MODEL_CONFIG_DIR)
     if schedule is not None:
         (tmp / SCHEDULE).write_text(json.dumps(schedule))
@@ -367,7 +368,7 @@ def save_final_model(accelerator: Accelerator, model, tokenizer, output_dir: str
         needed = sum(t.numel() * t.element_size() for t in state_dict.values())
         with final_save(output_dir, needed):
             unwrap(model).save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
-            tokenizer.save_pretrained(output_dir)
+            save_tokenizer(tokenizer, output_dir)
 
     decided_by_main(accelerator, write)  # the main process writes; every process learns how that went
 

@@ -294,6 +294,14 @@ def test_a_model_path_that_is_a_file_is_called_a_file(tmp_path):
         load_config(SFTConfig, ["--model_name_or_path", str(gguf)])
 
 
+def test_a_pip_model_name_is_checked_with_the_config():
+    # before torch loads: the package is looked up in the installed distributions' file lists
+    with pytest.raises(ConfigError, match=r"^pip:not-installed-anywhere: no pip package .*--no-deps"):
+        load_config(SFTConfig, ["--model_name_or_path", "pip:not-installed-anywhere"])
+    with pytest.raises(ConfigError, match=r"^pip:pytest: the package pytest holds no .gguf file"):
+        load_config(SFTConfig, ["--tokenizer_name_or_path", "pip:pytest"])
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Validation as flat tuples of plain check functions (issue 43, point 3)
 

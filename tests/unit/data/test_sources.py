@@ -67,6 +67,25 @@ def test_missing_file_and_bad_spec(tmp_path):
         parse_sources([{"file": "a.jsonl"}], "train_data")
 
 
+def test_label_text_files_are_read_as_written(tmp_path):
+    # SST-2's stsa.binary.* files (../shared/data/sst2): '<label> <sentence>' per line, a name that ends in no type
+    path = tmp_path / "stsa.binary.dev"
+    path.write_text('1 a stirring , funny and " moving " film .\n\n0 one long string of cliches .\n')
+    dataset = load_source(parse_sources({"path": str(path), "format": "label_text"}, "eval_data")[0], tmp_path, 0)
+    assert dataset.to_list() == [
+        {"text": 'a stirring , funny and " moving " film .', "label": 1},
+        {"text": "one long string of cliches .", "label": 0},
+    ]
+    path.write_text("positive great\nnegative dull\n")  # names stay names
+    dataset = load_source(parse_sources({"path": str(path), "format": "label_text"}, "x")[0], tmp_path / "c2", 0)
+    assert dataset["label"] == ["positive", "negative"]
+    path.write_text("1 fine\nno-text-here\n")
+    with pytest.raises(DataError, match=r"stsa.binary.dev: line 'no-text-here' is not '<label> <text>'"):
+        load_source(parse_sources({"path": str(path), "format": "label_text"}, "x")[0], tmp_path / "c3", 0)
+    with pytest.raises(DataError, match=r"format of 'a.txt' must be one of label_text, got 'csv'"):
+        parse_sources({"path": "a.txt", "format": "csv"}, "train_data")
+
+
 def test_empty_file_is_a_clear_error(tmp_path):
     path = tmp_path / "empty.jsonl"
     path.write_text("")

@@ -66,14 +66,15 @@ def test_lora_trains_only_adapters_and_the_merged_model_has_the_same_logits(
     with torch.no_grad():
         assert torch.equal(model(**batch).logits, logits)
 
-    # The output: an adapter directory (AutoPeftModel finds the saved base), and the merged plain model.
+    # The output: an adapter directory (load_adapter_model finds the saved base), and the merged plain model.
     save_adapter(accelerator, model, tiny_tokenizer, tmp_path / "out", merge=True)
-    from peft import AutoPeftModelForCausalLM
     from transformers import AutoModelForCausalLM
+
+    from tunebook.models import load_adapter_model
 
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
     with torch.no_grad():
-        adapter_logits = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "out").eval()(**inputs).logits
+        adapter_logits = load_adapter_model(tmp_path / "out").eval()(**inputs).logits
         merged_logits = AutoModelForCausalLM.from_pretrained(tmp_path / "out/merged").eval()(**inputs).logits
     torch.testing.assert_close(adapter_logits, logits, rtol=0, atol=1e-5)
     torch.testing.assert_close(merged_logits, adapter_logits, rtol=0, atol=1e-5)
@@ -89,3 +90,55 @@ def test_lora_settings_are_checked():
             quantization(True)
     with pytest.raises(ConfigError, match="lora_target_modules"):
         apply_lora(torch.nn.Sequential(torch.nn.Linear(2, 2)), SFTConfig(use_peft=True, lora_target_modules="nope"))
+
+
+def test_an_adapter_names_its_local_base_relative_to_itself_and_moves_with_it(
+    tmp_path, tiny_tokenizer, tiny_model_config
+):
+    import json
+    import shutil
+
+    from tunebook.models import load_adapter_model, load_tokenizer, merge_adapter_dir
+
+    torch.manual_seed(0)
+    build_causal_lm(tiny_tokenizer, model_config=tiny_model_config).save_pretrained(tmp_path / "work/base")
+    tiny_tokenizer.save_pretrained(tmp_path / "work/base")
+    tokenizer = load_tokenizer(str(tmp_path / "work/base"))  # from a folder: transformers records is_local
+    assert tokenizer.init_kwargs.get("is_local") is True
+    model = apply_lora(build_causal_lm(tokenizer, model_name_or_path=str(tmp_path / "work/base")),
+                       SFTConfig(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0))  # fmt: skip
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if "lora_B" in n).add_(0.5)  # adapters that change the logits
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(model)
+    save_adapter(accelerator, model, tokenizer, tmp_path / "work/runs/out")
+    inputs = {k: v for k, v in _batch(tokenizer).items() if k != "labels"}
+    with torch.no_grad():
+        logits = model.eval()(**inputs).logits
+
+    out = tmp_path / "work/runs/out"
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == "../../base"
+    saved = json.loads((out / "tokenizer_config.json").read_text())
+    assert "is_local" not in saved and "local_files_only" not in saved
+    shutil.move(tmp_path / "work", tmp_path / "moved")  # the run and its base, moved together
+    moved = tmp_path / "moved/runs/out"
+    with torch.no_grad():
+        torch.testing.assert_close(load_adapter_model(moved).eval()(**inputs).logits, logits, rtol=0, atol=1e-5)
+        from transformers import AutoModelForCausalLM
+
+        merged = AutoModelForCausalLM.from_pretrained(merge_adapter_dir(moved, tmp_path / "merged")).eval()
+        torch.testing.assert_close(merged(**inputs).logits, logits, rtol=0, atol=1e-5)
+
+
+def test_without_peft_lora_is_one_line_naming_the_extra(monkeypatch, tmp_path, tiny_tokenizer, tiny_model_config):
+    import sys
+
+    from tunebook.models import load_adapter_model
+
+    model = build_causal_lm(tiny_tokenizer, model_config=tiny_model_config)
+    monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` fails as it does where it is not installed
+    with pytest.raises(ConfigError, match=r"^use_peft needs peft: pip install 'tunebook\[peft\]'$"):
+        apply_lora(model, SFTConfig(use_peft=True))
+    (tmp_path / "adapter_config.json").write_text('{"base_model_name_or_path": "./base"}')
+    with pytest.raises(ConfigError, match=r"^LoRA adapters need peft: pip install 'tunebook\[peft\]'$"):
+        load_adapter_model(tmp_path)
