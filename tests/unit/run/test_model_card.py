@@ -326,3 +326,24 @@ def test_shareable_paths(tmp_path):
     assert shareable_path(str(tmp_path / "gone" / "step-3"), out) == "../gone/step-3"  # need not exist
     for unchanged in ("exact_match", "org/name", "data/train.jsonl", "^/\\d+$", "/(\\d+)/", "{{ '/' }}\n"):
         assert shareable_path(unchanged, out) == unchanged
+
+
+def test_the_load_line_fits_what_the_run_saved(tmp_path):
+    from tunebook.run.model_card import load_line
+
+    out = tmp_path / "run"
+    out.mkdir()
+    assert load_line(out, "sft") is None  # nothing saved (max_steps 0)
+    (out / "config.json").write_text("{}")
+    assert load_line(out, "sft", "outputs/sft") == (
+        'from transformers import AutoModelForCausalLM; model = AutoModelForCausalLM.from_pretrained("outputs/sft")'
+    )
+    assert "AutoModelForSequenceClassification.from_pretrained" in load_line(out, "reward")  # classify too
+    (out / "config.json").unlink()
+    (out / "adapter_config.json").write_text("{}")  # LoRA adapters: peft loads the base, then them
+    assert load_line(out, "classify", "o") == (
+        'from peft import AutoPeftModelForSequenceClassification; model = AutoPeftModelForSequenceClassification.from_pretrained("o")'
+    )
+    (out / "merged").mkdir()
+    (out / "merged" / "config.json").write_text("{}")  # merged too: the plain model is the one to load
+    assert load_line(out, "dpo", "o").endswith('AutoModelForCausalLM.from_pretrained("o/merged")')
