@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -121,12 +122,16 @@ def report_figure(run_dirs: list[str | Path]):
     return figure
 
 
+@dataclass
 class _Run:
     """What a report plots of one run: its records and, from its config and summary, the learning rate at step 0
     and the step a resumed run continued from."""
 
-    def __init__(self, name: str, train: list[dict], evals: list[dict], start_lr: float | None, resumed_at):
-        self.name, self.train, self.evals, self.start_lr, self.resumed_at = name, train, evals, start_lr, resumed_at
+    name: str
+    train: list[dict]
+    evals: list[dict]
+    start_lr: float | None
+    resumed_at: int | None
 
     @classmethod
     def read(cls, run_dir: Path) -> _Run:
@@ -170,7 +175,7 @@ def _style_axes(ax, title: str, ylabel: str, values: list[float], scale: str) ->
         return
     ax.set_ylabel(ylabel)
     low, high = min(values), max(values)
-    if low == high:  # a constant series: a range around it, not matplotlib's ±0.04 (or 1e-16 offset) ticks
+    if high - low <= 1e-9 * max(abs(low), abs(high)):  # constant: a range around it, not ±0.04 or offset ticks
         ax.set_ylim(*((-0.05, 1.0) if low == 0 else sorted((0.5 * low, 1.5 * low))))
     elif scale == "log" and low > 0 and high / low >= 10:  # a decade or more: powers of ten are labelled
         ax.set_yscale("log")
@@ -180,7 +185,7 @@ def _style_axes(ax, title: str, ylabel: str, values: list[float], scale: str) ->
 
 def _tick(value: float, low: float, high: float) -> str:
     """A tick label on an axis from `low` to `high`: decimals ('0', '0.25', '12,500') or, on an axis whose largest
-    value is under 0.01 or a million, powers of ten ('5e-4', '1.5e-3'), the same kind on the whole axis; never an
+    value is under 0.01 or a million and more, powers of ten ('5e-4', '1.5e-3'), the same kind on the whole axis; never an
     offset or '5x10^0'. A value under a billionth of the axis's span is float noise around 0 (5.6e-17)."""
     if value == 0 or abs(value) < 1e-9 * abs(high - low):
         return "0"
