@@ -28,7 +28,7 @@ import torch
 from tunebook.config import GRPOConfig, load_config
 from tunebook.data import train_and_eval_loaders
 from tunebook.distributed import prepare_then_join
-from tunebook.evaluation import prompt_sampler
+from tunebook.evaluation import log_samples, prompt_sampler
 from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options, unwrap, whole_weights
 from tunebook.preference import frozen_copy, partition_reference
 from tunebook.rl import PromptData, PromptRows, prepare_prompt_data, reference_examples, reward_inputs
@@ -138,8 +138,7 @@ def evaluate(config: GRPOConfig, model, data: PromptData, rewards, accelerator, 
         disable_tqdm=config.disable_tqdm,
         when=f"in the evaluation after step {step}" if step else "in the evaluation before training",
     )
-    for s in samples:
-        log.info("  generated %r, reference %r", s["prediction"], s["reference"])
+    log_samples(log, samples, step)
     return metrics
 
 

@@ -37,7 +37,7 @@ from tunebook.data import (
     use_packed_attention,
 )
 from tunebook.distributed import prepare_then_join
-from tunebook.evaluation import evaluate_loss, generation_exact_match, prompt_sampler
+from tunebook.evaluation import evaluate_loss, generation_exact_match, log_samples, prompt_sampler
 from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options
 from tunebook.training import (
     LossWindow,
@@ -76,7 +76,7 @@ def build_dataloaders(config: SFTConfig, data: SFTData, num_processes: int, attn
     return train_and_eval_loaders(config, train, evaluation, collate, **grouping)
 
 
-def evaluate(config: SFTConfig, model, data: SFTData, eval_loader, attn: str, accelerator, log) -> dict:
+def evaluate(config: SFTConfig, model, data: SFTData, eval_loader, attn: str, accelerator, log, step: int) -> dict:
     metrics = evaluate_loss(model, eval_loader, accelerator, attn, disable_tqdm=config.disable_tqdm)
     if config.generation_eval:
         scores, samples = generation_exact_match(
@@ -90,8 +90,7 @@ def evaluate(config: SFTConfig, model, data: SFTData, eval_loader, attn: str, ac
             disable_tqdm=config.disable_tqdm,
         )
         metrics.update(scores)
-        for s in samples[:3]:
-            log.info("  generated %r, reference %r", s["prediction"], s["reference"])
+        log_samples(log, samples[:3], step)
     return metrics
 
 
@@ -129,7 +128,7 @@ def main(config: SFTConfig) -> dict:
 
     # --- resume (or start), then train: the loop's bookkeeping is tunebook.training.loop
     def run_evaluation() -> dict:
-        return evaluate(config, model, data, eval_loader, attn, accelerator, log)
+        return evaluate(config, model, data, eval_loader, attn, accelerator, log, saved.state.global_step)
 
     evaluation = run_evaluation if eval_loader is not None else None
     figures = LossWindow(accelerator.device)  # the logged loss: a mean over loss tokens

@@ -1,4 +1,5 @@
-"""Every notebook is stored without outputs and runs top to bottom offline in a fresh kernel (nbclient)."""
+"""Every notebook is stored without outputs and runs top to bottom offline in a fresh kernel (nbclient); its plots
+show as images."""
 
 from __future__ import annotations
 
@@ -35,6 +36,13 @@ def test_notebook_runs(path, tmp_path):
     ).execute()
     # Their time (issue 7: under 3 minutes each) is measured by benchmarks/default_runs.py, not asserted here.
     text = "\n".join(o.get("text", "") for c in notebook.cells if c.cell_type == "code" for o in c.outputs)
+    # Each plot shows: a run in the notebook's kernel once switched matplotlib to Agg for the whole process, and
+    # the loss curve after it (01), the confusion matrix (03) and GRPO's curves (04) showed nothing.
+    plots = [c for c in notebook.cells if c.cell_type == "code" and "plt.show()" in c.source]
+    assert plots or path.stem == "02_multi_process"
+    for cell in plots:
+        images = [o for o in cell.outputs if "image/png" in o.get("data", {})]
+        assert len(images) == 1, f"{path.name}: no image from the cell\n{cell.source}\noutputs: {cell.outputs}"
     if path.stem == "02_multi_process":
         assert "2 processes" in text
     # What the notebooks say their runs show (notebook 04's GRPO once took exact match from 0.21 to 0, unnoticed).

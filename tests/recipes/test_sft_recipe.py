@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -31,9 +32,21 @@ def test_sft_writes_a_loadable_model_and_standard_outputs(tmp_path):
     args = [*SMALL, "--output_dir", str(out), "--save_steps", "3", "--report_to", "tensorboard", "--peak_flops", "1e12"]  # fmt: skip
     first = _ok(launch("recipes/sft.py", args, in_process=False))  # a fresh process: what it prints at import
     assert "tokenised and cached" in first.stdout
-    # No progress bar (disable_tqdm): each logging step is a log line; the summary ends the run as a table.
+    # No progress bar (disable_tqdm): each logging step is a log line.
     assert "INFO tunebook: Step 4/6: loss " in first.stdout and "tok/s" in first.stdout
-    assert "Run summary:" in first.stdout and "train_samples_per_second" in first.stdout
+    # The untrained model's answers say so; the run ends with a few headline lines, not the summary's 40-row table.
+    assert "INFO tunebook:   before training: generated " in first.stdout
+    assert "INFO tunebook:   step 6: generated " in first.stdout
+    ending = [line.split("INFO tunebook: ", 1)[1] for line in first.stdout.splitlines()[-4:]]
+    took = r"(?:[0-9.]+ s|\d+ min \d\d s)"
+    assert re.fullmatch(rf"Trained 6 steps in {took} \({took} in all\), [0-9,]+ tokens/s, final train loss [0-9.]+",
+                        ending[0]), ending  # fmt: skip
+    assert re.fullmatch(r"Eval exact match: 0\.\d{3} before training -> 0\.\d{3} after \(eval loss [0-9.]+ -> [0-9.]+\)",
+                        ending[1]), ending  # fmt: skip
+    assert ending[2].startswith(f"Outputs in {out}: the model and tokenizer, summary.json (every figure), report.png")
+    assert ending[3] == (f"Load it: from transformers import AutoModelForCausalLM; "
+                         f'model = AutoModelForCausalLM.from_pretrained("{out}")')  # fmt: skip
+    assert "Run summary:" not in first.stdout and "attention_span" not in first.stdout  # the table: log_level DEBUG
     # Installed for the tests, DeepSpeed is imported by Accelerate's unwrapping; on a CPU it used to warn of no GPU.
     assert "unable to detect" not in first.stdout + first.stderr
 
@@ -212,7 +225,7 @@ def test_two_process_gloo_launch(tmp_path):
     # Both processes hit the same warning; it is printed once, by the main process.
     assert result.stdout.count("truncated and 0 dropped at max_seq_length=26") == 2  # train and eval data
     assert "[rank 1]" not in result.stdout
-    assert result.stdout.count("Run summary:") == 1 and summary["train_samples"] == 6 * 8 * 2
+    assert result.stdout.count("INFO tunebook: Trained 6 steps") == 1 and summary["train_samples"] == 6 * 8 * 2
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(out)

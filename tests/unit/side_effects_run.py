@@ -13,6 +13,8 @@ from pathlib import Path
 
 
 def state(trained: bool = False) -> dict:
+    import matplotlib
+    import matplotlib.pyplot as plt
     import torch._dynamo.config
     import transformers.models.llama.modeling_llama as llama
     from IPython.core.interactiveshell import InteractiveShell
@@ -34,6 +36,8 @@ def state(trained: bool = False) -> dict:
         "suppress_errors": torch._dynamo.config.suppress_errors,
         "ipython_custom_exceptions": repr(shell.custom_exceptions),
         "ipython_display_hook": repr(sys.displayhook),
+        "matplotlib_backend": matplotlib.get_backend(),  # a notebook's inline backend survives report.png
+        "pyplot_figures": plt.get_fignums(),
     }
 
 
@@ -44,11 +48,13 @@ def main(work: str, workers: int) -> None:
     # The libraries a run uses register their own exit handlers (and a logger or two) when imported: theirs, not ours.
     import accelerate  # noqa: F401
     import datasets  # noqa: F401
+    import matplotlib
     import matplotlib.pyplot  # noqa: F401
     import peft  # noqa: F401
     import torch._inductor.config  # noqa: F401
     import transformers  # noqa: F401
 
+    matplotlib.use("svg")  # not Agg, as a notebook's `%matplotlib inline` is not
     before = state()
     from support import TINY_TEST_MODEL
 

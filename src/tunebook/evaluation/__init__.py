@@ -4,7 +4,7 @@ stops by one rule (`stop_token_ids`) and is compared with its reference by one r
 
 from .batches import gathered_batches
 from .classification import classifier_inputs, evaluate_classifier
-from .generate import generation_exact_match, stop_token_ids
+from .generate import generation_exact_match, log_samples, stop_token_ids
 from .loss import evaluate_loss
 from .metrics import LOCAL_METRICS, load_metric, load_metrics
 from .samples import generate_reply, prompt_ids, prompt_sampler, sample_generations
@@ -19,6 +19,7 @@ __all__ = [
     "generation_exact_match",
     "load_metric",
     "load_metrics",
+    "log_samples",
     "prompt_ids",
     "prompt_sampler",
     "sample_generations",

@@ -18,7 +18,7 @@ from ..models.wrappers import unwrap
 from .batches import gathered_batches
 from .scores import exact_match
 
-__all__ = ["generation_exact_match", "stop_token_ids"]
+__all__ = ["generation_exact_match", "log_samples", "stop_token_ids"]
 
 
 def stop_token_ids(model, tokenizer: PreTrainedTokenizerBase) -> int | list[int] | None:
@@ -31,6 +31,14 @@ def stop_token_ids(model, tokenizer: PreTrainedTokenizerBase) -> int | list[int]
     config, so for it this is that config's value.
     """
     return eos_ids(tokenizer.eos_token_id, getattr(model, "generation_config", None))
+
+
+def log_samples(log, samples: list[dict[str, str]], step: int) -> None:
+    """Log an evaluation's (prediction, reference) samples, labelled with when they were made: the untrained
+    model's gibberish at step 0 says "before training", not passed off as what the run trained."""
+    when = "before training" if step == 0 else f"step {step}"
+    for s in samples:
+        log.info("  %s: generated %r, reference %r", when, s["prediction"], s["reference"])
 
 
 def _decode(tokenizer: PreTrainedTokenizerBase, ids: torch.Tensor) -> str:

@@ -20,7 +20,7 @@ from ..recipe import recipe_task
 from .report import format_cell, read_metrics
 from .upload import has_model, shareable_config, shareable_path
 
-__all__ = ["write_model_card"]
+__all__ = ["load_line", "write_model_card"]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -44,6 +44,29 @@ def write_model_card(output_dir: str | Path, summary: dict[str, Any], config: di
     if lora and config.get("merge_adapter") and (merged / "config.json").is_file():
         _card(merged, output_dir, summary, config, lora=False, merged=True).save(merged / "README.md")
     return output_dir / "README.md"
+
+
+def load_line(output_dir: str | Path, recipe: str, shown_as: str | None = None) -> str | None:
+    """One line of Python that loads the model a run saved in `output_dir`, or None when it saved none: the Auto
+    class of its task (sequence classification for classify and reward), peft's for LoRA adapters, and the plain
+    model in `merged/` when a LoRA run merged its adapters. `shown_as`: the folder as the line names it (the
+    config's `output_dir` as the user typed it; by default `output_dir`)."""
+    output_dir, shown_as = Path(output_dir), shown_as or str(output_dir)
+    classify = (recipe_task(recipe) or ("", ""))[1] == "text-classification"
+    task = "SequenceClassification" if classify else "CausalLM"
+    if (output_dir / "merged" / "config.json").is_file():
+        library, auto, path = "transformers", f"AutoModelFor{task}", (Path(shown_as) / "merged").as_posix()
+    elif (output_dir / "adapter_config.json").is_file():  # loads the base model, then the adapters
+        library, auto, path = "peft", f"AutoPeftModelFor{task}", shown_as
+        base = json.loads((output_dir / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+        if base.startswith("."):  # a local base recorded relative to the adapters: peft would read it from the cwd
+            library, auto = "tunebook.models", "load_adapter_model"
+            return f"from {library} import {auto}; model = {auto}({json.dumps(path)})"
+    elif (output_dir / "config.json").is_file():
+        library, auto, path = "transformers", f"AutoModelFor{task}", shown_as
+    else:
+        return None
+    return f"from {library} import {auto}; model = {auto}.from_pretrained({json.dumps(path)})"
 
 
 def _card(model_dir: Path, output_dir: Path, summary, config, *, lora: bool, merged: bool = False):

@@ -1,6 +1,6 @@
 """The run record: what a run writes down about itself. Its clock (`RunTimer`), `metrics.jsonl` (also sent to the
 trackers), the summary every recipe returns and writes to `summary.json` (`run_summary`), the library versions,
-peak memory, and the end of a run's record (`finish_run`: summary.json, report.png, the model card, the table).
+peak memory, and the end of a run's record (`finish_run`: summary.json, report.png, the model card, the headline).
 """
 
 from __future__ import annotations
@@ -18,14 +18,16 @@ from typing import Any
 import torch
 import yaml
 
+from ..errors import owns_process
 from ..process import launch_time
-from .report import flatten, format_table, render_report
+from .report import flatten, format_table, render_report, resumed_step
 
 __all__ = [
     "MetricsWriter",
     "RunTimer",
     "data_wait_advice",
     "finish_run",
+    "headline",
     "peak_rss_mb",
     "run_summary",
     "versions",
@@ -83,6 +85,7 @@ class RunTimer:
 
     def __init__(self):
         self.process_start = launch_time()
+        self.run_start = time.time()
         self.train_start: float | None = None
         self.first_step_done: float | None = None
         self.paused_seconds = 0.0
@@ -127,6 +130,11 @@ class RunTimer:
     @property
     def time_to_first_step(self) -> float | None:
         return None if self.first_step_done is None else self.first_step_done - self.process_start
+
+    def wall_seconds(self) -> float:
+        """Seconds since the command started (`tunebook train`, `accelerate launch`, `python recipes/...`); in a
+        caller's interpreter (a notebook's `main(config)`), whose process may be hours old, since the run started."""
+        return time.time() - (self.process_start if owns_process() else self.run_start)
 
     def train_runtime(self) -> float:
         if self.train_start is None:
@@ -281,29 +289,114 @@ def run_summary(
     return summary
 
 
-def finish_run(output_dir: str | Path, summary: dict[str, Any], log: logging.Logger = logger) -> None:
-    """Write `summary.json`, `report.png` and the model card (`README.md`) into `output_dir`, log the summary as a
-    table and, with `push_to_hub` in the run's `config.yaml`, upload the model directory (main process, after the
-    model was saved)."""
+def finish_run(
+    output_dir: str | Path,
+    summary: dict[str, Any],
+    log: logging.Logger = logger,
+    metric: tuple[str, str, str] | None = None,
+    wall_seconds: float | None = None,
+) -> None:
+    """Write `summary.json`, `report.png` and the model card (`README.md`) into `output_dir`, with `push_to_hub` in
+    the run's `config.yaml` upload the model directory (main process, after the model was saved), and end with the
+    run's headline (`headline`: `metric` is the recipe's main one). The whole summary is a table in the log at debug
+    level (`log_level: DEBUG`) and `tunebook report OUTPUT_DIR` prints it; summary.json holds it all."""
     # Imported here: `tunebook report` uses this module and must not load the data and model stack.
-    from .model_card import write_model_card
+    from .model_card import load_line, write_model_card
     from .upload import push_output_dir
 
     output_dir = Path(output_dir)
     write_summary(output_dir / "summary.json", summary)
+    written = ["summary.json (every figure)"]
     try:
-        path = render_report([output_dir], output_dir / "report.png")
-        log.info("Report: %s", path)
+        log.debug("Report: %s", render_report([output_dir], output_dir / "report.png"))
+        written.append("report.png (the curves)")
     except Exception as error:  # a plot must never cost the run its outputs
         log.warning("report.png not written: %s", error)
     shown = {k: v for k, v in flatten(summary).items() if not k.startswith(("versions.", "data."))}
-    log.info("Run summary:\n%s", format_table(["", output_dir.name], [[k, v] for k, v in shown.items()]))
+    log.debug("Run summary:\n%s", format_table(["", output_dir.name], [[k, v] for k, v in shown.items()]))
     # The recipes write the resolved config at start-up; it says what the card describes and where to push.
     config_path = output_dir / "config.yaml"
     config = (yaml.safe_load(config_path.read_text()) or {}) if config_path.is_file() else {}
     try:
-        log.info("Model card: %s", write_model_card(output_dir, summary, config))
+        log.debug("Model card: %s", write_model_card(output_dir, summary, config))
+        written.append("README.md (the model card)")
     except Exception as error:  # like the plot, a card must never cost the run its outputs
         log.warning("README.md (model card) not written: %s", error)
     if config.get("push_to_hub"):
         push_output_dir(output_dir, config, summary.get("recipe") or "training", log)
+    where = str(summary.get("output_dir") or output_dir)  # as the config gave it: what the user typed
+    load = load_line(output_dir, summary.get("recipe") or "", where)
+    for line in headline(summary, metric, wall_seconds=wall_seconds, outputs=written, load=load):
+        log.info("%s", line)
+
+
+def headline(
+    summary: dict[str, Any],
+    metric: tuple[str, str, str] | None = None,
+    *,
+    wall_seconds: float | None = None,
+    outputs: list[str] | tuple[str, ...] = (),
+    load: str | None = None,
+) -> list[str]:
+    """The few lines a run ends with, from its summary: what training did (steps, time, speed, final loss), the
+    recipe's main eval metric before and after training, where the outputs are, and a line of Python that loads
+    the model. Everything else is in summary.json.
+
+    Args:
+        summary: the run's summary (`run_summary`).
+        metric: (eval key, name, format) of the recipe's main metric, e.g. ("eval_exact_match", "exact match",
+            ".3f"); without it, the eval loss.
+        wall_seconds: the run's time from its command's start (None: not shown).
+        outputs: what was written beside the model, e.g. "summary.json (every figure)".
+        load: one line of Python that loads the saved model (None: no model was saved).
+    """
+    steps, tokens_per_second = summary.get("train_steps") or 0, summary.get("train_tokens_per_second")
+    resumed = resumed_step(summary.get("resumed_from"))  # this run's time and speed are of the steps after it
+    if resumed is not None and resumed < steps:
+        trained = f"steps {resumed + 1:,}-{steps:,}"
+    else:
+        trained = f"{steps:,} step{'s' * (steps != 1)}"
+    done = f"Trained {trained} in {_duration(summary.get('train_runtime_seconds'))}"
+    if wall_seconds is not None:
+        done += f" ({_duration(wall_seconds)} in all)"
+    if tokens_per_second:
+        done += f", {tokens_per_second:,.0f} tokens/s"
+    if summary.get("final_train_loss") is not None:
+        done += f", final train loss {_number(summary['final_train_loss'], '.4f')}"
+    notes = []
+    if summary.get("resumed_from"):
+        notes.append(f"resumed from {summary['resumed_from']}")
+    if summary.get("stopped_early"):
+        notes.append("stopped early: the eval metric stopped improving")
+    if summary.get("skipped_updates"):
+        notes.append(f"{summary['skipped_updates']} non-finite step(s) skipped")
+    lines = [done + (f" ({'; '.join(notes)})" if notes else "")]
+    after, before = summary.get("eval") or {}, summary.get("eval_before_training") or {}
+    key, name, fmt = metric if metric and metric[0] in after else ("eval_loss", "loss", ".4f")
+    if key in after:
+        was = "n/a" if before.get(key) is None else _number(before[key], fmt)
+        line = f"Eval {name}: {was} before training -> {_number(after[key], fmt)} after"
+        if key not in ("eval_loss", "eval_perplexity") and "eval_loss" in after and "eval_loss" in before:
+            line += f" (eval loss {_number(before['eval_loss'], '.4f')} -> {_number(after['eval_loss'], '.4f')})"
+        lines.append(line)
+    where = summary.get("output_dir")
+    if where:
+        saved = ["the model and tokenizer"] if load else ["no model saved"]
+        lines.append(f"Outputs in {where}: {', '.join([*saved, *outputs])}")
+    if load:
+        lines.append(f"Load it: {load}")
+    return lines
+
+
+def _duration(seconds: float | None) -> str:
+    """'12.3 s', '4 min 05 s', '2 h 07 min'."""
+    if seconds is None or not math.isfinite(seconds):
+        return "n/a"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes} min {secs:02d} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+def _number(value: Any, fmt: str) -> str:
+    return format(value, fmt) if isinstance(value, int | float) else str(value)  # "nan" from summary.json is a str

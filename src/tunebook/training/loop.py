@@ -286,7 +286,8 @@ def finish(run: Run, loop: Training, headline: tuple[str, str, str] | None = Non
     """The end of a run: a stopped run frees the model and raises its stop (exit code, or the non-finite error);
     otherwise the final weights are evaluated, the best checkpoint's weights replace them when
     `load_best_model_at_end` finds a better one, the model is saved, and the summary, report and model card are
-    written. `headline` = (metric, name, format) logs "Eval <name>: <before> before training -> <after> after".
+    written, and the run ends with its headline (`tunebook.run.record.headline`): `headline` = (metric, name, format)
+    is the recipe's main metric there, "Eval <name>: <before> before training -> <after> after".
     Returns the summary (`extra` adds recipe-specific keys to it)."""
     from ..run.record import finish_run, run_summary
     from .checkpoint import save_final_model
@@ -334,15 +335,8 @@ def finish(run: Run, loop: Training, headline: tuple[str, str, str] | None = Non
         **(loop.compiled.summary() if loop.compiled is not None else {}),
         **extra,
     )  # fmt: skip
-    if accelerator.is_main_process:
-        finish_run(run.output_dir, summary, log)  # summary.json, report.png, the model card, the table
-        log.info("Model and tokenizer: %s", run.output_dir if total_steps > 0 else "(not saved: max_steps=0)")
-        log.info("Summary: %s", run.output_dir / "summary.json")
-        if headline and headline[0] in final_eval:
-            metric, name, fmt = headline
-            before = summary["eval_before_training"].get(metric)
-            log.info("Eval %s: %s before training -> %s after", name, "n/a" if before is None else format(before, fmt),
-                     format(final_eval[metric], fmt))  # fmt: skip
+    if accelerator.is_main_process:  # summary.json, report.png, the model card, then the run's headline
+        finish_run(run.output_dir, summary, log, headline, run.timer.wall_seconds())
     _free(run, loop)
     return summary
 

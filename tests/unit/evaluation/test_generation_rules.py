@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from accelerate import Accelerator
 from datasets import Dataset
 from transformers import GenerationConfig
 
-from tunebook.evaluation import generation_exact_match
+from tunebook.evaluation import generation_exact_match, log_samples
 from tunebook.evaluation.batches import gathered_batches
 from tunebook.evaluation.generate import stop_token_ids
 from tunebook.evaluation.scores import exact_match, exact_matches
@@ -79,3 +81,15 @@ def test_the_scaffold_evaluates_without_gradients_in_eval_mode_and_restores_the_
     with pytest.raises(RuntimeError, match="boom"):
         list(gathered_batches(model, loader, Accelerator(cpu=True), fails))
     assert model.training  # restored on an error too
+
+
+def test_samples_of_the_untrained_model_are_labelled_before_training(caplog):
+    log = logging.getLogger("tunebook")
+    samples = [{"prediction": "\ufffd\ufffd", "reference": "2334"}]
+    with caplog.at_level(logging.INFO, logger="tunebook"):
+        log_samples(log, samples, 0)
+        log_samples(log, [{"prediction": "2334", "reference": "2334"}], 500)
+    assert [r.getMessage() for r in caplog.records] == [
+        "  before training: generated '\ufffd\ufffd', reference '2334'",  # not passed off as what training made
+        "  step 500: generated '2334', reference '2334'",
+    ]

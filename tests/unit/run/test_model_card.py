@@ -344,3 +344,28 @@ def test_the_card_shows_the_sample_replies_before_training_and_at_the_last_evalu
     )
     (tmp_path / "metrics.jsonl").write_text(json.dumps(records[1]) + "\n")
     assert "Sample generations" not in write_model_card(tmp_path, SUMMARY, _config(use_peft=False)).read_text()
+
+
+def test_the_load_line_fits_what_the_run_saved(tmp_path):
+    from tunebook.run.model_card import load_line
+
+    out = tmp_path / "run"
+    out.mkdir()
+    assert load_line(out, "sft") is None  # nothing saved (max_steps 0)
+    (out / "config.json").write_text("{}")
+    assert load_line(out, "sft", "outputs/sft") == (
+        'from transformers import AutoModelForCausalLM; model = AutoModelForCausalLM.from_pretrained("outputs/sft")'
+    )
+    assert "AutoModelForSequenceClassification.from_pretrained" in load_line(out, "reward")  # classify too
+    (out / "config.json").unlink()
+    (out / "adapter_config.json").write_text("{}")  # LoRA adapters: peft loads the base, then them
+    assert load_line(out, "classify", "o") == (
+        'from peft import AutoPeftModelForSequenceClassification; model = AutoPeftModelForSequenceClassification.from_pretrained("o")'
+    )
+    (out / "adapter_config.json").write_text('{"base_model_name_or_path": "../base"}')  # portable, relative
+    assert (
+        load_line(out, "sft", "o") == 'from tunebook.models import load_adapter_model; model = load_adapter_model("o")'
+    )
+    (out / "merged").mkdir()
+    (out / "merged" / "config.json").write_text("{}")  # merged too: the plain model is the one to load
+    assert load_line(out, "dpo", "o").endswith('AutoModelForCausalLM.from_pretrained("o/merged")')
