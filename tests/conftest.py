@@ -32,6 +32,19 @@ def no_network(monkeypatch, tmp_path_factory):
     monkeypatch.setenv("TUNEBOOK_CACHE", str(tmp_path_factory.getbasetemp() / "tunebook-cache"))
 
 
+@pytest.fixture(autouse=True)
+def a_command_line_stays_in_its_test(monkeypatch):
+    """A test that calls `tunebook.cli.main` in this process makes it a command's (`enter_command_line`: the
+    excepthook, and `setup_logging` then takes the root logger): undone after the test, so that the next test's
+    in-process run logs as a library caller's would (caplog sees its records)."""
+    import sys
+
+    from tunebook import errors
+
+    monkeypatch.setattr(errors, "_COMMAND_LINE", [errors.owns_process()])
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     from tunebook.data.synthetic import SYNTHETIC_TASKS
