@@ -139,7 +139,9 @@ def test_a_new_head_on_a_pretrained_encoder_is_one_plain_line_not_transformers_l
                                    num_attention_heads=2, intermediate_size=32))  # fmt: skip
     encoder.save_pretrained(tmp_path / "encoder")
     monkeypatch.setattr(logging.getLogger("transformers"), "propagate", True)  # its records reach caplog too
-    with caplog.at_level(logging.INFO):
+    monkeypatch.setattr(logging.getLogger("tunebook"), "propagate", True)
+    # An earlier test's run may have left Tunebook's logger at WARNING (setup_logging on a non-main rank).
+    with caplog.at_level(logging.INFO), caplog.at_level(logging.INFO, logger="tunebook"):
         build_sequence_classifier(tokenizer, ["a", "b"], model_name_or_path=str(tmp_path / "encoder"))
     assert "LOAD REPORT" not in caplog.text and "\x1b[" not in caplog.text
     lines = [r.getMessage() for r in caplog.records if r.name == "tunebook"]
