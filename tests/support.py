@@ -3,7 +3,9 @@ that no test module imports another and conftest.py holds only fixtures and guar
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -93,7 +95,18 @@ def launch(
     if in_process:
         return _train_in_process(cmd, env or {})
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+    # Its own process group, killed whole if the test ends early (its timeout, pytest-timeout, ^C): `subprocess.run`
+    # kills only the launcher, and the recipe process it started would go on using the CPU the next tests need.
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, cwd=ROOT,
+                          start_new_session=True) as process:  # fmt: skip
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, process.returncode, stdout, stderr)
 
 
 def _train_in_process(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:

@@ -9,8 +9,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -49,6 +51,7 @@ def _two_nodes(tmp_path, args_of_node):
             text=True,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
+            start_new_session=True,  # killed as a group on a timeout: the launcher's children too
         )  # fmt: skip
         for r in (0, 1)
     ]
@@ -58,7 +61,8 @@ def _two_nodes(tmp_path, args_of_node):
             out, _ = p.communicate(timeout=300)
         except subprocess.TimeoutExpired:
             for q in procs:
-                q.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(q.pid, signal.SIGKILL)
             raise
         results.append((p.returncode, out))
     return results

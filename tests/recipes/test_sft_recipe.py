@@ -27,8 +27,10 @@ def _ok(result):
     return result
 
 
-def test_sft_writes_a_loadable_model_and_standard_outputs(tmp_path):
+def test_sft_writes_a_loadable_model_and_standard_outputs(tmp_path, monkeypatch):
     out = tmp_path / "run"
+    # Its own cache: in the suite an earlier test has tokenised this data already, and this run must do it itself.
+    monkeypatch.setenv("TUNEBOOK_CACHE", str(tmp_path / "cache"))
     args = [*SMALL, "--output_dir", str(out), "--save_steps", "3", "--report_to", "tensorboard", "--peak_flops", "1e12"]  # fmt: skip
     first = _ok(launch("recipes/sft.py", args, in_process=False))  # a fresh process: what it prints at import
     assert "tokenised and cached" in first.stdout
