@@ -57,7 +57,7 @@ def evaluate(config: ClassifyConfig, model, data: ClassificationData, eval_loade
 
 
 def main(config: ClassifyConfig) -> dict:
-    run = start_run(config, "classify")  # Accelerator, logging, seed, output_dir, config.yaml
+    run = start_run(config, "classify")  # Accelerator, logging, seed, output_dir locked
     accelerator, log = run.accelerator, run.log
 
     # --- data: prepared under a file lock (the first process builds, the others map the files), then all meet

@@ -110,7 +110,7 @@ def precompute_reference(config: DPOConfig, model, data: PreferenceData, acceler
 
 
 def main(config: DPOConfig) -> dict:
-    run = start_run(config, "dpo")  # Accelerator, logging, seed, output_dir, config.yaml
+    run = start_run(config, "dpo")  # Accelerator, logging, seed, output_dir locked
     accelerator, log = run.accelerator, run.log
 
     # --- data: prepared under a file lock (the first process builds, the others map the files), then all meet

@@ -160,7 +160,7 @@ def warm_up(config: GRPOConfig, model, data: PromptData, accelerator, log) -> No
 
 
 def main(config: GRPOConfig) -> dict:
-    run = start_run(config, "grpo")  # Accelerator, logging, seed, output_dir, config.yaml
+    run = start_run(config, "grpo")  # Accelerator, logging, seed, output_dir locked
     accelerator, log = run.accelerator, run.log
 
     # --- data: prompts (and their other columns, for the rewards), prepared under a file lock, then all meet

@@ -67,7 +67,7 @@ def evaluate(config: PretrainConfig, model, eval_loader, attn: str, accelerator)
 
 
 def main(config: PretrainConfig) -> dict:
-    run = start_run(config, "pretrain")  # Accelerator, logging, seed, output_dir, config.yaml
+    run = start_run(config, "pretrain")  # Accelerator, logging, seed, output_dir locked
     accelerator, log = run.accelerator, run.log
 
     # --- data: prepared under a file lock (the first process builds, the others map the files), then all meet

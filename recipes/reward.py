@@ -64,7 +64,7 @@ def evaluate(config: RewardConfig, model, eval_loader, accelerator) -> dict:
 
 
 def main(config: RewardConfig) -> dict:
-    run = start_run(config, "reward")  # Accelerator, logging, seed, output_dir, config.yaml
+    run = start_run(config, "reward")  # Accelerator, logging, seed, output_dir locked
     accelerator, log = run.accelerator, run.log
 
     # --- data: prepared under a file lock (the first process builds, the others map the files), then all meet

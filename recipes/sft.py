@@ -95,7 +95,7 @@ def evaluate(config: SFTConfig, model, data: SFTData, eval_loader, attn: str, ac
 
 
 def main(config: SFTConfig) -> dict:
-    run = start_run(config, "sft")  # Accelerator, logging, seed, output_dir, config.yaml
+    run = start_run(config, "sft")  # Accelerator, logging, seed, output_dir locked
     accelerator, log = run.accelerator, run.log
 
     # --- data: prepared under a file lock (the first process builds, the others map the files), then all meet

@@ -5,11 +5,12 @@ output_dir conflict, and writes nothing."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
-from support import ROOT
+from support import ASSETS, ROOT, TINY_TEST_MODEL
 
 from tunebook.config.fields import SECTIONS
 from tunebook.recipe import RECIPES, recipe_task
@@ -123,3 +124,43 @@ def test_a_run_from_python_into_an_earlier_runs_output_dir_stops_before_writing(
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
     assert _contents(out) == before  # no .tunebook.lock, no config.yaml
+
+
+@pytest.mark.slow  # launches the recipe: ~15 s
+def test_a_start_that_fails_after_the_launch_writes_nothing(tmp_path):
+    """A malformed row is found when the data is read, after the launch and the output_dir's lock: the folders the
+    lock created go again with the lock file, and an existing output_dir is left as it was."""
+    out = tmp_path / "new" / "run"
+    args = ["--model_config", json.dumps(TINY_TEST_MODEL), "--train_data", str(ASSETS / "malformed.jsonl")]
+    result = tunebook("train", "sft", *args, "--output_dir", str(out))
+    assert result.returncode == 1 and "malformed.jsonl, line 2: malformed JSON" in result.stderr, result.stderr
+    assert not (tmp_path / "new").exists()
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "notes.txt").write_text("mine")
+    assert tunebook("train", "sft", *args, "--output_dir", str(existing)).returncode == 1
+    assert _contents(existing) == ["notes.txt"]
+
+
+@pytest.mark.slow
+def test_a_failed_start_in_a_notebook_is_undone_by_the_next_run(tmp_path):
+    """In Python the failed run's exception keeps its frames (and its lock) alive; what it wrote is only the lock's
+    folder, removed when the same process starts its next run (one run at a time), and never a config.yaml."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from tunebook import load_recipe
+    from tunebook.errors import DataError
+
+    sft = load_recipe("sft")
+    first, second = tmp_path / "first", tmp_path / "second"
+    for out in (first, second):
+        config = sft.config(output_dir=str(out), train_data=str(ASSETS / "malformed.jsonl"),
+                            model_config=json.dumps(TINY_TEST_MODEL), report_to="none", dataloader_num_workers=0,
+                            disable_tqdm=True)  # fmt: skip
+        try:
+            with pytest.raises(DataError, match="line 2: malformed JSON"):
+                sft.main(config)
+        finally:
+            AcceleratorState._reset_state(True)
+            GradientState._reset_state()
+    assert not first.exists() and _contents(second) == [".tunebook.lock"]

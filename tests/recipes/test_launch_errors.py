@@ -52,11 +52,13 @@ def test_a_config_typo_is_one_line_before_anything_heavy_is_imported(accelerate_
     assert result.stdout.strip() == "no torch"
 
 
-def test_a_failed_run_on_two_processes_is_one_line():
+def test_a_failed_run_on_two_processes_is_one_line_and_writes_nothing(tmp_path):
     # A file that exists (a missing one stops at the config check, before the launch) and fails data preparation.
     data = "tests/assets/malformed.jsonl"
+    out = tmp_path / "runs" / "sft"
     result = tunebook("train", "--config_file", "accelerate_configs/multi_cpu.yaml", "sft", *TINY,
-                      "--train_data", data, "--log_level", "WARNING")  # fmt: skip
+                      "--train_data", data, "--log_level", "WARNING", "--output_dir", str(out))  # fmt: skip
+    assert not (tmp_path / "runs").exists()  # the folders the run's lock made are gone again, with the lock file
     output = result.stdout + result.stderr
     assert result.returncode == 1
     _clean(output)

@@ -8,10 +8,16 @@ The lock is `flock(2)` on an open file, so the kernel releases it whenever its h
 a node lost): a lock is never stale after its holder's death, and there is no PID to check and no file to clean up.
 The file itself stays, holding the last holder's PID, host and start time, which is what the refusal quotes. On NFS,
 Linux implements `flock` with the server's byte-range locks, which every client sees.
+
+A start that fails (a malformed row, a model that does not build) writes nothing: what the lock created (the folder,
+the lock file) is removed again unless the run reached `started()` (`start_training`), when the process ends or when
+it takes its next lock (a notebook's next run), since one process trains one run at a time.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import errno
 import json
 import os
@@ -47,15 +53,33 @@ if hasattr(os, "register_at_fork"):
 
 
 class OutputDirLock:
-    """An exclusive `flock` on `output_dir/.tunebook.lock`; `release()` (idempotent) gives it up."""
+    """An exclusive `flock` on `output_dir/.tunebook.lock`; `release()` (idempotent) gives it up, and `abandon()`
+    also removes what taking it created, unless `started()` said the run has begun to write."""
 
-    def __init__(self, directory: Path, fd: int | None):
+    def __init__(self, directory: Path, fd: int | None, created: tuple[Path, ...] = ()):
         self.directory = directory
         self._fd = fd
+        self._created = created  # the lock file, then the folders taking it made, innermost first
+        self._started = False
 
     @property
     def held(self) -> bool:
         return self._fd is not None
+
+    def started(self) -> None:
+        """The run begins to write into the folder (`start_training`): from now on it is the run's, kept if it fails."""
+        self._started = True
+
+    def abandon(self) -> None:
+        """Release; and if the run never started, remove the lock file and the folders the lock created (when they
+        hold nothing else): a failed start leaves the file system as it found it."""
+        self.release()
+        if self._started:
+            return
+        for path in self._created:
+            with contextlib.suppress(OSError):  # a folder something else wrote into is not empty: it stays
+                path.rmdir() if path.is_dir() else path.unlink()
+        self._created = ()
 
     def release(self) -> None:
         if self._fd is None:
@@ -83,15 +107,18 @@ def lock_output_dir(output_dir: str | Path, recipe: str = "") -> OutputDirLock:
     `output_dir` (or a folder above it) is a file, or when it cannot be written (a read-only file system,
     permissions)."""
     directory = Path(output_dir).expanduser()
-    _make_directory(directory)
+    # This process's earlier run that ended without releasing its lock (a notebook's run that failed, its frames
+    # held by the traceback): one process trains one run at a time, so it is over; a start that failed is undone.
+    for earlier in list(_HELD.values()):
+        earlier.abandon()
+    made = _make_directory(directory)
     key = directory.resolve()
-    if key in _HELD:  # this process's earlier run, which ended without releasing it
-        _HELD.pop(key).release()
     try:
         import fcntl
     except ImportError:  # pragma: no cover - not POSIX (Windows): no advisory lock to take
         return OutputDirLock(key, None)
     path = directory / LOCK_NAME
+    new_file = not path.exists()
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as error:
@@ -101,6 +128,9 @@ def lock_output_dir(output_dir: str | Path, recipe: str = "") -> OutputDirLock:
     except OSError as error:
         holder = _read_holder(fd)
         os.close(fd)
+        for made_path in ([path] if new_file else []) + made:  # pragma: no cover - another holder made them first
+            with contextlib.suppress(OSError):
+                made_path.rmdir() if made_path.is_dir() else made_path.unlink()
         if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             raise ConfigError(f"output_dir {directory}: cannot lock {path}: {_reason(error)}") from None
         raise ConfigError(
@@ -108,9 +138,18 @@ def lock_output_dir(output_dir: str | Path, recipe: str = "") -> OutputDirLock:
             "output_dir"
         ) from None
     _write_holder(fd, recipe)
-    lock = OutputDirLock(key, fd)
+    lock = OutputDirLock(key, fd, tuple(([path] if new_file else []) + made))
+    if not _HELD:
+        atexit.unregister(_abandon_held)  # registered once, while this process holds a lock
+        atexit.register(_abandon_held)
     _HELD[key] = lock
     return lock
+
+
+def _abandon_held() -> None:
+    """At exit: a run whose start failed (its exception ends the process) leaves no folder behind."""
+    for lock in list(_HELD.values()):
+        lock.abandon()
 
 
 def lock_run_output_dir(accelerator, output_dir: str | Path, recipe: str) -> OutputDirLock:
@@ -123,7 +162,9 @@ def lock_run_output_dir(accelerator, output_dir: str | Path, recipe: str) -> Out
     return held[0] if held else OutputDirLock(Path(output_dir), None)
 
 
-def _make_directory(directory: Path) -> None:
+def _make_directory(directory: Path) -> list[Path]:
+    """Create `directory` (and its missing parents); returns the folders it created, innermost first."""
+    missing = [p for p in [directory, *directory.parents] if not p.exists()]
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
@@ -134,6 +175,7 @@ def _make_directory(directory: Path) -> None:
         raise ConfigError(f"output_dir {directory} cannot be created: {_reason(error)}") from None
     if not directory.is_dir():  # mkdir(exist_ok=True) passes over an existing file on some Pythons
         raise ConfigError(f"output_dir {directory} is a file, not a directory")
+    return missing
 
 
 def _reason(error: OSError) -> str:

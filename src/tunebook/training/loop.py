@@ -60,10 +60,12 @@ __all__ = [
 
 
 def start_run(config, recipe: str) -> Run:
-    """Timer, Accelerator, logging, seed, output and cache folders, `config.yaml`, the start-up log."""
+    """Timer, Accelerator, logging, seed, the output folder locked for this run, the start-up log. Nothing is
+    written into the output folder until `start_training`: a start that fails (a malformed data row, a model that
+    does not build) leaves it as it was (a folder the lock created is removed again)."""
     from accelerate.utils import set_seed
 
-    from ..config import check_output_dir, save_config
+    from ..config import check_output_dir
     from ..data.loaders import start_worker_server
     from ..distributed import decided_by_main
     from ..process import resume_collector
@@ -71,7 +73,6 @@ def start_run(config, recipe: str) -> Run:
     from ..run.output_lock import lock_run_output_dir
     from ..run.record import RunTimer
     from .accelerator import recipe_accelerator
-    from .resumption import prepare_output_dir
 
     resume_collector(freeze=True)  # paused by `tunebook train` while the recipe imported its libraries
     timer = RunTimer()
@@ -86,9 +87,6 @@ def start_run(config, recipe: str) -> Run:
     decided_by_main(accelerator, lambda: check_output_dir(config))
     # One run per output_dir, for the run's lifetime: a second run there stops now, naming this one's PID and host.
     output_lock = lock_run_output_dir(accelerator, output_dir, recipe)
-    prepare_output_dir(accelerator, config, log)  # overwrite_output_dir: the earlier run's files deleted
-    if accelerator.is_main_process:
-        save_config(config, output_dir / "config.yaml", recipe)
     log_run_start(log, config, accelerator)
     return Run(config, recipe, accelerator, log, timer, output_dir, cache_dir, output_lock=output_lock)
 
@@ -139,12 +137,20 @@ def start_training(
     throughput and the timed progress lines (`log_every_seconds`). `data` is the prepared data (its training rows
     give the FLOPs per token). `samples`: what answers `sample_prompts` at every evaluation
     (`tunebook.evaluation.prompt_sampler`), or None."""
+    from ..config import save_config
     from ..progress import progress_bar
     from ..run.record import MetricsWriter
     from ..run.trackers import start_trackers
+    from .resumption import prepare_output_dir
     from .throughput import Heartbeat, Throughput
 
     config, accelerator, state = run.config, run.accelerator, saved.state
+    # The run's first writes into output_dir: everything before (data, model, checkpoint) has loaded.
+    prepare_output_dir(accelerator, config, run.log)  # overwrite_output_dir: the earlier run's files deleted
+    if run.output_lock is not None:
+        run.output_lock.started()  # from here a failure keeps the folder: its logs and last checkpoint are the run's
+    if accelerator.is_main_process:
+        save_config(config, run.output_dir / "config.yaml", run.recipe)
     start_trackers(accelerator, config, run.recipe)
     resumed_step = state.global_step if saved.resumed_from else None
     metrics = MetricsWriter(run.output_dir / "metrics.jsonl", accelerator.is_main_process, resumed_step, accelerator)
