@@ -23,7 +23,15 @@ from typing import Any
 
 from ..errors import DataError
 
-__all__ = ["FORMAT_COLUMNS", "detect_format", "message_text", "normalise_messages", "to_conversations"]
+__all__ = [
+    "FORMAT_COLUMNS",
+    "as_messages",
+    "detect_format",
+    "message_parts",
+    "message_text",
+    "normalise_messages",
+    "to_conversations",
+]
 
 # Required columns per format; detection tries them in this order. `text` stands for dataset_text_field.
 FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
@@ -110,21 +118,28 @@ def to_conversations(
     return {"conversation": out}
 
 
-def as_messages(value: Any, role: str, where: str, column: str | None = None) -> list[dict[str, Any]]:
-    """A string as one message of `role`, or a list of messages checked and normalised; errors name `column`."""
+def as_messages(
+    value: Any, role: str, where: str, column: str | None = None, *, image_parts: bool = False
+) -> list[dict[str, Any]]:
+    """A string as one message of `role`, or a list of messages checked and normalised; errors name `column`.
+    `image_parts`: as in `normalise_messages`."""
     if isinstance(value, str):
-        return [{"role": role, "content": value}]
+        return [{"role": role, "content": [{"type": "text", "text": value}] if image_parts else value}]
     what = f"column {column!r}" if column else f"the {role} text"
     if value is None:
         raise DataError(f"{where}: {what} is missing (null)")
     if not isinstance(value, list):  # a number among strings, say: as written, and not text
         raise DataError(f"{where}: {what} must be text or a list of messages, got {value!r:.100}")
-    return normalise_messages(value, where)
+    return normalise_messages(value, where, image_parts=image_parts)
 
 
-def normalise_messages(messages: Any, where: str) -> list[dict[str, Any]]:
+def normalise_messages(messages: Any, where: str, *, image_parts: bool = False) -> list[dict[str, Any]]:
     """Check a list of chat messages and bring it to the form chat templates expect: string content (text parts
-    joined), tool-call arguments as objects, and no `None`-valued keys."""
+    joined), tool-call arguments as objects, and no `None`-valued keys.
+
+    With `image_parts` (a vision-language model's data, `tunebook.data.images`) content stays a list of parts in
+    order, image parts among them (`message_parts`); without, an image part is refused (`message_text`).
+    """
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: messages must be a non-empty list of {{role, content}}, got {messages!r:.200}")
     out = []
@@ -136,7 +151,8 @@ def normalise_messages(messages: Any, where: str) -> list[dict[str, Any]]:
             raise DataError(f"{where}: message {number} has role {m['role']!r}; expected one of {', '.join(ROLES)}")
         if "content" not in m and not m.get("tool_calls"):
             raise DataError(f"{where}: message {number} ({m['role']}) has no content")
-        m["content"] = message_text(m.get("content", ""), f"{where}, message {number}")
+        read = message_parts if image_parts else message_text
+        m["content"] = read(m.get("content", ""), f"{where}, message {number}")
         if m.get("tool_calls"):
             if m["role"] != "assistant":
                 raise DataError(f"{where}: message {number} ({m['role']}) has tool_calls; only assistant turns can")
@@ -164,6 +180,33 @@ def message_text(content: Any, where: str) -> str:
                 raise DataError(f"{where}: {what}; only text parts can be trained on by a text model")
         return "\n".join(texts)
     raise DataError(f"{where}: content must be text or a list of parts, got {content!r:.100}")
+
+
+IMAGE_PART_KEYS = ("image", "url", "path", "base64")  # where an image part holds its image (transformers reads these)
+
+
+def message_parts(content: Any, where: str) -> list[dict[str, Any]]:
+    """A message's content as a list of parts in order, for a vision-language model: text parts as
+    `{"type": "text", "text": ...}` (a string, or a bare string part, becomes one) and image parts as given, without
+    their `None` fields (Arrow gives every part every key), so an inline image (`IMAGE_PART_KEYS`) stays in place."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise DataError(f"{where}: content must be text or a list of parts, got {content!r:.100}")
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(part, str):
+            parts.append({"type": "text", "text": part})
+        elif kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image":
+            parts.append({k: v for k, v in part.items() if v is not None})
+        else:
+            what = f"a {kind!r} part" if kind else f"a part {part!r:.80}"
+            raise DataError(f"{where}: {what}; a part is text ({{'type': 'text', 'text': ...}}) or an image "
+                            "({'type': 'image'})")  # fmt: skip
+    return parts
 
 
 def _tool_call(call: Any, where: str) -> dict[str, Any]:
