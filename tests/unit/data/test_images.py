@@ -261,6 +261,19 @@ def test_skip_drops_and_counts_the_rows_with_a_bad_image_before_any_batch(folder
     assert wheres == [f"{data}, row 1", f"{data}, row 5", f"{data}, row 6"]
 
 
+def test_sizes_are_read_again_every_time_never_from_a_cache(folder):
+    data = write_jsonl(folder / "data.jsonl", [trl([{"type": "image"}, QUESTION], ["img/red.png"])] * 2)
+    rows = read_image_source(DataSource(str(data)), folder / "cache", seed=0)
+    assert check_images(rows).dataset["image_sizes"] == [[[4, 3]]] * 2
+    png(folder / "img" / "red.png", (8, 2))  # replaced since: another size
+    assert check_images(rows).dataset["image_sizes"] == [[[8, 2]]] * 2
+    (folder / "img" / "red.png").unlink()
+    with pytest.raises(
+        DataError, match=r"every row has a bad image \(2 rows\), the first: .*row 1, image 1 .*not found"
+    ):
+        check_images(rows, on_bad_image="skip")
+
+
 def test_a_file_damaged_past_its_header_passes_the_check_and_fails_on_opening(folder):
     png(folder / "img" / "big.png", (64, 64))
     cut = folder / "img" / "cut.png"
