@@ -7,12 +7,13 @@ from .cache import cached_dataset, default_cache_dir, fingerprint, tokenizer_fin
 from .classification import ClassificationData, label_names_of, prepare_classification_data
 from .collate import PackedCollator, PadCollator, PairCollator, PromptCollator, loss_positions
 from .formats import FORMAT_COLUMNS, detect_format, normalise_messages, to_conversations
+from .images import check_images, open_image, open_images, parse_image_row, read_image_source
 from .loaders import LengthGroupedSampler, build_loader, train_and_eval_loaders
 from .packing import best_fit_decreasing, example_lengths, pack_dataset
 from .pipeline import Pipeline, PreparedData
 from .sft import SFTData, conversation_texts, load_conversations, prepare_sft_data, prepare_sft_dataset, sft_cache_key
 from .sources import DataSource, fingerprint_sources, load_source, parse_sources
-from .synthetic import write_synthetic_task
+from .synthetic import write_synthetic_image_task, write_synthetic_task
 from .text import TextData, chunk_documents, prepare_text_data
 from .tokenize import IGNORE_INDEX, assistant_spans, format_loss_mask, render_chat, tokenize_conversations
 
@@ -64,4 +65,10 @@ __all__ = [
     "render_chat",
     "tokenizer_fingerprint",
     "write_synthetic_task",
+    "write_synthetic_image_task",
+    "check_images",
+    "open_image",
+    "open_images",
+    "parse_image_row",
+    "read_image_source",
 ]
