@@ -7,7 +7,8 @@ from .cache import cached_dataset, default_cache_dir, fingerprint, tokenizer_fin
 from .classification import ClassificationData, label_names_of, prepare_classification_data
 from .collate import PackedCollator, PadCollator, PairCollator, PromptCollator, loss_positions
 from .formats import FORMAT_COLUMNS, detect_format, normalise_messages, to_conversations
-from .images import check_images, open_image, open_images, parse_image_row, read_image_source
+from .image_files import open_image, open_images
+from .images import check_images, parse_image_row, read_image_source
 from .loaders import LengthGroupedSampler, build_loader, train_and_eval_loaders
 from .packing import best_fit_decreasing, example_lengths, pack_dataset
 from .pipeline import Pipeline, PreparedData

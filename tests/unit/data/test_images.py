@@ -18,13 +18,10 @@ import pytest
 from PIL import Image
 
 from tunebook.data.formats import to_conversations
+from tunebook.data.image_files import image_reference, image_size, open_image, open_images
 from tunebook.data.images import (
     IMAGE_FEATURES,
     check_images,
-    image_reference,
-    image_size,
-    open_image,
-    open_images,
     parse_image_row,
     read_image_source,
     to_image_conversations,
