@@ -31,6 +31,7 @@ __all__ = [
     "message_text",
     "normalise_messages",
     "to_conversations",
+    "tool_definitions",
 ]
 
 # Required columns per format; detection tries them in this order. `text` stands for dataset_text_field.
@@ -113,7 +114,7 @@ def to_conversations(
         if data_format == "prompt_completion":  # the prompt is context, its assistant turns too (TRL's
             conversation["completion_start"] = len(prompt)  # completion_only_loss): the loss starts here
         if batch.get("tools") is not None and batch["tools"][i] is not None:
-            conversation["tools"] = _tools(batch["tools"][i], where_row)
+            conversation["tools"] = tool_definitions(batch["tools"][i], where_row)
         out.append(json.dumps(conversation))
     return {"conversation": out}
 
@@ -226,7 +227,8 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
     return {**call, "function": function} if "function" in call else {"type": "function", "function": function}
 
 
-def _tools(value: Any, where: str) -> list[dict[str, Any]]:
+def tool_definitions(value: Any, where: str) -> list[dict[str, Any]]:
+    """A `tools` column's value as a list of tool (function) definitions without `None` fields."""
     if isinstance(value, str):  # often stored as JSON text
         try:
             value = json.loads(value)

@@ -45,7 +45,14 @@ import numpy as np
 import pyarrow.compute as pc
 
 from ..errors import DataError
-from .formats import IMAGE_PART_KEYS, SHAREGPT_ROLES, as_messages, detect_format, normalise_messages
+from .formats import (
+    IMAGE_PART_KEYS,
+    SHAREGPT_ROLES,
+    as_messages,
+    detect_format,
+    normalise_messages,
+    tool_definitions,
+)
 from .image_files import DEFAULT_MAX_IMAGE_PIXELS, base64_image, image_reference, image_size
 from .sources import DataSource, load_source
 
@@ -89,8 +96,9 @@ def parse_image_row(
     row: dict[str, Any], *, where: str, data_format: str = "auto", base_dir: str | Path | None = None
 ) -> dict[str, Any]:
     """One row in any supported shape -> `{"messages": [...], "images": [reference, ...]}` (the module docstring's
-    normal form; prompt/completion adds `completion_start`). Relative image paths resolve against `base_dir` (the
-    data file's folder; the working directory when None). `where` names the file and row in errors."""
+    normal form; prompt/completion adds `completion_start`, a `tools` column `tools`, as `formats` does). Relative
+    image paths resolve against `base_dir` (the data file's folder; the working directory when None). `where` names
+    the file and row in errors."""
     fmt, column = detect_image_format(list(row), data_format, where)
     listed = _listed(row.get(column) if column else None)
     completion_start = None
@@ -116,6 +124,8 @@ def parse_image_row(
     out: dict[str, Any] = {"messages": messages, "images": images}
     if completion_start is not None:
         out["completion_start"] = completion_start
+    if row.get("tools") is not None:
+        out["tools"] = tool_definitions(row["tools"], where)
     return out
 
 
@@ -251,7 +261,7 @@ def read_image_source(
                 "data_format": fmt,
                 "where": source.where,
                 "base_dir": image_dir,
-            },  # fmt: skip
+            },
             remove_columns=raw.column_names,
             features=IMAGE_FEATURES,
             num_proc=num_proc,

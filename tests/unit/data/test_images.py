@@ -131,6 +131,10 @@ def test_text_only_rows_pass_and_a_text_model_still_refuses_images(folder):
     batch = {"messages": [trl([{"type": "image"}, QUESTION])["messages"]]}
     with pytest.raises(DataError, match="only text parts can be trained on by a text model"):
         to_conversations(batch, [0], data_format="chat", where="data.jsonl")
+    with pytest.raises(DataError, match=r"^a.jsonl: data format 'alpaca' has no place for images"):
+        parse_image_row({"instruction": "Hi", "output": "Hello", "image": "x.png"}, where="a.jsonl")
+    with pytest.raises(DataError, match=r"^a.jsonl: both an 'images' and an 'image' column"):
+        parse_image_row({**IMAGE_FIRST, "image": "x.png"}, where="a.jsonl")
 
 
 IMAGE_FIRST = trl([{"type": "image"}, QUESTION], ["img/red.png"])
@@ -165,6 +169,12 @@ def test_a_count_mismatch_is_one_line_naming_file_row_and_both_counts(folder, go
     with pytest.raises(DataError, match=rf"^{data}, row 2: {counts}") as error:
         read_image_source(DataSource(str(data)), folder / "cache", seed=0)
     assert "\n" not in str(error.value)
+
+
+def test_a_tools_column_is_kept_as_formats_keeps_it(folder):
+    tools = [{"type": "function", "function": {"name": "zoom", "parameters": None}}]
+    parsed = parse_image_row({**IMAGE_FIRST, "tools": tools}, where="r", base_dir=folder)
+    assert parsed["tools"] == [{"type": "function", "function": {"name": "zoom"}}]
 
 
 def test_images_inline_and_in_the_column_at_once_are_refused(folder):
