@@ -314,7 +314,12 @@ def save_processor(processor: ProcessorMixin, directory: str | Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     save_tokenizer(processor.tokenizer, directory)
     config = processor.to_dict()
-    config.pop("video_processor", None)  # without it a loader with torchvision builds the family's default
+    # What a loader with torchvision builds the video processor from (AutoProcessor insists on one): the image
+    # processor's settings under the family's video processor class, named as transformers itself infers it from an
+    # image processor's (Qwen2VLImageProcessor -> Qwen2VLVideoProcessor).
+    video = dict(config["image_processor"])
+    video["video_processor_type"] = video.pop("image_processor_type").replace("ImageProcessor", "VideoProcessor")
+    config["video_processor"] = video
     (directory / "processor_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if isinstance(processor.chat_template, str):
         (directory / "chat_template.jinja").write_text(processor.chat_template, encoding="utf-8")
@@ -335,11 +340,11 @@ def load_processor(name_or_path: str, trust_remote_code: bool = False, revision:
     try:
         try:
             processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **kwargs)
-        except ValueError as error:
-            if "requires `torchvision`" not in str(error):
+        except (ValueError, ImportError) as error:
+            if "torchvision" not in str(error).lower():
                 raise
             processor = _processor_from_parts(name_or_path, trust_remote_code, kwargs)
-    except (OSError, ValueError, TypeError) as error:
+    except (OSError, ValueError, TypeError, ImportError) as error:
         raise ModelError(f"could not load a processor from {kind} '{name_or_path}': {first_line(error)}") from None
     if not isinstance(processor, ProcessorMixin):  # a text-only model's AutoProcessor is its tokenizer
         raise ModelError(f"'{name_or_path}' has no image processor: not a vision-language model")
