@@ -204,7 +204,10 @@ def build_vision_lm(
         model = _from_config(read_model_config(options.model_config), tokenizer, options)
     else:
         raise ConfigError("a vision-language model needs model_name_or_path or model_config")
-    return finish_model(model, tokenizer, options)
+    model = finish_model(model, tokenizer, options)
+    if options.gradient_checkpointing:  # the language model reads its own config's use_cache, not the outer one
+        model.config.get_text_config().use_cache = False
+    return model
 
 
 def _from_config(values: dict[str, Any], tokenizer, options: ModelOptions) -> PreTrainedModel:
@@ -283,7 +286,8 @@ def freeze_vision(model: torch.nn.Module, vision_tower: bool = True, projector: 
 def lora_targets(model: torch.nn.Module, projector: bool = False) -> str:
     """The default `lora_target_modules` of a vision-language model: a regex (peft matches it against whole module
     names) naming every linear layer of the language model, and of the projector with `projector` (when it trains),
-    but none of the vision tower's or the output head. peft's `all-linear` would adapt the tower too."""
+    but none of the vision tower's or the output head. peft's `all-linear` would adapt the tower too. A projector
+    without linear layers (Gemma 3's is a weight matrix) gets no adapters: it trains only in full fine-tuning."""
     decoder = model.get_decoder()
     names = {id(module): name for name, module in model.named_modules()}
     if decoder is model or id(decoder) not in names:

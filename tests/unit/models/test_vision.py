@@ -5,6 +5,7 @@ round trip, and the transformers behaviours the Qwen-VL workarounds exist for (e
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -91,6 +92,62 @@ def test_forward_and_backward_on_two_images_of_different_sizes(processors, famil
         assert parameter.requires_grad is not in_tower, name
         if not in_tower and "embed_tokens" not in name and "lm_head" not in name:
             assert parameter.grad is not None and torch.isfinite(parameter.grad).all(), name
+
+
+@pytest.mark.parametrize("family", ROUND_TRIP)
+def test_gradient_checkpointing_gives_the_same_gradients_with_the_tower_frozen(processors, family):
+    batch = _batch(processors[family])
+    gradients = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = build_vision_lm(processors[family], model_config=CONFIGS[family], gradient_checkpointing=checkpointing)
+        freeze_vision(model)
+        model.train()
+        model(**batch).loss.backward()
+        gradients.append({name: p.grad for name, p in model.named_parameters() if p.requires_grad})
+        assert model.config.get_text_config().use_cache is not checkpointing
+    assert gradients[0].keys() == gradients[1].keys()
+    for name, gradient in gradients[0].items():
+        assert torch.allclose(gradient, gradients[1][name], atol=1e-6), name
+
+
+# Other families, built from transformers' configs shrunk (no processor): their vision parts are found by name.
+TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 128}  # fmt: skip
+VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+          "image_size": 28, "patch_size": 14}  # fmt: skip
+MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+OTHER_FAMILIES = {
+    "idefics3": ({"text_config": {"model_type": "llama", **TEXT}, "vision_config": VISION, "scale_factor": 2},
+                 ["model.vision_model"], ["model.connector"]),
+    "smolvlm": ({"text_config": {"model_type": "llama", **TEXT}, "vision_config": VISION, "scale_factor": 2},
+                ["model.vision_model"], ["model.connector"]),
+    "gemma3": ({"text_config": {"model_type": "gemma3_text", "head_dim": 16, **TEXT}, "vision_config": VISION,
+                "mm_tokens_per_image": 4}, ["model.vision_tower"], ["model.multi_modal_projector"]),
+    "qwen3_vl": ({"text_config": {"head_dim": 16, "rope_parameters": MROPE, **TEXT},
+                  "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                                    "out_hidden_size": 64, "deepstack_visual_indexes": [0],
+                                    "num_position_embeddings": 16}},
+                 ["model.visual"], ["model.visual.merger", "model.visual.deepstack_merger_list"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(OTHER_FAMILIES))
+def test_the_vision_parts_of_other_families_are_found_by_their_names(family):
+    from transformers import AutoConfig
+
+    values, towers, projectors = OTHER_FAMILIES[family]
+    assert is_vision_language_model({"model_type": family})
+    model = AutoModelForImageTextToText.from_config(AutoConfig.for_model(family, **values))
+    assert vision_modules(model) == (towers, projectors)
+    freeze_vision(model)
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    assert frozen and all(name.startswith(tuple(towers)) for name in frozen)
+    assert not any(name.startswith(tuple(projectors)) for name in frozen)
+    targets = re.compile(lora_targets(model, projector=True))
+    adapted = [name for name, _ in model.named_modules() if targets.fullmatch(name)]
+    assert len([name for name in adapted if not name.startswith(tuple(projectors))]) == 7  # the one layer's linears
+    assert not [name for name in adapted if name.startswith(tuple(towers)) and not name.startswith(tuple(projectors))]
 
 
 @pytest.mark.parametrize("family", ROUND_TRIP)
