@@ -141,7 +141,7 @@ def is_vision_language_model(
 
 
 def tiny_processor(
-    model_config: dict[str, Any], tokenizer: PreTrainedTokenizerBase, max_image_pixels: int = 64 * 64
+    model_config: dict[str, Any] | str, tokenizer: PreTrainedTokenizerBase, max_image_pixels: int = 64 * 64
 ) -> ProcessorMixin:
     """The processor for a tiny model built from `model_config` (a family of `IMAGE_TOKENS`): a copy of `tokenizer`
     (a chat tokenizer, e.g. `train_chat_tokenizer`'s) with the family's image tokens and chat template, and the
@@ -152,7 +152,11 @@ def tiny_processor(
     if model_type not in IMAGE_TOKENS:
         raise ConfigError(f"model_config: no tiny processor for model_type {model_type!r} (one of "
                           f"{', '.join(IMAGE_TOKENS)}); load a model and its processor with model_name_or_path")  # fmt: skip
-    vision = AutoConfig.for_model(**values).vision_config  # the tower's sizes, its defaults filled in
+    try:
+        config = AutoConfig.for_model(**values)  # the tower's sizes, its defaults filled in
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"model_config: {first_line(error)}") from None
+    vision = config.vision_config
     tokenizer = copy.deepcopy(tokenizer)
     tokenizer.add_special_tokens(
         {"extra_special_tokens": list(IMAGE_TOKENS[model_type].values())}, replace_extra_special_tokens=False
@@ -181,10 +185,11 @@ def tiny_processor(
         image_processor=images,
         tokenizer=tokenizer,
         patch_size=vision.patch_size,
-        vision_feature_select_strategy=values.get("vision_feature_select_strategy", "default"),
+        vision_feature_select_strategy=config.vision_feature_select_strategy,
         chat_template=template,
         image_token=IMAGE_TOKENS["llava"]["image_token_id"],
-        num_additional_image_tokens=1,  # CLIP's class token, which the default strategy then drops
+        # CLIP's class token, which the default strategy drops again (SigLIP has none)
+        num_additional_image_tokens=1 if vision.model_type == "clip_vision_model" else 0,
     )
 
 
@@ -215,11 +220,11 @@ def _from_config(values: dict[str, Any], tokenizer, options: ModelOptions) -> Pr
     if model_type not in IMAGE_TOKENS:
         raise ConfigError(f"model_config: model_type {model_type!r} is not a vision-language model Tunebook builds "
                           f"from a config ({', '.join(IMAGE_TOKENS)})")  # fmt: skip
-    ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in IMAGE_TOKENS[model_type].items()}
-    missing = [token for key, token in IMAGE_TOKENS[model_type].items() if token not in tokenizer.get_vocab()]
+    missing = [token for token in IMAGE_TOKENS[model_type].values() if token not in tokenizer.get_vocab()]
     if missing:
         raise ConfigError(f"model_config: the tokenizer has no {missing[0]} token, which {model_type} needs; use "
                           "tunebook.models.vision.tiny_processor's tokenizer")  # fmt: skip
+    ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in IMAGE_TOKENS[model_type].items()}
     text = dict(values.pop("text_config", None) or {})
     text.setdefault("vocab_size", len(tokenizer))
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
