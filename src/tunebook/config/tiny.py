@@ -29,17 +29,21 @@ TINY_BERT = {
 # Tiny vision-language models (tunebook.models.vision fills in the vocabulary size and the image token ids from the
 # processor's tokenizer). Both language models are 2 x 64; the vision towers one 32-wide layer over 14-pixel patches.
 
+_TINY_VLM_TEXT = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+}
+
 # Qwen2-VL: dynamic image tokens, one per 2 x 2 patches (28 x 28 pixels) of the image as resized. head_dim 16, so the
 # rotary's 8 frequency pairs split over time, height and width as 2 + 3 + 3 (mrope_section).
 TINY_QWEN2_VL = {
     "model_type": "qwen2_vl",
     "text_config": {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
+        **_TINY_VLM_TEXT,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
     },
     "vision_config": {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2},
@@ -74,15 +78,7 @@ TINY_LLAVA = {
         "patch_size": 14,
         "projection_dim": 32,
     },
-    "text_config": {
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
-    },
+    "text_config": {"model_type": "llama", **_TINY_VLM_TEXT},
     "vision_feature_layer": -1,
     "vision_feature_select_strategy": "default",
     "image_seq_length": 4,

@@ -67,6 +67,18 @@ _QWEN_VL_TOKENS = {
 }
 IMAGE_TOKENS = {"qwen2_vl": _QWEN_VL_TOKENS, "qwen2_5_vl": _QWEN_VL_TOKENS, "llava": {"image_token_id": "<image>"}}
 
+# ChatML turns, each message's content rendered by the family's `render` macro; an assistant's content and end of turn
+# between generation markers, the span the text path's render-and-compare finds too.
+_CHATML_TURNS = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\n' -}}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{%- generation -%}{{- render(message['content']) + '<|im_end|>\n' -}}{%- endgeneration -%}"
+    "{%- else -%}{{- render(message['content']) + '<|im_end|>\n' -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
+
 # Qwen2-VL's template (an image part as <|vision_start|><|image_pad|><|vision_end|> where it stands among the text,
 # which the processor expands to one <|image_pad|> per 2 x 2 patches), without its default system prompt: the tiny
 # models have no persona to keep.
@@ -78,14 +90,7 @@ QWEN2_VL_TEMPLATE = (
     "{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
     "{%- elif 'text' in part -%}{{- part['text'] -}}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
-    "{%- endmacro -%}"
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\n' -}}"
-    "{%- if message['role'] == 'assistant' -%}"
-    "{%- generation -%}{{- render(message['content']) + '<|im_end|>\n' -}}{%- endgeneration -%}"
-    "{%- else -%}{{- render(message['content']) + '<|im_end|>\n' -}}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+    "{%- endmacro -%}" + _CHATML_TURNS
 )
 
 # LLaVA's layout (llava-hf's interleave and OneVision templates): a turn's images first, one <image> line each (the
@@ -97,14 +102,7 @@ LLAVA_TEMPLATE = (
     "{%- for part in content | selectattr('type', 'equalto', 'image') -%}{{- '<image>\n' -}}{%- endfor -%}"
     "{%- for part in content | selectattr('type', 'equalto', 'text') -%}{{- part['text'] -}}{%- endfor -%}"
     "{%- endif -%}"
-    "{%- endmacro -%}"
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\n' -}}"
-    "{%- if message['role'] == 'assistant' -%}"
-    "{%- generation -%}{{- render(message['content']) + '<|im_end|>\n' -}}{%- endgeneration -%}"
-    "{%- else -%}{{- render(message['content']) + '<|im_end|>\n' -}}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+    "{%- endmacro -%}" + _CHATML_TURNS
 )
 _TEMPLATES = {"qwen2_vl": QWEN2_VL_TEMPLATE, "qwen2_5_vl": QWEN2_VL_TEMPLATE, "llava": LLAVA_TEMPLATE}
 
