@@ -1,6 +1,7 @@
 """Model construction: build or load models (`build`), LoRA (`lora`), GGUF
 conversion (`gguf`), the model inside distributed and compiled wrappers (`wrappers`), the tokenizer set-up
-(`tokenizer`), attention over packed rows and the choice of its backend (`attention`). Names load on first use:
+(`tokenizer`), attention over packed rows and the choice of its backend (`attention`), vision-language models and
+their processors (`vision`). Names load on first use:
 `import tunebook.models` imports no model code."""
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ _LAZY = {
     "tunebook.models.lora": [
         "apply_lora", "describe_parameters", "is_peft_model", "load_adapter_model", "merge_adapter_dir",
         "parameter_counts", "register_adapter_checkpoints",
+    ],
+    "tunebook.models.vision": [
+        "build_vision_lm", "freeze_vision", "is_vision_language_model", "load_processor", "lora_targets",
+        "save_processor", "tiny_processor",
     ],
     "tunebook.models.wrappers": ["unwrap"],
     "tunebook.models.attention": ["attention_inputs", "packing_mechanism", "use_packed_attention"],

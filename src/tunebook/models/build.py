@@ -24,8 +24,8 @@ from .fused_cpu import set_fused_cpu_layers
 from .gguf import resolve_model_name
 
 __all__ = [
-    "ModelOptions", "build_causal_lm", "build_sequence_classifier", "eos_ids", "model_options", "read_model_config",
-    "torch_dtype", "whole_weights",
+    "ModelOptions", "build_causal_lm", "build_sequence_classifier", "eos_ids", "finish_model", "load_pretrained",
+    "model_options", "read_model_config", "torch_dtype", "whole_weights",
 ]  # fmt: skip
 
 logger = logging.getLogger("tunebook")
@@ -106,7 +106,7 @@ def build_causal_lm(
     embeddings and special token ids agree with `tokenizer`."""
     options = _options(options, overrides)
     model = _load_or_build(AutoModelForCausalLM, "a causal LM", tokenizer, options, {}, **_load_options(options))
-    return _finish(model, tokenizer, options)
+    return finish_model(model, tokenizer, options)
 
 
 def build_sequence_classifier(
@@ -137,7 +137,14 @@ def build_sequence_classifier(
         extra["ignore_mismatched_sizes"] = True
     model = _load_or_build(AutoModelForSequenceClassification, "a sequence classifier", tokenizer, options, labels,
                            **extra)  # fmt: skip
-    return _finish(model, tokenizer, options)
+    return finish_model(model, tokenizer, options)
+
+
+def load_pretrained(auto_class, what: str, options: ModelOptions) -> PreTrainedModel:
+    """`auto_class.from_pretrained(options.model_name_or_path)` with the checks and one-line errors of
+    `build_causal_lm` (a missing path, a file, pickled weights, an offline Hub name), for a model class whose configs
+    `build_causal_lm` cannot build (a vision-language model: `tunebook.models.vision`). `what` names it in errors."""
+    return _load_or_build(auto_class, what, None, options, {}, **_load_options(options))
 
 
 def _load_options(options: ModelOptions) -> dict:
@@ -308,9 +315,9 @@ def _check_padding_rows(model, tokenizer, model_type: str) -> None:
                               f"token has id {module.padding_idx}, or another model_type")  # fmt: skip
 
 
-def _finish(model, tokenizer, options: ModelOptions):
+def finish_model(model, tokenizer, options: ModelOptions):
     """Embeddings sized for the tokenizer, special token ids in the configs, gradient checkpointing, Liger's
-    kernels, the fused CPU layers."""
+    kernels, the fused CPU layers: what every built or loaded model gets."""
     model_name_or_path = options.model_name_or_path
     rows = _rows(model.get_input_embeddings().weight)
     if len(tokenizer) > rows:

@@ -48,9 +48,13 @@ BASE_MODEL_DIR = "base_model"  # inside output_dir, for a base built from a conf
 TASK_TYPES = {"causal_lm": "CAUSAL_LM", "classification": "SEQ_CLS"}
 
 
-def apply_lora(model: torch.nn.Module, config, task: str = "causal_lm") -> torch.nn.Module:
+def apply_lora(
+    model: torch.nn.Module, config, task: str = "causal_lm", target_modules: str | list[str] | None = None
+) -> torch.nn.Module:
     """`model` with LoRA adapters from the config's `lora_*` keys (`use_peft`); only they (and
-    `modules_to_save`) are trainable. A 4-bit model (`load_in_4bit`) is first prepared for k-bit training."""
+    `modules_to_save`) are trainable. A 4-bit model (`load_in_4bit`) is first prepared for k-bit training.
+    `target_modules`, where given, replaces `lora_target_modules` as peft takes it (a string is a regex over whole
+    module names): a vision-language model's default, `tunebook.models.vision.lora_targets`."""
     try:
         from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     except ImportError:
@@ -58,12 +62,14 @@ def apply_lora(model: torch.nn.Module, config, task: str = "causal_lm") -> torch
     if getattr(model, "is_loaded_in_4bit", False):
         # Non-reentrant checkpointing is set up by build_*; peft must not switch it back to reentrant.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    targets = config.lora_target_modules
+    if target_modules is None:
+        targets = config.lora_target_modules
+        target_modules = targets if targets == "all-linear" or isinstance(targets, list) else [targets]
     lora = LoraConfig(
         r=config.lora_r,
         lora_alpha=config.lora_alpha,
         lora_dropout=config.lora_dropout,
-        target_modules=targets if targets == "all-linear" or isinstance(targets, list) else [targets],
+        target_modules=target_modules,
         modules_to_save=config.modules_to_save,
         task_type=TASK_TYPES[task],
         trainable_token_indices=None if config.modules_to_save else _new_token_rows(model),
