@@ -2,7 +2,9 @@
 
 With no arguments it runs the embedded offline default: it generates a synthetic digit task, trains a
 tokenizer locally, builds a tiny Llama from a config, fine-tunes it and reports the exact match of its greedy
-answers on a held-out split before and after training.
+answers on a held-out split before and after training. A vision-language model (`AutoModelForImageTextToText`)
+trains on conversations with images the same way (recipes/configs/sft/vlm_default.yaml: coloured shapes, a tiny
+Qwen2-VL): its processor tokenises, and the loader's workers decode the images.
 
     tunebook train --config_file accelerate_configs/cpu.yaml sft                    # CPU
     tunebook train --config_file accelerate_configs/multi_cpu.yaml sft              # 2 CPU processes
@@ -14,7 +16,7 @@ answers on a held-out split before and after training.
 first and ends a failed or stopped run with the recipe's own lines, not the launcher's traceback.
 
 Any config key can be overridden: `--learning_rate 1e-4` or `--learning_rate=1e-4` (`--help` lists them).
-Outputs in `output_dir`: the model and tokenizer (safetensors, `from_pretrained`-ready), `config.yaml`,
+Outputs in `output_dir`: the model and tokenizer or processor (safetensors, `from_pretrained`-ready), `config.yaml`,
 `metrics.jsonl`, `summary.json`, and `checkpoints/step-N/` when `save_steps` is set.
 """
 
@@ -28,17 +30,29 @@ from tunebook.data import (
     PackedCollator,
     PadCollator,
     SFTData,
+    VisionCollator,
+    VisionPromptCollator,
     attention_inputs,
     example_lengths,
     format_loss_mask,
     packing_mechanism,
     prepare_sft_data,
+    prepare_vision_sft_data,
     train_and_eval_loaders,
     use_packed_attention,
+    uses_images,
 )
 from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import evaluate_loss, generation_exact_match, log_samples, prompt_sampler
-from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options
+from tunebook.models import (
+    apply_lora,
+    build_causal_lm,
+    build_vision_lm,
+    describe_parameters,
+    freeze_vision,
+    lora_targets,
+    model_options,
+)
 from tunebook.training import (
     LossWindow,
     accumulation_windows,
@@ -66,6 +80,9 @@ def build_dataloaders(config: SFTConfig, data: SFTData, num_processes: int, attn
     pad_id, multiple = data.tokenizer.pad_token_id, config.pad_to_multiple_of
     collate = PackedCollator(pad_id, multiple, attn) if config.packing else PadCollator(pad_id, multiple)
     columns = ["input_ids", "labels", "seq_lengths"] if config.packing else ["input_ids", "labels"]
+    if data.processor is not None:  # a vision-language model's rows: their images decoded in the workers
+        collate = VisionCollator(data.processor, multiple, config.max_image_pixels)
+        columns = ["input_ids", "labels", "images", "where"]
     grouping = {}
     if config.group_by_length and not config.packing:  # packed rows are all about max_seq_length long
         global_batch = config.per_device_train_batch_size * num_processes * config.gradient_accumulation_steps
@@ -88,6 +105,7 @@ def evaluate(config: SFTConfig, model, data: SFTData, eval_loader, attn: str, ac
             max_new_tokens=config.generation_max_new_tokens,
             max_samples=config.generation_eval_max_samples or None,
             disable_tqdm=config.disable_tqdm,
+            collate_fn=VisionPromptCollator(data.processor, config.max_image_pixels) if data.processor else None,
         )
         metrics.update(scores)
         log_samples(log, samples[:3], step)
@@ -99,7 +117,9 @@ def main(config: SFTConfig) -> dict:
     accelerator, log = run.accelerator, run.log
 
     # --- data: prepared under a file lock (the first process builds, the others map the files), then all meet
-    data = prepare_then_join(accelerator, config, prepare_sft_data, run.cache_dir, log)
+    vision = uses_images(config)  # a vision-language model: its processor tokenises, rows keep image references
+    prepare = prepare_vision_sft_data if vision else prepare_sft_data
+    data = prepare_then_join(accelerator, config, prepare, run.cache_dir, log)
     tokenizer = data.tokenizer
     log.info(
         "One training %s, loss-bearing text in [[...]]:\n%s",
@@ -108,9 +128,17 @@ def main(config: SFTConfig) -> dict:
     )
 
     # --- model, optimizer, loaders
-    model = build_causal_lm(tokenizer, model_options(config))
+    if vision:  # the vision tower (and with freeze_projector the projector) keeps its weights
+        model = build_vision_lm(data.processor, model_options(config))
+        freeze_vision(model, config.freeze_vision_tower, config.freeze_projector)
+    else:
+        model = build_causal_lm(tokenizer, model_options(config))
     if config.use_peft:  # LoRA: the base stays frozen; checkpoints and the output hold only the adapters
-        model = apply_lora(model, config)
+        # A vision-language model's all-linear: the language model's linear layers (and a training projector's)
+        language_only = vision and config.lora_target_modules == "all-linear"
+        model = apply_lora(
+            model, config, target_modules=lora_targets(model, not config.freeze_projector) if language_only else None
+        )
     log.info("Model: %s, %s", type(model).__name__, describe_parameters(model))
     attn, dtype = compat.attn_implementation(model.config), model.dtype
     if config.packing:  # on a CPU, sdpa becomes our per-example (varlen) SDPA

@@ -23,6 +23,7 @@ __all__ = [
     "fingerprint",
     "forget_compiled_code",
     "has_recurrent_cache",
+    "image_token_counts",
     "indices_mapping",
     "inner_of_compiled",
     "mark_dynamic",
@@ -174,6 +175,14 @@ def model_from_config(model_class, config, **kwargs) -> Any:
     partitioned init): the Auto classes' `from_config` picks the class by the config, this keeps `model_class`
     (transformers 5.23.0: `PreTrainedModel._from_config`)."""
     return model_class._from_config(config, **kwargs)
+
+
+def image_token_counts(processor, sizes: list[tuple[int, int]]) -> list[int]:
+    """The image tokens a vision-language processor expands each image of `sizes` ((height, width), as decoded)
+    into, as it computes them for its own placeholders (transformers 5.23:
+    `ProcessorMixin._get_num_multimodal_tokens`, what vLLM reads; LLaVA's is the tower's fixed count)."""
+    data = processor._get_num_multimodal_tokens(image_sizes=[list(s) for s in sizes])
+    return [int(n) for n in data["num_image_tokens"]]
 
 
 # --------------------------------------------------------------------------------------------------------------

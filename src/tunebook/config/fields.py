@@ -30,6 +30,7 @@ __all__ = [
 SECTIONS = {
     "model": "Model",
     "data": "Data",
+    "vision": "Images (vision-language models)",
     "lora": "LoRA",
     "training": "Training",
     "evaluation": "Evaluation",

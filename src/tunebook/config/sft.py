@@ -8,23 +8,26 @@ from typing import ClassVar, Literal
 from .checks import (
     MODEL_DATA_CHECKS,
     TRAINING_CHECKS,
+    check_data_files,
     check_sample_prompts,
     check_split_turns,
     check_streamed_group_by_length,
 )
 from .fields import config_field, new_default
 from .shared import CausalLMConfig, ChatModelConfig
+from .vision import VisionConfig, check_image_dir, check_vision_keys
 
 __all__ = ["SFTConfig"]
 
 
 @dataclass
-class SFTConfig(CausalLMConfig, ChatModelConfig):
+class SFTConfig(CausalLMConfig, VisionConfig, ChatModelConfig):
     """Supervised fine-tuning of a causal LM on instruction or chat data.
 
     The defaults are the embedded offline run: a synthetic digit task, a locally trained tokenizer and a tiny
     Llama built from config. Hyperparameters such as `learning_rate` are tuned for that tiny model; configs for
-    real models set their own (see recipes/configs/sft/).
+    real models set their own (see recipes/configs/sft/). A vision-language model (`AutoModelForImageTextToText`)
+    trains on conversations with images (the `VisionConfig` keys; recipes/configs/sft/vlm_default.yaml).
     """
 
     # --- data
@@ -105,5 +108,9 @@ class SFTConfig(CausalLMConfig, ChatModelConfig):
 
     def validate(self) -> None:
         for check in (*TRAINING_CHECKS, *MODEL_DATA_CHECKS, check_streamed_group_by_length, check_split_turns,
-                      check_sample_prompts):  # fmt: skip
+                      check_sample_prompts, check_vision_keys):  # fmt: skip
             check(self)
+
+    def check_files(self) -> None:
+        check_data_files(self)
+        check_image_dir(self)

@@ -17,6 +17,9 @@ from .sources import DataSource, fingerprint_sources, load_source, parse_sources
 from .synthetic import write_synthetic_image_task, write_synthetic_task
 from .text import TextData, chunk_documents, prepare_text_data
 from .tokenize import IGNORE_INDEX, assistant_spans, format_loss_mask, render_chat, tokenize_conversations
+from .vision_collate import VisionCollator, VisionPromptCollator
+from .vision_sft import prepare_vision_sft_data, uses_images
+from .vision_tokenize import tokenize_image_conversation
 
 __all__ = [
     "Pipeline",
@@ -72,4 +75,9 @@ __all__ = [
     "open_images",
     "parse_image_row",
     "read_image_source",
+    "VisionCollator",
+    "VisionPromptCollator",
+    "prepare_vision_sft_data",
+    "tokenize_image_conversation",
+    "uses_images",
 ]

@@ -39,6 +39,8 @@ class PreparedData:
     seconds: float = 0.0
     # With streaming: true, the rows are made as training reads them (`train` then holds the first few, for the log).
     stream: Any = None
+    # A vision-language model's processor (its tokenizer is `tokenizer`): saved with the model in the tokenizer's place.
+    processor: Any = None
 
 
 class Tokenised(NamedTuple):

@@ -42,6 +42,7 @@ __all__ = [
     "SFTData",
     "SFTPipeline",
     "conversation_texts",
+    "held_out_split",
     "load_conversations",
     "prepare_sft_data",
     "prepare_sft_dataset",
@@ -93,7 +94,7 @@ class SFTPipeline(Pipeline):
         return Tokenised(*_tokenised(self.config, sources, self.tokenizer, self.cache_dir, name, self.built, self.log))
 
     def split(self, train: Tokenised) -> tuple[Tokenised, Tokenised]:
-        kept, held = _split(train.dataset, self.config.eval_split_ratio, self.config.seed)
+        kept, held = held_out_split(train.dataset, self.config.eval_split_ratio, self.config.seed)
         self.log.info("Held out %d of the training examples for evaluation (eval_split_ratio)", len(held))
         return train._replace(dataset=kept), Tokenised(held, train.key, {})  # packed under the train data's key
 
@@ -204,7 +205,7 @@ def _without_conversation_ids(dataset: datasets.Dataset | None) -> datasets.Data
     return dataset.remove_columns("conversation_id")
 
 
-def _split(dataset: datasets.Dataset, ratio: float, seed: int):
+def held_out_split(dataset: datasets.Dataset, ratio: float, seed: int):
     """A seeded split of the examples (before any packing), as index views: nothing is copied. Examples that name
     their conversation (split_turns) are held out a whole conversation at a time: no turn of a held-out
     conversation is trained on, and none of its history is."""

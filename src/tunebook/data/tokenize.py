@@ -30,6 +30,7 @@ __all__ = [
     "render_chat",
     "tokenize_conversations",
     "turn_examples",
+    "unstable_turn",
 ]
 
 IGNORE_INDEX = -100
@@ -95,9 +96,9 @@ def assistant_spans(
         if not text.startswith(through):
             through = _without_closing(tokenizer, through, text)
         if not text.startswith(through):
-            raise DataError(_unstable_turn(i, through, text, "when it is the last message", "once others follow"))
+            raise DataError(unstable_turn(i, through, text, "when it is the last message", "once others follow"))
         if not through.startswith(before):
-            raise DataError(_unstable_turn(i, before, through, "in the prompt that asks for it", "with it"))
+            raise DataError(unstable_turn(i, before, through, "in the prompt that asks for it", "with it"))
         if len(through) > len(before):
             spans.append((len(before), len(through)))
             check_turn_rendered(text[len(before) : len(through)], message)
@@ -123,7 +124,7 @@ def turn_examples(
         through = render_chat(tokenizer, messages[: i + 1], tools)
         check_messages_rendered(through, messages[: i + 1], tools)
         if not through.startswith(before):
-            raise DataError(_unstable_turn(i, before, through, "in the prompt that asks for it", "with it"))
+            raise DataError(unstable_turn(i, before, through, "in the prompt that asks for it", "with it"))
         if len(through) > len(before):
             check_turn_rendered(through[len(before) :], message)
             examples.append((through, [(len(before), len(through))]))
@@ -145,7 +146,7 @@ def _without_closing(tokenizer, through: str, text: str) -> str:
     return through
 
 
-def _unstable_turn(i: int, first: str, second: str, as_first: str, as_second: str) -> str:
+def unstable_turn(i: int, first: str, second: str, as_first: str, as_second: str) -> str:
     """Why a turn cannot be located: where two renderings that should share a prefix part."""
     at = next((k for k, (a, b) in enumerate(zip(first, second)) if a != b), min(len(first), len(second)))
     return (

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from ..data.collate import PromptCollator
+from ..models.attention import image_inputs
 from ..models.build import eos_ids
 from ..models.wrappers import unwrap
 from .batches import gathered_batches
@@ -56,21 +57,24 @@ def generation_exact_match(
     max_new_tokens: int,
     max_samples: int | None = None,
     disable_tqdm: bool = True,
+    collate_fn=None,
 ) -> tuple[dict[str, float], list[dict[str, str]]]:
     """Exact match of greedy generations against the last assistant turn of each example.
 
     Both sides are decoded without special tokens and stripped of surrounding whitespace. Returns the metrics
-    and a few (prediction, reference) samples from the main process for the log.
+    and a few (prediction, reference) samples from the main process for the log. `collate_fn` replaces
+    `PromptCollator` (a vision-language model's `VisionPromptCollator`, which adds each prompt's images); the image
+    inputs it gives go to `generate` with the prompts.
     """
     # Plain-text examples (prompt_length 0) have no prompt to answer: they count in the eval loss only.
     with_prompt = np.flatnonzero(np.asarray(dataset.data.column("prompt_length")) > 0)
     if len(with_prompt) == 0:
         return {}, []
     dataset = dataset.select(with_prompt[:max_samples] if max_samples else with_prompt)
-    dataset = dataset.select_columns(["input_ids", "labels", "prompt_length"])
-    loader = accelerator.prepare_data_loader(
-        DataLoader(dataset, batch_size=batch_size, collate_fn=PromptCollator(tokenizer.pad_token_id))
-    )
+    images = [c for c in ("images", "where") if collate_fn is not None and c in dataset.column_names]
+    dataset = dataset.select_columns(["input_ids", "labels", "prompt_length", *images])
+    collate_fn = collate_fn or PromptCollator(tokenizer.pad_token_id)
+    loader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=batch_size, collate_fn=collate_fn))
     unwrapped = unwrap(model)
     stop = stop_token_ids(unwrapped, tokenizer)
 
@@ -82,6 +86,7 @@ def generation_exact_match(
             do_sample=False,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=stop,
+            **image_inputs(batch),
         )
         generated = out[:, batch["input_ids"].shape[1] :]
         return [(_decode(tokenizer, g), _decode(tokenizer, r)) for g, r in zip(generated, batch["reference_ids"])]

@@ -25,12 +25,14 @@ from .kernels import check_flex_attention
 __all__ = [
     "BLOCK_MASK_KEYS",
     "BLOCK_MASK_PREFIX",
+    "IMAGE_INPUTS",
     "SEGMENT_SDPA",
     "VARLEN_BACKENDS",
     "attention_inputs",
     "check_packable",
     "document_block_mask",
     "document_kv_blocks",
+    "image_inputs",
     "packing_mechanism",
     "segment_sdpa_attention",
     "sliding_window",
@@ -317,10 +319,21 @@ def document_block_mask(seq_ids: torch.Tensor, kv_blocks: dict[str, torch.Tensor
     return BlockMask.from_kv_blocks(**blocks, BLOCK_SIZE=block, mask_mod=document_causal, seq_lengths=(length, length))
 
 
+# What a vision-language batch (`tunebook.data.vision_collate`) gives the model beside its tokens: the image
+# processor's outputs (Qwen-VL's patch grid, LLaVA-NeXT's sizes, Idefics' pixel mask) and Qwen-VL's token types.
+IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "mm_token_type_ids")
+
+
+def image_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+    """The model's image keyword arguments in `batch` (`IMAGE_INPUTS`); none for a text batch."""
+    return {key: batch[key] for key in IMAGE_INPUTS if key in batch}
+
+
 def attention_inputs(batch: dict[str, torch.Tensor], attn_implementation: str, dtype: torch.dtype) -> dict[str, Any]:
     """The keyword arguments for `model(...)`: input ids plus whatever keeps attention where it belongs.
 
-    Padded (unpacked) batches get their 2D `attention_mask`. Packed batches (with `seq_ids`) get restarting
+    Padded (unpacked) batches get their 2D `attention_mask` (a vision-language batch its `image_inputs` too). Packed
+    batches (with `seq_ids`) get restarting
     `position_ids` and, per backend: nothing more for flash varlen kernels (transformers derives the boundaries
     from the position ids), cumulative lengths for our CPU varlen attention, or an explicit
     4D block-diagonal causal mask built on the device from the small segment ids. We build the mask ourselves
@@ -329,7 +342,8 @@ def attention_inputs(batch: dict[str, torch.Tensor], attn_implementation: str, d
     default `use_cache=True`, for instance).
     """
     if "seq_ids" not in batch:
-        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
+        return {**inputs, **image_inputs(batch)}
     inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
     if attn_implementation in VARLEN_BACKENDS:  # transformers derives the cumulative lengths from position ids
         return inputs

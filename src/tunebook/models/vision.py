@@ -19,7 +19,6 @@ class check (`_processor_without_video`), `save_pretrained` then fails on the No
 from __future__ import annotations
 
 import copy
-import json
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -41,7 +40,7 @@ from transformers import (
 from ..errors import ConfigError, ModelError, first_line
 from ..locations import looks_like_local_path
 from .build import ModelOptions, finish_model, load_pretrained, read_model_config, torch_dtype
-from .saving import LOADING_KWARGS, save_tokenizer
+from .saving import save_processor
 
 __all__ = [
     "IMAGE_TOKENS",
@@ -306,30 +305,6 @@ def lora_targets(model: torch.nn.Module, projector: bool = False) -> str:
         if linear:
             alternatives.append(rf"{re.escape(prefix)}\.(?:.*\.)?(?:{'|'.join(map(re.escape, linear))})")
     return "^(?:" + "|".join(alternatives) + ")$"
-
-
-def save_processor(processor: ProcessorMixin, directory: str | Path) -> None:
-    """`processor.save_pretrained(directory)` without the tokenizer's loading flags (`tunebook.models.saving`); a
-    Qwen-VL processor without a video processor (`tiny_processor`'s) is saved as its parts, which `save_pretrained`
-    cannot do (transformers 5.23 reads `_auto_class` of every part, None included)."""
-    for key in LOADING_KWARGS:
-        processor.tokenizer.init_kwargs.pop(key, None)
-    if "video_processor" not in processor.get_attributes() or processor.video_processor is not None:
-        processor.save_pretrained(directory)
-        return
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    save_tokenizer(processor.tokenizer, directory)
-    config = processor.to_dict()
-    # What a loader with torchvision builds the video processor from (AutoProcessor insists on one): the image
-    # processor's settings under the family's video processor class, named as transformers itself infers it from an
-    # image processor's (Qwen2VLImageProcessor -> Qwen2VLVideoProcessor).
-    video = dict(config["image_processor"])
-    video["video_processor_type"] = video.pop("image_processor_type").replace("ImageProcessor", "VideoProcessor")
-    config["video_processor"] = video
-    (directory / "processor_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if isinstance(processor.chat_template, str):
-        (directory / "chat_template.jinja").write_text(processor.chat_template, encoding="utf-8")
 
 
 def load_processor(name_or_path: str, trust_remote_code: bool = False, revision: str | None = None) -> ProcessorMixin:

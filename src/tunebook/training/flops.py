@@ -56,7 +56,9 @@ def model_flops_per_token(model: torch.nn.Module, seq_len: float, head_fraction:
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
             linear_macs += module.in_features * module.out_features * (head_fraction if module is head else 1.0)
-    config = model.config
+    # A vision-language model's attention term is its language model's; its tower's linear layers count per token
+    # too (an approximation: they run per image patch, a few per token on image data).
+    config = model.config.get_text_config()
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return 6.0 * linear_macs + 12.0 * config.num_hidden_layers * heads * head_dim * seq_len

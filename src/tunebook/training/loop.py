@@ -279,7 +279,7 @@ def _save(run: Run, loop: Training, reason: str) -> bool:
     try:
         with run.timer.paused():
             path = save_training_state(run.accelerator, run.output_dir, saved.state.global_step, run.config,
-                                       saved.state.state_dict(), loop.data.tokenizer, saved.counters, saved.best,
+                                       saved.state.state_dict(), _saved_tokenizer(loop), saved.counters, saved.best,
                                        saved.figures, run.recipe, data, loop.lr_scheduler, saved.registered)  # fmt: skip
     except TrainingError as error:
         run.stop = error
@@ -315,7 +315,7 @@ def finish(run: Run, loop: Training, headline: tuple[str, str, str] | None = Non
             final_eval = _load_best(run, state, best, final_eval)
     if total_steps > 0:
         try:
-            save_final_model(accelerator, loop.model, loop.data.tokenizer, run.output_dir, config.merge_adapter)
+            save_final_model(accelerator, loop.model, _saved_tokenizer(loop), run.output_dir, config.merge_adapter)
         except TrainingError:  # no room for it: one line, raised once the model is freed
             _free(run, loop)
             raise
@@ -345,6 +345,12 @@ def finish(run: Run, loop: Training, headline: tuple[str, str, str] | None = Non
         finish_run(run.output_dir, summary, log, headline, run.timer.wall_seconds())
     _free(run, loop)
     return summary
+
+
+def _saved_tokenizer(loop: Training):
+    """What is saved beside the weights: the tokenizer, or a vision-language model's whole processor (its tokenizer,
+    image processor and chat template), so that `AutoProcessor.from_pretrained` loads the output."""
+    return loop.data.processor if loop.data.processor is not None else loop.data.tokenizer
 
 
 def _load_best(run: Run, state: RunState, best: BestModel, final_eval: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,84 @@
+"""Collators for rows with images (`tunebook.data.vision_sft`): padded like `PadCollator` (training, evaluation
+loss) or left-padded prompts like `PromptCollator` (generation), with the row's images decoded here, in the
+DataLoader's workers, and run through the processor's image processor: `pixel_values` and what else the family
+takes (`image_grid_thw` for Qwen-VL, ...), and `mm_token_type_ids` where the processor makes them (Qwen-VL's
+multimodal rotary positions read them). Classes, not closures, so the workers can pickle them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import compat
+from ..errors import DataError
+from .collate import PadCollator, PromptCollator
+from .image_files import DEFAULT_MAX_IMAGE_PIXELS, open_images
+
+__all__ = ["VisionCollator", "VisionPromptCollator", "decoded_image_inputs"]
+
+
+class VisionCollator:
+    """`PadCollator`'s batch (input_ids, attention_mask, labels, loss positions) and the images' inputs."""
+
+    def __init__(self, processor, pad_to_multiple_of: int | None = None,
+                 max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):  # fmt: skip
+        self.processor, self.max_image_pixels = processor, max_image_pixels
+        self.pad = PadCollator(processor.tokenizer.pad_token_id, pad_to_multiple_of)
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        batch = self.pad(features)
+        batch.update(decoded_image_inputs(self.processor, features, batch["input_ids"], self.max_image_pixels))
+        return batch
+
+
+class VisionPromptCollator:
+    """`PromptCollator`'s left-padded prompts and reference answers, and the images of each prompt's inputs."""
+
+    def __init__(self, processor, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
+        self.processor, self.max_image_pixels = processor, max_image_pixels
+        self.prompts = PromptCollator(processor.tokenizer.pad_token_id)
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = self.prompts(features)
+        batch.update(decoded_image_inputs(self.processor, features, batch["input_ids"], self.max_image_pixels))
+        return batch
+
+
+def decoded_image_inputs(processor, features: list[dict[str, Any]], input_ids: torch.Tensor, max_pixels: int) -> dict:
+    """The image processor's outputs for the rows' images, in row order, checked against the image tokens of each
+    row of `input_ids`; and `mm_token_type_ids` where the processor's model takes them."""
+    images = [open_images(f["images"], f.get("where", f"row {i + 1}"), max_pixels) for i, f in enumerate(features)]
+    flat = [image for row in images for image in row]
+    out: dict[str, Any] = {}
+    if flat:
+        out = dict(processor.image_processor(images=flat, return_tensors="pt"))
+        _check_image_tokens(processor, input_ids, images, out, features)
+    if "mm_token_type_ids" in processor.model_input_names:
+        types = processor.create_mm_token_type_ids(input_ids.tolist())
+        out["mm_token_type_ids"] = torch.tensor(types, dtype=torch.long)
+    return out
+
+
+def _check_image_tokens(processor, input_ids, images: list[list], out: dict, features: list[dict]) -> None:
+    """Each row holds as many image tokens as its images' pixel values need: the count was made at preparation
+    from the sizes in the images' headers, and an image replaced since by one of another size would shift every
+    token after it (the model refuses the batch, or worse, a family that does not check trains on it)."""
+    flat = [image for row in images for image in row]
+    if "image_grid_thw" in out:  # Qwen-VL: one token per merge_size x merge_size patches of the grid
+        merge = processor.image_processor.merge_size
+        needed = (out["image_grid_thw"].prod(-1) // (merge * merge)).tolist()
+    else:
+        needed = compat.image_token_counts(processor, [(image.height, image.width) for image in flat])
+    ids = torch.tensor(sorted(i for i in processor.image_token_ids if i is not None))
+    have = torch.isin(input_ids, ids).sum(-1).tolist()
+    start = 0
+    for i, row in enumerate(images):
+        need = sum(needed[start : start + len(row)])
+        start += len(row)
+        if have[i] != need:
+            sizes = ", ".join(f"{image.width}x{image.height}" for image in row)
+            raise DataError(f"{features[i].get('where', f'row {i + 1}')}: {have[i]} image tokens in the row, but its "
+                            f"images ({sizes}) need {need}: an image changed since the data was prepared (the "
+                            "token counts come from the sizes read then); run again to prepare it anew")  # fmt: skip
