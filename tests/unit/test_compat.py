@@ -153,3 +153,14 @@ def test_the_private_access_check_finds_them():
     assert _private_uses("x = accelerator._models[0]\n") == ["1: _models"]
     assert _private_uses('y = getattr(model, "_is_stateful", False)\n') == ["1: _is_stateful"]
     assert _private_uses("self._start = 1\nfrom ._x import y\nz = a.__name__\n") == []
+
+
+def test_image_token_counts_of_a_processor():
+    from tunebook.config.tiny import TINY_LLAVA, TINY_QWEN2_VL
+    from tunebook.models.tokenizer import train_chat_tokenizer
+    from tunebook.models.vision import tiny_processor
+
+    tokenizer = train_chat_tokenizer(["what colour is the square? red"] * 10, vocab_size=300)
+    # LLaVA: the tower's fixed 2 x 2 patches whatever the size; Qwen2-VL: one per 28 x 28 pixels as resized.
+    assert compat.image_token_counts(tiny_processor(TINY_LLAVA, tokenizer), [(56, 56), (30, 200)]) == [4, 4]
+    assert compat.image_token_counts(tiny_processor(TINY_QWEN2_VL, tokenizer), [(56, 56), (28, 56)]) == [4, 2]

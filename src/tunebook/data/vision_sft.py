@@ -43,7 +43,9 @@ VISION_FEATURES = datasets.Features({
     "image_cut": datasets.Value("bool"),
     "keep": datasets.Value("bool"),
     "where": datasets.Value("string"),
-    "images": datasets.List(datasets.Image(decode=False)),
+    # Plain structs, not datasets.Image: `save_to_disk` would embed every image file's bytes into the cache (and
+    # keep its base name only), so a replaced file would train from its old bytes. A reference is kept as is.
+    "images": datasets.List({"bytes": datasets.Value("binary"), "path": datasets.Value("string")}),
     "image_sizes": _SIZES,
 })  # fmt: skip
 

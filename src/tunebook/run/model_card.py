@@ -54,6 +54,8 @@ def load_line(output_dir: str | Path, recipe: str, shown_as: str | None = None) 
     output_dir, shown_as = Path(output_dir), shown_as or str(output_dir)
     classify = (recipe_task(recipe) or ("", ""))[1] == "text-classification"
     task = "SequenceClassification" if classify else "CausalLM"
+    if (output_dir / "processor_config.json").is_file():  # a vision-language model, saved with its processor
+        task = "ImageTextToText"
     if (output_dir / "merged" / "config.json").is_file():
         library, auto, path = "transformers", f"AutoModelFor{task}", (Path(shown_as) / "merged").as_posix()
     elif (output_dir / "adapter_config.json").is_file():  # loads the base model, then the adapters
@@ -258,6 +260,12 @@ def _load_text(model_dir: Path, output_dir: Path, ref: str, recipe: str, config,
     subfolder = ', subfolder="merged"' if merged and on_hub else ""
     classify = (recipe_task(recipe) or ("", ""))[1] == "text-classification"  # classify and reward
     auto = "AutoModelForSequenceClassification" if classify else "AutoModelForCausalLM"
+    if not lora and (model_dir / "processor_config.json").is_file():  # a vision-language model and its processor
+        code = ("from transformers import AutoModelForImageTextToText, AutoProcessor\n\n"
+                f'model = AutoModelForImageTextToText.from_pretrained("{ref}"{subfolder})\n'
+                f'processor = AutoProcessor.from_pretrained("{ref}"{subfolder})  # tunebook.models.vision.load_processor '
+                "without torchvision")  # fmt: skip
+        return f"```python\n{code}\n```"
     if not lora:
         task = "text-classification" if classify else "text-generation"
         code = (f"from transformers import {auto}, AutoTokenizer, pipeline\n\n"

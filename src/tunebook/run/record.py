@@ -381,7 +381,8 @@ def headline(
         lines.append(line)
     where = summary.get("output_dir")
     if where:
-        saved = ["the model and tokenizer"] if load else ["no model saved"]
+        what = "processor" if "ImageTextToText" in (load or "") else "tokenizer"
+        saved = [f"the model and {what}"] if load else ["no model saved"]
         lines.append(f"Outputs in {where}: {', '.join([*saved, *outputs])}")
     if load:
         lines.append(f"Load it: {load}")

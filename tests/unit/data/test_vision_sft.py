@@ -1,0 +1,184 @@
+"""Vision-language SFT data: the loss mask of a conversation with images (both kinds of family: Qwen-VL's dynamic
+image tokens, LLaVA's fixed ones), blank images expanding to the real images' token counts, a template whose
+prefixes are not prefixes, rows cut inside an image, the cache key following an image's size, and the collator's
+pixel values and its check of the image tokens."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from PIL import Image
+
+from tunebook.config import SFTConfig
+from tunebook.config.tiny import TINY_LLAVA, TINY_QWEN2_VL
+from tunebook.data.image_files import image_reference, image_size, open_image
+from tunebook.data.tokenize import IGNORE_INDEX
+from tunebook.data.vision_collate import VisionCollator, VisionPromptCollator
+from tunebook.data.vision_sft import prepare_vision_sft_data
+from tunebook.data.vision_tokenize import image_token_ids, tokenize_image_conversation, tokenize_image_conversations
+from tunebook.errors import ConfigError, DataError
+from tunebook.models.tokenizer import train_chat_tokenizer
+from tunebook.models.vision import tiny_processor
+
+CONFIGS = {"qwen2_vl": TINY_QWEN2_VL, "llava": TINY_LLAVA}
+LOG = logging.getLogger("test")
+
+
+@pytest.fixture(scope="module")
+def processors():
+    texts = ["user\nwhat colour is the square? which shape is red?", "assistant\nred green blue square circle"] * 10
+    tokenizer = train_chat_tokenizer(texts, vocab_size=300)
+    return {family: tiny_processor(config, tokenizer) for family, config in CONFIGS.items()}
+
+
+def _conversation():
+    return [
+        {"role": "system", "content": "Answer in one word."},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is the square?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "red"}]},
+        {"role": "user", "content": [{"type": "text", "text": "and this one?"}, {"type": "image"}]},
+        {"role": "assistant", "content": "blue"},
+    ]
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_only_assistant_turns_and_their_end_of_turn_carry_loss(processors, family):
+    processor = processors[family]
+    tokenizer = processor.tokenizer
+    ids, labels, prompt_length = tokenize_image_conversation(processor, _conversation(), [[56, 56], [84, 56]])
+    images = image_token_ids(processor)
+    # Qwen-VL: one per 28 x 28 pixels, the 84 x 56 picture resized within 64 x 64 pixels first; LLaVA: always 4.
+    assert sum(t in images for t in ids) == {"qwen2_vl": 4 + 2, "llava": 4 + 4}[family]
+    assert all(label == IGNORE_INDEX for t, label in zip(ids, labels) if t in images)  # never an image token
+    labelled = [t for t in labels if t != IGNORE_INDEX]
+    assert tokenizer.decode(labelled) == "red<|im_end|>\nblue<|im_end|>\n"  # the answers and their end of turn
+    # What carries no loss: the system and user turns (their text, and images), the generation prompts.
+    masked = tokenizer.decode([t for t, label in zip(ids, labels) if label == IGNORE_INDEX and t not in images])
+    assert "what colour is the square?" in masked and "and this one?" in masked and "Answer in one word." in masked
+    assert masked.count("<|im_start|>assistant\n") == 2
+    # The prompt of generation evaluation: everything before the last answer, its generation prompt included.
+    prompt = tokenizer.decode(ids[:prompt_length])
+    assert "and this one?" in prompt and prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_blank_images_expand_to_the_real_images_token_counts(processors, family, tmp_path):
+    processor = processors[family]
+    generator = torch.Generator().manual_seed(0)
+    for width, height in [[56, 56], [84, 56], [112, 84], [100, 70], [30, 200], [640, 480]]:
+        pixels = torch.randint(0, 256, (height, width, 3), generator=generator, dtype=torch.uint8).numpy()
+        Image.fromarray(pixels).save(tmp_path / "real.png")
+        reference = image_reference(str(tmp_path / "real.png"))
+        messages = [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "which shape is red?"}]},
+            {"role": "assistant", "content": "square"},
+        ]
+        # Preparation: the size from the header, blank images; training: the decoded file.
+        ids, _, _ = tokenize_image_conversation(processor, messages, [list(image_size(reference))])
+        text = processor.apply_chat_template(messages, tokenize=False)
+        assert ids == list(processor(text=[text], images=[open_image(reference)])["input_ids"][0]), (width, height)
+
+
+def test_a_template_whose_prefixes_are_not_prefixes_is_one_line(processors):
+    processor = processors["qwen2_vl"]
+    processor.chat_template, template = (
+        processor.chat_template.replace("'<|im_start|>assistant\n'", "'<|im_start|>assistant\n<think>\n'"),
+        processor.chat_template,
+    )
+    try:
+        with pytest.raises(DataError) as error:
+            tokenize_image_conversation(processor, _conversation(), [[56, 56], [84, 56]])
+    finally:
+        processor.chat_template = template
+    assert "\n" not in str(error.value).strip()
+    assert "renders the conversation differently around message 3 (assistant)" in str(error.value)
+
+
+def test_a_cut_inside_an_image_drops_the_row_and_counts_it(processors):
+    processor = processors["qwen2_vl"]
+    row = {"messages": _conversation(), "where": "data.jsonl, row 7"}
+    batch = {"conversation": [json.dumps(row)] * 2, "image_sizes": [[[56, 56], [84, 56]]] * 2}
+    full, _, _ = tokenize_image_conversation(processor, _conversation(), [[56, 56], [84, 56]])
+    last_image_token = max(i for i, t in enumerate(full) if t in image_token_ids(processor))
+    out = tokenize_image_conversations(batch, processor=processor, max_seq_length=last_image_token,
+                                       overlong="truncate", assistant_only_loss=True)  # fmt: skip
+    assert out["image_cut"] == [True, True] and out["keep"] == [False, False]
+    out = tokenize_image_conversations(batch, processor=processor, max_seq_length=len(full) - 1,
+                                       overlong="truncate", assistant_only_loss=True)  # fmt: skip
+    assert out["image_cut"] == [False, False] and out["truncated"] == [True, True] and out["keep"] == [True, True]
+
+
+def _write_data(tmp_path, sizes):
+    (tmp_path / "images").mkdir(exist_ok=True)
+    rows = []
+    for i, (width, height) in enumerate(sizes):
+        Image.new("RGB", (width, height), (200, 30 * i, 40)).save(tmp_path / "images" / f"{i}.png")
+        rows.append({"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]},
+                                  {"role": "assistant", "content": [{"type": "text", "text": "red"}]}],
+                     "images": [f"images/{i}.png"]})  # fmt: skip
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _config(tmp_path, **keys):
+    return SFTConfig(train_data=str(tmp_path / "train.jsonl"), model_config=dict(TINY_QWEN2_VL),
+                     cache_dir=str(tmp_path / "cache"), tokenizer_vocab_size=300, **keys)  # fmt: skip
+
+
+def test_the_cache_key_follows_an_image_files_size(tmp_path):
+    _write_data(tmp_path, [(56, 56), (56, 56), (84, 56)])
+    first = prepare_vision_sft_data(_config(tmp_path), tmp_path / "cache", LOG)
+    again = prepare_vision_sft_data(_config(tmp_path), tmp_path / "cache", LOG)
+    assert "train tokenisation" in first.built and "train tokenisation" not in again.built  # cached
+    assert first.train[0]["images"] == [{"path": str(tmp_path / "images" / "0.png"), "bytes": None}]  # not pixels
+    assert first.train[0]["image_sizes"] == [[56, 56]]
+    Image.new("RGB", (28, 28), (0, 0, 0)).save(tmp_path / "images" / "0.png")  # the same file, another size
+    changed = prepare_vision_sft_data(_config(tmp_path), tmp_path / "cache", LOG)
+    assert "train tokenisation" in changed.built
+    image_pad = changed.processor.image_token_id
+    assert first.train[0]["input_ids"].count(image_pad) == 4
+    assert changed.train[0]["input_ids"].count(image_pad) == 1  # one 28 x 28 patch group
+    assert changed.train[0]["image_sizes"] == [[28, 28]]
+
+
+def test_packing_with_images_is_refused(tmp_path):
+    _write_data(tmp_path, [(56, 56)])
+    with pytest.raises(ConfigError, match="packing: true with a vision-language model"):
+        prepare_vision_sft_data(_config(tmp_path, packing=True), tmp_path / "cache", LOG)
+
+
+def test_the_collator_decodes_the_images_and_checks_their_tokens(tmp_path, processors):
+    processor = processors["qwen2_vl"]
+    Image.new("RGB", (56, 56), (255, 0, 0)).save(tmp_path / "a.png")
+    Image.new("RGB", (56, 28), (0, 0, 255)).save(tmp_path / "b.png")
+    features = []
+    for name, size in (("a.png", [56, 56]), ("b.png", [56, 28])):
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]},
+                    {"role": "assistant", "content": "red"}]  # fmt: skip
+        ids, labels, prompt_length = tokenize_image_conversation(processor, messages, [size])
+        features.append({"input_ids": ids, "labels": labels, "prompt_length": prompt_length,
+                         "images": [image_reference(str(tmp_path / name))], "where": f"train.jsonl, row {name}"})  # fmt: skip
+    batch = VisionCollator(processor)(features)
+    assert batch["image_grid_thw"].tolist() == [[1, 4, 4], [1, 2, 4]]  # 2 x 2 and 1 x 2 image tokens' patches
+    assert batch["pixel_values"].shape[0] == 16 + 8
+    assert batch["mm_token_type_ids"].sum().item() == 4 + 2
+    prompts = VisionPromptCollator(processor)(features)
+    for row in prompts["input_ids"]:  # left-padded prompts ending in the generation prompt
+        assert processor.tokenizer.decode(row).endswith("colour?<|im_end|>\n<|im_start|>assistant\n")
+    assert prompts["image_grid_thw"].shape == (2, 3)
+    Image.new("RGB", (28, 28)).save(tmp_path / "b.png")  # replaced after preparation by one of another size
+    with pytest.raises(
+        DataError, match=r"train.jsonl, row b.png: 2 image tokens in the row, but its images \(28x28\) need 1"
+    ):
+        VisionCollator(processor)(features)
+
+
+def test_the_config_default_of_max_image_pixels_is_the_data_codes():
+    from tunebook.config.vision import DEFAULT_MAX_IMAGE_PIXELS
+    from tunebook.data.image_files import DEFAULT_MAX_IMAGE_PIXELS as DATA_DEFAULT
+
+    assert DEFAULT_MAX_IMAGE_PIXELS == DATA_DEFAULT == SFTConfig().max_image_pixels
