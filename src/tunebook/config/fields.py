@@ -30,10 +30,10 @@ __all__ = [
 SECTIONS = {
     "model": "Model",
     "data": "Data",
-    "vision": "Images (vision-language models)",
     "lora": "LoRA",
     "training": "Training",
     "evaluation": "Evaluation",
+    "vision": "Images (vision-language models)",
     "outputs": "Outputs, logging and checkpoints",
     "hub": "Hugging Face Hub",
     "advanced": "Advanced (speed, processes, data loading)",
