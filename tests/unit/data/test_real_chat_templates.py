@@ -230,15 +230,15 @@ def test_split_turns_still_refuses_a_template_that_drops_part_of_the_conversatio
 def test_a_held_out_split_of_split_turns_keeps_each_conversation_on_one_side():
     import datasets
 
-    from tunebook.data.sft import _split
+    from tunebook.data.sft import held_out_split
 
     ids = [c for c in range(50) for _ in range(1 + c % 4)]  # conversations of 1-4 turns, one example each
     data = datasets.Dataset.from_dict({"input_ids": [[i] for i in range(len(ids))], "conversation_id": ids})
-    train, held = _split(data, 0.2, seed=0)
+    train, held = held_out_split(data, 0.2, seed=0)
     train_ids, held_ids = set(train["conversation_id"]), set(held["conversation_id"])
     assert not train_ids & held_ids and len(held_ids) == 10 and len(train) + len(held) == len(ids)
     assert sorted(held["conversation_id"]) == sorted(c for c in ids if c in held_ids)  # every turn of each
-    plain, plain_held = _split(data.remove_columns("conversation_id"), 0.2, seed=0)  # without ids: by example
+    plain, plain_held = held_out_split(data.remove_columns("conversation_id"), 0.2, seed=0)  # without ids: by example
     assert len(plain_held) == round(0.2 * len(ids))
 
 
