@@ -36,11 +36,9 @@ from tunebook.data import (
     example_lengths,
     format_loss_mask,
     packing_mechanism,
-    prepare_sft_data,
-    prepare_vision_sft_data,
+    prepare_sft_or_vision_data,
     train_and_eval_loaders,
     use_packed_attention,
-    uses_images,
 )
 from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import evaluate_loss, generation_exact_match, log_samples, prompt_sampler
@@ -117,9 +115,9 @@ def main(config: SFTConfig) -> dict:
     accelerator, log = run.accelerator, run.log
 
     # --- data: prepared under a file lock (the first process builds, the others map the files), then all meet
-    vision = uses_images(config)  # a vision-language model: its processor tokenises, rows keep image references
-    prepare = prepare_vision_sft_data if vision else prepare_sft_data
-    data = prepare_then_join(accelerator, config, prepare, run.cache_dir, log)
+    # A vision-language model's data (rows with image references, its processor in data.processor), else text.
+    data = prepare_then_join(accelerator, config, prepare_sft_or_vision_data, run.cache_dir, log)
+    vision = data.processor is not None
     tokenizer = data.tokenizer
     log.info(
         "One training %s, loss-bearing text in [[...]]:\n%s",

@@ -32,7 +32,7 @@ __all__ = ["RECIPES", "Recipe", "load_recipe", "recipe_config_class", "recipe_da
 # tunebook.data), by name, so neither the recipe nor torch is imported to check a command line; and what it trains
 # with the Hub's pipeline tag of its model (for model cards).
 _PARTS = {
-    "sft": ("SFTConfig", "data:prepare_sft_data",
+    "sft": ("SFTConfig", "data:prepare_sft_or_vision_data",
             "supervised fine-tuning (SFT) of a causal language model on instruction or chat data", "text-generation"),
     "classify": ("ClassifyConfig", "data:prepare_classification_data", "fine-tuning of a text classifier",
                  "text-classification"),

@@ -18,7 +18,7 @@ from .synthetic import write_synthetic_image_task, write_synthetic_task
 from .text import TextData, chunk_documents, prepare_text_data
 from .tokenize import IGNORE_INDEX, assistant_spans, format_loss_mask, render_chat, tokenize_conversations
 from .vision_collate import VisionCollator, VisionPromptCollator
-from .vision_sft import prepare_vision_sft_data, uses_images
+from .vision_sft import prepare_sft_or_vision_data, prepare_vision_sft_data, uses_images
 from .vision_tokenize import tokenize_image_conversation
 
 __all__ = [
@@ -77,6 +77,7 @@ __all__ = [
     "read_image_source",
     "VisionCollator",
     "VisionPromptCollator",
+    "prepare_sft_or_vision_data",
     "prepare_vision_sft_data",
     "tokenize_image_conversation",
     "uses_images",

@@ -7,7 +7,8 @@ their sizes and `where` (the row's file and row); the collator (`tunebook.data.v
 in the DataLoader's workers. The cache key covers the data files, the processor (tokenizer, chat template, image
 processor settings) and the image references with their sizes as read now: a replaced image is tokenised again.
 
-`prepare_vision_sft_data` is what `recipes/sft.py` calls when the model is a vision-language model.
+`prepare_sft_or_vision_data` is what `recipes/sft.py` and `tunebook prepare --recipe sft` call: this path when the
+model is a vision-language model, the text path otherwise.
 """
 
 from __future__ import annotations
@@ -26,12 +27,18 @@ from .cache import fingerprint
 from .images import IMAGE_COLUMNS, check_images, read_image_source
 from .packing import example_lengths
 from .pipeline import Pipeline, PreparedData, Tokenised
-from .sft import SFTData, held_out_split
+from .sft import SFTData, held_out_split, prepare_sft_data
 from .sources import DataSource, fingerprint_sources, parse_sources
 from .synthetic import write_synthetic_image_task
 from .vision_tokenize import images_fingerprint, processor_fingerprint, tokenize_image_conversations
 
-__all__ = ["VISION_FEATURES", "prepare_vision_sft_data", "set_resize_bounds", "uses_images"]
+__all__ = [
+    "VISION_FEATURES",
+    "prepare_sft_or_vision_data",
+    "prepare_vision_sft_data",
+    "set_resize_bounds",
+    "uses_images",
+]
 
 VISION_VERSION = "1"  # bump when vision tokenisation or masking changes what it produces
 _SIZES = datasets.List(datasets.List(datasets.Value("int32")))
@@ -87,6 +94,12 @@ def _image_column(path: Path) -> str | None:
     except (OSError, ValueError):
         return None
     return next((c for c in IMAGE_COLUMNS if isinstance(row, dict) and row.get(c)), None)
+
+
+def prepare_sft_or_vision_data(config, cache_dir: Path, log: logging.Logger) -> SFTData:
+    """What `recipes/sft.py` and `tunebook prepare --recipe sft` prepare: a vision-language model's data with images
+    (`uses_images`; `data.processor` set), else the text path's (`prepare_sft_data`)."""
+    return (prepare_vision_sft_data if uses_images(config) else prepare_sft_data)(config, cache_dir, log)
 
 
 def prepare_vision_sft_data(config, cache_dir: Path, log: logging.Logger) -> SFTData:
