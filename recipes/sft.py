@@ -92,6 +92,7 @@ def build_dataloaders(config: SFTConfig, data: SFTData, num_processes: int, attn
 
 
 def evaluate(config: SFTConfig, model, data: SFTData, eval_loader, attn: str, accelerator, log, step: int) -> dict:
+    vision = data.processor is not None
     metrics = evaluate_loss(model, eval_loader, accelerator, attn, disable_tqdm=config.disable_tqdm)
     if config.generation_eval:
         scores, samples = generation_exact_match(
@@ -103,7 +104,8 @@ def evaluate(config: SFTConfig, model, data: SFTData, eval_loader, attn: str, ac
             max_new_tokens=config.generation_max_new_tokens,
             max_samples=config.generation_eval_max_samples or None,
             disable_tqdm=config.disable_tqdm,
-            collate_fn=VisionPromptCollator(data.processor, config.max_image_pixels) if data.processor else None,
+            # a vision-language model's prompts come with their images
+            collate_fn=VisionPromptCollator(data.processor, config.max_image_pixels) if vision else None,
         )
         metrics.update(scores)
         log_samples(log, samples[:3], step)
@@ -134,9 +136,8 @@ def main(config: SFTConfig) -> dict:
     if config.use_peft:  # LoRA: the base stays frozen; checkpoints and the output hold only the adapters
         # A vision-language model's all-linear: the language model's linear layers (and a training projector's)
         language_only = vision and config.lora_target_modules == "all-linear"
-        model = apply_lora(
-            model, config, target_modules=lora_targets(model, not config.freeze_projector) if language_only else None
-        )
+        targets = lora_targets(model, projector=not config.freeze_projector) if language_only else None
+        model = apply_lora(model, config, target_modules=targets)
     log.info("Model: %s, %s", type(model).__name__, describe_parameters(model))
     attn, dtype = compat.attn_implementation(model.config), model.dtype
     if config.packing:  # on a CPU, sdpa becomes our per-example (varlen) SDPA

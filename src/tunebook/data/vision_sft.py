@@ -21,6 +21,7 @@ import datasets
 import numpy as np
 
 from ..errors import ConfigError, DataError
+from ..locations import PACKAGE_PREFIX, package_model
 from ..models.tokenizer import setup_chat_template
 from ..models.vision import is_vision_language_model, load_processor, tiny_processor
 from .cache import fingerprint
@@ -61,7 +62,10 @@ def uses_images(config) -> bool:
     """Whether `recipes/sft.py` takes the vision path: its model is a vision-language model. A train_data file
     whose first row has images, given a text-only model, is a ConfigError (a text model cannot see them)."""
     model = config.model_name_or_path or config.model_config
-    if is_vision_language_model(model, config.trust_remote_code, config.model_revision):
+    if isinstance(model, str) and model.startswith(PACKAGE_PREFIX):  # pip:: a folder, or a GGUF file (text only)
+        folder = package_model(model)
+        model = str(folder) if folder.is_dir() else None
+    if model is not None and is_vision_language_model(model, config.trust_remote_code, config.model_revision):
         return True
     for path in _local_files(config.train_data):
         column = _image_column(path)
