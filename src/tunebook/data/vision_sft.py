@@ -143,8 +143,8 @@ class VisionSFTPipeline(Pipeline):
             if getattr(config, key):
                 raise ConfigError(f"{key}: true with a vision-language model: {why}; set {key}: false")
         if any(isinstance(s, dict) and s.get("streaming") for s in _listed(config.train_data)):
-            raise ConfigError("train_data: streaming: true with a vision-language model is not supported yet; "
-                              "remove streaming (the rows are cached, the images read in the loader's workers)")  # fmt: skip
+            raise ConfigError("train_data: streaming: true with a vision-language model is not supported yet; remove "
+                              "streaming (the rows are cached, the images read in the loader's workers)")  # fmt: skip
         return super().prepare()
 
     def make_tokenizer(self):

@@ -96,9 +96,12 @@ def tokenize_image_conversation(
         through = ids if i == len(messages) - 1 else _prefix_ids(processor, messages[: i + 1], sizes, tools, False)
         decode = processor.tokenizer.decode
         if ids[: len(through)] != through:
-            raise DataError(unstable_turn(i, decode(through), text, "when it is the last message", "once others follow"))  # fmt: skip
+            last, later = "when it is the last message", "once others follow"
+            raise DataError(unstable_turn(i, decode(through), text, last, later))
         if through[: len(before)] != before:
-            raise DataError(unstable_turn(i, decode(before), decode(through), "in the prompt that asks for it", "with it"))  # fmt: skip
+            raise DataError(
+                unstable_turn(i, decode(before), decode(through), "in the prompt that asks for it", "with it")
+            )
         if len(through) > len(before):
             spans.append((len(before), len(through)))
             answer = "".join(v["content"] for v in _text_views([message]))

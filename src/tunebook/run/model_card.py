@@ -263,8 +263,8 @@ def _load_text(model_dir: Path, output_dir: Path, ref: str, recipe: str, config,
     if not lora and (model_dir / "processor_config.json").is_file():  # a vision-language model and its processor
         code = ("from transformers import AutoModelForImageTextToText, AutoProcessor\n\n"
                 f'model = AutoModelForImageTextToText.from_pretrained("{ref}"{subfolder})\n'
-                f'processor = AutoProcessor.from_pretrained("{ref}"{subfolder})  # tunebook.models.vision.load_processor '
-                "without torchvision")  # fmt: skip
+                f'processor = AutoProcessor.from_pretrained("{ref}"{subfolder})  # without torchvision: '
+                "tunebook.models.vision.load_processor")  # fmt: skip
         return f"```python\n{code}\n```"
     if not lora:
         task = "text-classification" if classify else "text-generation"

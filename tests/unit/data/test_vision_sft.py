@@ -17,7 +17,7 @@ from tunebook.config.tiny import TINY_LLAVA, TINY_QWEN2_VL
 from tunebook.data.image_files import image_reference, image_size, open_image
 from tunebook.data.tokenize import IGNORE_INDEX
 from tunebook.data.vision_collate import VisionCollator, VisionPromptCollator
-from tunebook.data.vision_sft import prepare_vision_sft_data
+from tunebook.data.vision_sft import prepare_vision_sft_data, uses_images
 from tunebook.data.vision_tokenize import image_token_ids, tokenize_image_conversation, tokenize_image_conversations
 from tunebook.errors import ConfigError, DataError
 from tunebook.models.tokenizer import train_chat_tokenizer
@@ -116,7 +116,8 @@ def _write_data(tmp_path, sizes):
     rows = []
     for i, (width, height) in enumerate(sizes):
         Image.new("RGB", (width, height), (200, 30 * i, 40)).save(tmp_path / "images" / f"{i}.png")
-        rows.append({"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]},
+        question = [{"type": "image"}, {"type": "text", "text": "colour?"}]
+        rows.append({"messages": [{"role": "user", "content": question},
                                   {"role": "assistant", "content": [{"type": "text", "text": "red"}]}],
                      "images": [f"images/{i}.png"]})  # fmt: skip
     path = tmp_path / "train.jsonl"
@@ -160,8 +161,9 @@ def test_the_collator_decodes_the_images_and_checks_their_tokens(tmp_path, proce
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]},
                     {"role": "assistant", "content": "red"}]  # fmt: skip
         ids, labels, prompt_length = tokenize_image_conversation(processor, messages, [size])
-        features.append({"input_ids": ids, "labels": labels, "prompt_length": prompt_length,
-                         "images": [image_reference(str(tmp_path / name))], "where": f"train.jsonl, row {name}"})  # fmt: skip
+        reference = image_reference(str(tmp_path / name))
+        features.append({"input_ids": ids, "labels": labels, "prompt_length": prompt_length, "images": [reference],
+                         "where": f"train.jsonl, row {name}"})  # fmt: skip
     batch = VisionCollator(processor)(features)
     assert batch["image_grid_thw"].tolist() == [[1, 4, 4], [1, 2, 4]]  # 2 x 2 and 1 x 2 image tokens' patches
     assert batch["pixel_values"].shape[0] == 16 + 8
@@ -182,3 +184,11 @@ def test_the_config_default_of_max_image_pixels_is_the_data_codes():
     from tunebook.data.image_files import DEFAULT_MAX_IMAGE_PIXELS as DATA_DEFAULT
 
     assert DEFAULT_MAX_IMAGE_PIXELS == DATA_DEFAULT == SFTConfig().max_image_pixels
+
+
+def test_images_for_a_text_model_are_one_line(tmp_path):
+    _write_data(tmp_path, [(56, 56)])
+    config = SFTConfig(train_data=str(tmp_path / "train.jsonl"), cache_dir=str(tmp_path / "cache"))  # tiny Llama
+    with pytest.raises(ConfigError, match=r"has images \(column 'images'\), and model_config \(llama\) is not a "):
+        uses_images(config)
+    assert uses_images(_config(tmp_path))
