@@ -27,7 +27,12 @@ from tunebook.data.images import (
     to_image_conversations,
 )
 from tunebook.data.sources import DataSource
-from tunebook.data.synthetic import SHAPE_IMAGE_SIZES, write_synthetic_image_task
+from tunebook.data.synthetic import (
+    SHAPE_COLOURS,
+    SHAPE_IMAGE_SIZES,
+    SHAPES,
+    write_synthetic_image_task,
+)
 from tunebook.errors import DataError
 
 QUESTION = "What colour is it?"
@@ -394,6 +399,13 @@ def test_the_shapes_task_is_deterministic_disjoint_varied_and_reads_as_trl_rows(
     for r in rows[train]:
         answers.setdefault(r["messages"][0]["content"][1]["text"], set()).add(r["messages"][1]["content"][0]["text"])
     assert max(len(a) for a in answers.values()) > 1  # the same question, different answers: look at the picture
+    # One shape a picture, named by the question, which says nothing of the answer: its colour (1 in 6).
+    assert set(answers) == {f"What colour is the {shape}?" for shape in SHAPES}
+    assert all(a <= set(SHAPE_COLOURS) and len(a) >= 4 for a in answers.values()), answers
+    for r in rows[train][:10]:  # the picture holds the answer: its colour is the only non-background colour
+        colours = {c for _, c in open_image({"path": str(train.parent / r["images"][0]), "bytes": None}).getcolors()}
+        answer = r["messages"][1]["content"][0]["text"]
+        assert len(colours) == 2 and SHAPE_COLOURS[answer] in colours, colours
     checked = check_images(read_image_source(DataSource(str(train)), tmp_path / "cache", seed=0))
     sizes = {tuple(s[0]) for s in checked.dataset["image_sizes"]}
     assert sizes <= set(SHAPE_IMAGE_SIZES) and len(sizes) >= 3
