@@ -23,11 +23,6 @@ def _ok(result):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="the tiny Qwen2-VL of vlm_default.yaml stays near chance on the shapes task (0.25-0.35 "
-    "exact match, also after 1,200 steps): it does not learn to bind shapes to colours yet",
-    strict=False,
-)
 def test_the_vlm_default_learns_the_shapes_task(tmp_path, monkeypatch):
     monkeypatch.setenv("TUNEBOOK_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "run"
