@@ -102,11 +102,17 @@ def launch(
         try:
             stdout, stderr = process.communicate(timeout=timeout)
         except BaseException:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
+            kill_group(process)
             process.communicate()
             raise
     return subprocess.CompletedProcess(cmd, process.returncode, stdout, stderr)
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL to the process group of `process`, started with `start_new_session=True`: the launcher and the
+    recipe processes it started, which a kill of the launcher alone would leave running."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def _train_in_process(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:

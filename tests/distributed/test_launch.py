@@ -9,17 +9,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
 import torch
-from support import ROOT, TINY_TEST_MODEL, free_port, launch
+from support import ROOT, TINY_TEST_MODEL, free_port, kill_group, launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 TOL = 1e-5
@@ -61,8 +59,7 @@ def _two_nodes(tmp_path, args_of_node):
             out, _ = p.communicate(timeout=300)
         except subprocess.TimeoutExpired:
             for q in procs:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(q.pid, signal.SIGKILL)
+                kill_group(q)
             raise
         results.append((p.returncode, out))
     return results

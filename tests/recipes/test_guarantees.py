@@ -6,7 +6,8 @@
 - `nan_policy: stop` ends the run naming the last good checkpoint; `skip` drops the step from the update and from the
   logged figures; under fp16 loss scaling, overflowing steps are the scaler's to skip, counted, and the run goes on;
 - early stopping and `load_best_model_at_end` export the best checkpoint's weights;
-- `save_strategy` epoch and no.
+- `save_strategy` epoch and no;
+- a start that fails before training (a malformed row) writes nothing into its output_dir.
 The recipes differ only where their task differs: a test reads their `main` functions and checks the loop's calls.
 """
 
@@ -17,7 +18,7 @@ import json
 
 import pytest
 from recipe_runs import COMMON, EVAL_METRIC, _rates, _records, _run, _signal_at, _weights, _without_rates
-from support import ROOT, TINY_TEST_MODEL, hold_lock
+from support import ASSETS, ROOT, TINY_TEST_MODEL, hold_lock
 
 from tunebook import load_recipe
 from tunebook.errors import TrainingError
@@ -234,6 +235,20 @@ def test_a_live_run_keeps_its_output_dir_to_itself(name, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == [".tunebook.lock"] and not cache.exists()
     assert _run(name, out, cache, max_steps=2)["train_steps"] == 2
     hold_lock(out).kill()  # released at the run's end: another process takes it at once
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_a_start_that_fails_writes_nothing(name, tmp_path):
+    """A malformed row is found while the data is read, after the output_dir's lock: the failed start leaves only the
+    lock's folder (no config.yaml), which the process's next run removes; that run trains and keeps its own."""
+    from tunebook.errors import DataError
+
+    failed, cache = tmp_path / "new" / "run", tmp_path / "cache"
+    with pytest.raises(DataError, match="malformed.jsonl, line 2: malformed JSON"):
+        _run(name, failed, cache, train_data=str(ASSETS / "malformed.jsonl"))
+    assert sorted(p.name for p in failed.iterdir()) == [".tunebook.lock"]
+    assert _run(name, tmp_path / "next", cache, max_steps=1)["train_steps"] == 1
+    assert not (tmp_path / "new").exists() and (tmp_path / "next" / "config.yaml").is_file()
 
 
 @pytest.mark.parametrize("name", RECIPES)

@@ -10,8 +10,8 @@ The file itself stays, holding the last holder's PID, host and start time, which
 Linux implements `flock` with the server's byte-range locks, which every client sees.
 
 A start that fails (a malformed row, a model that does not build) writes nothing: what the lock created (the folder,
-the lock file) is removed again unless the run reached `started()` (`start_training`), when the process ends or when
-it takes its next lock (a notebook's next run), since one process trains one run at a time.
+the lock file) is removed again unless the run reached `started()` (`start_training`), when a command's process ends
+or when the process takes its next lock (a notebook's next run), since one process trains one run at a time.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import socket
 import time
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, owns_process
 
 __all__ = ["LOCK_NAME", "OutputDirLock", "lock_output_dir", "lock_run_output_dir"]
 
@@ -35,6 +35,7 @@ LOCK_NAME = ".tunebook.lock"
 # held (its frames keep the file open), and the next run of the same process may take it over, since one process
 # trains one run at a time.
 _HELD: dict[Path, OutputDirLock] = {}
+_EXIT_HOOK: list = []  # `_abandon_held`, once a command's process has registered it
 
 
 def _forget_in_child() -> None:
@@ -56,10 +57,13 @@ class OutputDirLock:
     """An exclusive `flock` on `output_dir/.tunebook.lock`; `release()` (idempotent) gives it up, and `abandon()`
     also removes what taking it created, unless `started()` said the run has begun to write."""
 
-    def __init__(self, directory: Path, fd: int | None, created: tuple[Path, ...] = ()):
+    def __init__(
+        self, directory: Path, fd: int | None, made_file: Path | None = None, made_dirs: tuple[Path, ...] = ()
+    ):
         self.directory = directory
         self._fd = fd
-        self._created = created  # the lock file, then the folders taking it made, innermost first
+        self._made_file = made_file  # the lock file, if taking the lock created it
+        self._made_dirs = made_dirs  # the folders taking it created, innermost first
         self._started = False
 
     @property
@@ -73,13 +77,17 @@ class OutputDirLock:
     def abandon(self) -> None:
         """Release; and if the run never started, remove the lock file and the folders the lock created (when they
         hold nothing else): a failed start leaves the file system as it found it."""
+        if not self._started and self._made_file is not None and self.held:
+            # Unlinked while still held: a run that opened the file before would be refused by the lock, one that
+            # opens it after creates a new file, so no two runs ever hold locks on two files of one folder.
+            with contextlib.suppress(OSError):
+                self._made_file.unlink()
         self.release()
-        if self._started:
-            return
-        for path in self._created:
-            with contextlib.suppress(OSError):  # a folder something else wrote into is not empty: it stays
-                path.rmdir() if path.is_dir() else path.unlink()
-        self._created = ()
+        if not self._started:
+            for folder in self._made_dirs:
+                with contextlib.suppress(OSError):  # a folder something else wrote into is not empty: it stays
+                    folder.rmdir()
+        self._made_file, self._made_dirs = None, ()
 
     def release(self) -> None:
         if self._fd is None:
@@ -128,9 +136,6 @@ def lock_output_dir(output_dir: str | Path, recipe: str = "") -> OutputDirLock:
     except OSError as error:
         holder = _read_holder(fd)
         os.close(fd)
-        for made_path in ([path] if new_file else []) + made:  # pragma: no cover - another holder made them first
-            with contextlib.suppress(OSError):
-                made_path.rmdir() if made_path.is_dir() else made_path.unlink()
         if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             raise ConfigError(f"output_dir {directory}: cannot lock {path}: {_reason(error)}") from None
         raise ConfigError(
@@ -138,16 +143,15 @@ def lock_output_dir(output_dir: str | Path, recipe: str = "") -> OutputDirLock:
             "output_dir"
         ) from None
     _write_holder(fd, recipe)
-    lock = OutputDirLock(key, fd, tuple(([path] if new_file else []) + made))
-    if not _HELD:
-        atexit.unregister(_abandon_held)  # registered once, while this process holds a lock
-        atexit.register(_abandon_held)
+    lock = OutputDirLock(key, fd, path if new_file else None, tuple(made))
+    if owns_process() and not _EXIT_HOOK:  # a command's process only: a caller's interpreter keeps its atexit list
+        _EXIT_HOOK.append(atexit.register(_abandon_held))
     _HELD[key] = lock
     return lock
 
 
 def _abandon_held() -> None:
-    """At exit: a run whose start failed (its exception ends the process) leaves no folder behind."""
+    """At a command's exit: a run whose start failed (its exception ends the process) leaves no folder behind."""
     for lock in list(_HELD.values()):
         lock.abandon()
 
