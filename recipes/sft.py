@@ -39,6 +39,7 @@ from tunebook.data import (
     prepare_sft_or_vision_data,
     train_and_eval_loaders,
     use_packed_attention,
+    vision_columns,
 )
 from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import evaluate_loss, generation_exact_match, log_samples, prompt_sampler
@@ -80,7 +81,7 @@ def build_dataloaders(config: SFTConfig, data: SFTData, num_processes: int, attn
     columns = ["input_ids", "labels", "seq_lengths"] if config.packing else ["input_ids", "labels"]
     if data.processor is not None:  # a vision-language model's rows: their images decoded in the workers
         collate = VisionCollator(data.processor, multiple, config.max_image_pixels)
-        columns = ["input_ids", "labels", "images", "where"]
+        columns = vision_columns(data.train)  # with cache_pixel_values, the cached pixel values
     grouping = {}
     if config.group_by_length and not config.packing:  # packed rows are all about max_seq_length long
         global_batch = config.per_device_train_batch_size * num_processes * config.gradient_accumulation_steps

@@ -11,6 +11,7 @@
 #     bash benchmarks/gpu/run.sh packed                  # point 3: dense mask vs flex vs varlen
 #     bash benchmarks/gpu/run.sh tests                   # point 8 and the CUDA equivalence tests
 #     bash benchmarks/gpu/run.sh lease                   # the next lease's questions, in under 10 minutes
+#     bash benchmarks/gpu/run.sh vlm                     # issue 45 point 7: Qwen2.5-VL-3B shape vs TRL (~6 min?)
 #   (on an H100, 2026-11-26: a Llama-3.2-1B run ~60 s, a first one ~25 s more to build the model; `peers
 #   Llama-3.2-1B --seq_lens 2048` ~4.5 min; `packed` at 2048 ~2 min a shape with flex compiling; `tests -n 6` ~2.6 min.
 #   A lease is 15 minutes of device time, the machine's start included, and a machine idle for 30 s goes back bare;
@@ -30,7 +31,7 @@ shift || true
 # Versions: those this checkout is tested with (make's .venv), so the GPU machine runs what CI ran; the two that
 # make test does not install are pinned here (trl as in pyproject's bench extra).
 WHEELS="transformers tokenizers datasets dill multiprocess fsspec evaluate hjson pydantic pydantic-core annotated-types
-typing-inspection"
+typing-inspection pillow"
 PINNED="trl==1.16.0 liger-kernel==0.8.5"
 
 prepare() {
@@ -158,6 +159,14 @@ lease)  # what one 15-minute lease should run first, in one command of under 10 
     part 150 peers Llama-3.2-1B --seq_lens 2048 --systems tunebook --work_dir /tmp/gvp \
         --tunebook_args "--attn_implementation flex_attention"
     part 600 peers SmolLM2-135M --seq_lens 2048 --work_dir /tmp/gvp
+    ;;
+vlm)  # issue 45 point 7: image-text SFT of a Qwen2.5-VL-3B shape (random weights, its published sizes) against TRL's
+    # SFTTrainer, bf16, pictures x4 (up to 192 image tokens a row), 40 steps of 8 rows; each run's record in $OUT as
+    # it ends. Here, after: python benchmarks/vlm_sft.py --shape qwen2.5-vl-3b --device cuda --from_records FILE
+    install
+    "$PY" benchmarks/vlm_sft.py --shape qwen2.5-vl-3b --device cuda --bf16 --image_scale 4 --max_pixels 200704 \
+        --examples 512 --batch 8 --max_steps 40 --timing_warmup 5 --max_length 1024 --lr 1e-5 --num_workers 4 \
+        --work_dir /tmp/vlm --records "$OUT/vlm.jsonl" --no_write "$@" 2>&1 | tee -a "$OUT/vlm.log"
     ;;
 check)  # here, after `prepare --python 3.11`: the carried set installs and every part's code path runs on the CPU
     install

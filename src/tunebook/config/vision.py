@@ -53,6 +53,12 @@ class VisionConfig:
         None,
         section="vision",
     )
+    cache_pixel_values: bool = config_field(
+        "Store the image processor's outputs in the data cache at preparation (the loader's workers then read arrays "
+        "instead of decoding images): faster when decoding is the bottleneck, at many times the images' disk size.",
+        False,
+        section="vision",
+    )
     min_pixels: int | None = config_field(
         "Qwen-VL style processors: resize each image to at least this many pixels (its image processor's "
         "size.shortest_edge). Unset: the processor's own.",

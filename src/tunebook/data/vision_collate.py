@@ -15,8 +15,16 @@ from .. import compat
 from ..errors import DataError
 from .collate import PadCollator, PromptCollator
 from .image_files import DEFAULT_MAX_IMAGE_PIXELS, open_images
+from .pixel_cache import cached_image_inputs
 
-__all__ = ["VisionCollator", "VisionPromptCollator", "decoded_image_inputs"]
+__all__ = ["VISION_COLUMNS", "VisionCollator", "VisionPromptCollator", "decoded_image_inputs", "vision_columns"]
+
+VISION_COLUMNS = ["input_ids", "labels", "images", "where"]
+
+
+def vision_columns(dataset) -> list[str]:
+    """The columns a `VisionCollator` reads from `dataset`'s rows: `pixel_inputs` too where they were cached."""
+    return VISION_COLUMNS + (["pixel_inputs"] if "pixel_inputs" in dataset.column_names else [])
 
 
 class VisionCollator:
@@ -46,16 +54,22 @@ class VisionPromptCollator:
         return batch
 
 
-def decoded_image_inputs(processor, features: list[dict[str, Any]], input_ids: torch.Tensor, max_pixels: int) -> dict:
+def decoded_image_inputs(
+    processor, features: list[dict[str, Any]], input_ids: torch.Tensor, max_pixels: int, mm_types: bool = True
+) -> dict:
     """The image processor's outputs for the rows' images, in row order, checked against the image tokens of each
-    row of `input_ids`; and `mm_token_type_ids` where the processor's model takes them."""
-    images = [open_images(f["images"], f.get("where", f"row {i + 1}"), max_pixels) for i, f in enumerate(features)]
-    flat = [image for row in images for image in row]
-    out: dict[str, Any] = {}
-    if flat:
-        out = dict(processor.image_processor(images=flat, return_tensors="pt"))
-        _check_image_tokens(processor, input_ids, images, out, features)
-    if "mm_token_type_ids" in processor.model_input_names:
+    row of `input_ids` (or, with `cache_pixel_values`, the outputs cached and checked at preparation); and
+    `mm_token_type_ids` where the processor's model takes them."""
+    if "pixel_inputs" in features[0]:
+        out = cached_image_inputs(features)
+    else:
+        images = [open_images(f["images"], f.get("where", f"row {i + 1}"), max_pixels) for i, f in enumerate(features)]
+        flat = [image for row in images for image in row]
+        out = {}
+        if flat:
+            out = dict(processor.image_processor(images=flat, return_tensors="pt"))
+            _check_image_tokens(processor, input_ids, images, out, features)
+    if mm_types and "mm_token_type_ids" in processor.model_input_names:
         types = processor.create_mm_token_type_ids(input_ids.tolist())
         out["mm_token_type_ids"] = torch.tensor(types, dtype=torch.long)
     return out

@@ -28,6 +28,7 @@ from .cache import fingerprint
 from .images import IMAGE_COLUMNS, check_images, read_image_source
 from .packing import example_lengths
 from .pipeline import Pipeline, PreparedData, Tokenised
+from .pixel_cache import add_pixel_values, image_files_fingerprint
 from .sft import SFTData, held_out_split, prepare_sft_data
 from .sources import DataSource, fingerprint_sources, parse_sources
 from .synthetic import write_synthetic_image_task
@@ -188,6 +189,8 @@ class VisionSFTPipeline(Pipeline):
             "max_seq_length": config.max_seq_length,
             "overlong": config.overlong_examples,
             "assistant_only_loss": config.assistant_only_loss,
+            # cached pixels are what the files held: a file rewritten at the same size must count as new
+            "pixels": image_files_fingerprint(checked.dataset) if config.cache_pixel_values else None,
             "seed": config.seed if any(s.weight != 1.0 or s.samples is not None for s in sources) else None,
             "version": VISION_VERSION,
         })  # fmt: skip
@@ -269,4 +272,7 @@ def _tokenised(checked: datasets.Dataset, processor, config, key: str, scratch: 
                         f"would split an image, {stats['dropped_no_loss_tokens']} with no loss-bearing token left; "
                         "raise max_seq_length or check the data")  # fmt: skip
     stats["examples_kept"] = len(kept)
-    return kept.flatten_indices(cache_file_name=str(scratch / "kept.arrow")), stats
+    kept = kept.flatten_indices(cache_file_name=str(scratch / "kept.arrow"))
+    if config.cache_pixel_values:
+        kept = add_pixel_values(kept, processor, config.max_image_pixels, key, scratch, config.dataset_num_proc)
+    return kept, stats

@@ -192,3 +192,23 @@ def test_images_for_a_text_model_are_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"has images \(column 'images'\), and model_config \(llama\) is not a "):
         uses_images(config)
     assert uses_images(_config(tmp_path))
+
+
+def test_cached_pixel_values_equal_decoded_ones_and_follow_a_rewritten_file(tmp_path):
+    _write_data(tmp_path, [(56, 56), (84, 56), (56, 84)])
+    decoded = prepare_vision_sft_data(_config(tmp_path), tmp_path / "cache", LOG)
+    cached = prepare_vision_sft_data(_config(tmp_path, cache_pixel_values=True), tmp_path / "cache", LOG)
+    assert "pixel_inputs" not in decoded.train.column_names and "train tokenisation" in cached.built
+    rows = lambda data: [data.train[i] for i in range(len(data.train))]  # noqa: E731
+    from_files = VisionCollator(decoded.processor)(rows(decoded))
+    from_cache = VisionCollator(cached.processor)(rows(cached))
+    assert from_files.keys() == from_cache.keys()
+    for name, value in from_files.items():  # bit for bit: float32 pixels stored as float32
+        assert torch.equal(value, from_cache[name]), name
+    # The cache holds what the file's pixels were: a file rewritten at the same size is decoded again.
+    Image.new("RGB", (56, 56), (0, 0, 255)).save(tmp_path / "images" / "0.png")
+    again = prepare_vision_sft_data(_config(tmp_path, cache_pixel_values=True), tmp_path / "cache", LOG)
+    assert "train tokenisation" in again.built
+    fresh = VisionCollator(again.processor)(rows(again))["pixel_values"]
+    assert not torch.equal(fresh, from_cache["pixel_values"])
+    assert torch.equal(fresh, VisionCollator(decoded.processor)(rows(decoded))["pixel_values"])  # the new pixels
