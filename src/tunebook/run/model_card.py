@@ -74,6 +74,8 @@ def load_line(output_dir: str | Path, recipe: str, shown_as: str | None = None) 
 def _card(model_dir: Path, output_dir: Path, summary, config, *, lora: bool, merged: bool = False):
     recipe = summary.get("recipe") or "run"
     what, pipeline_tag = recipe_task(recipe) or (f"a Tunebook `{recipe}` run", "text-generation")
+    if _is_vision(model_dir, output_dir):
+        pipeline_tag = "image-text-to-text"
     train, evaluation = _sources(config)
     hub_datasets = list(dict.fromkeys(n for n in map(_hub_dataset, train + evaluation) if n))
     data = huggingface_hub.ModelCardData(
@@ -98,6 +100,22 @@ def _card(model_dir: Path, output_dir: Path, summary, config, *, lora: bool, mer
     return huggingface_hub.ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n")
 
 
+def _is_vision(model_dir: Path, output_dir: Path) -> bool:
+    """A vision-language model: saved with its processor (`recipes/sft.py` saves one for no other model)."""
+    return any((d / "processor_config.json").is_file() for d in (model_dir, output_dir))
+
+
+def _vision_parts_text(config) -> str:
+    """Which parts of a vision-language model trained, from the run's freeze_* keys (full fine-tuning)."""
+    tower, projector = config.get("freeze_vision_tower", True), config.get("freeze_projector", False)
+    trained = ["the language model"] + ([] if projector else ["the projector (vision features -> language model)"])
+    if not tower:
+        trained.append("the vision tower")
+    kept = [name for name, frozen in (("the vision tower", tower), ("the projector", projector)) if frozen]
+    text = f"Fine-tuned: {' and '.join(trained)}"
+    return text + (f"; {' and '.join(kept)} kept {'its' if len(kept) == 1 else 'their'} weights." if kept else ".")
+
+
 def _about(model_dir: Path, output_dir: Path, recipe, what, config, lora: bool, merged: bool) -> str:
     lines = [f"Trained with [Tunebook](https://github.com/tunebook/tunebook)'s `{recipe}` recipe: {what}."]
     if merged:
@@ -105,6 +123,8 @@ def _about(model_dir: Path, output_dir: Path, recipe, what, config, lora: bool, 
                      "adapters themselves are in the parent folder).")  # fmt: skip
     elif lora:
         lines.append("LoRA adapters on a frozen base model (a peft adapter directory).")
+    elif _is_vision(model_dir, output_dir):
+        lines.append(_vision_parts_text(config))
     else:
         lines.append("All weights fine-tuned (a full model).")
     lines.append(f"- **Base model**: {_base_text(config)}")

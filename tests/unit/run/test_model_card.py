@@ -369,3 +369,24 @@ def test_the_load_line_fits_what_the_run_saved(tmp_path):
     (out / "merged").mkdir()
     (out / "merged" / "config.json").write_text("{}")  # merged too: the plain model is the one to load
     assert load_line(out, "dpo", "o").endswith('AutoModelForCausalLM.from_pretrained("o/merged")')
+
+
+@pytest.mark.parametrize(
+    ("keys", "says"),
+    [
+        ({}, "Fine-tuned: the language model and the projector (vision features -> language model); the vision tower "
+             "kept its weights."),
+        ({"freeze_projector": True}, "Fine-tuned: the language model; the vision tower and the projector kept their "
+                                     "weights."),
+        ({"freeze_vision_tower": False}, "Fine-tuned: the language model and the projector (vision features -> "
+                                         "language model) and the vision tower."),
+    ],
+)  # fmt: skip
+def test_a_vision_language_models_card_says_which_parts_trained(tmp_path, keys, says):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "processor_config.json").write_text("{}")  # saved with its processor: a vision-language model
+    config = _config(use_peft=False, packing=False, **keys)
+    write_model_card(tmp_path, SUMMARY, config)
+    card = ModelCard.load(tmp_path / "README.md")
+    assert says in card.text and "All weights fine-tuned" not in card.text
+    assert card.data.pipeline_tag == "image-text-to-text"
