@@ -13,7 +13,7 @@ Both systems train the same steps at the same batch, learning rate and schedule,
 images decoded in `--num_workers` DataLoader workers, no evaluation, no saving. Reported: non-padding tokens and
 images trained per second of training (with `--max_steps`, also the steady rate after `--timing_warmup` steps for
 TRL), the time from process start to the first optimizer step, the whole process's wall time, peak memory and the
-final loss. The CPU row runs here; the GPU row (`--shape qwen2.5-vl-3b --device cuda --bf16`) runs from
+loss of the last logging window. The CPU row runs here; the GPU row (`--shape qwen2.5-vl-3b --device cuda --bf16`) runs from
 benchmarks/gpu/run.sh on a lent GPU.
 """
 
@@ -30,6 +30,9 @@ import time
 from pathlib import Path
 
 from results import header, write_section
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+from gpu_vs_peers import tunebook_figures  # noqa: E402  (the steady rate from Tunebook's logging windows)
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ("tunebook", "trl")
@@ -121,13 +124,16 @@ def run_one(system: str, data: Path, model_dir: Path, work: Path, args) -> dict:
                "--per_device_train_batch_size", str(args.batch), "--learning_rate", str(args.lr),
                "--lr_scheduler_type", "linear", "--warmup_ratio", "0", "--num_train_epochs", "1", *steps,
                "--eval_on_start", "false", "--generation_eval", "false", "--save_strategy", "no",
-               "--dataloader_num_workers", str(args.num_workers), "--logging_steps", "10", "--disable_tqdm", "true",
+               "--dataloader_num_workers", str(args.num_workers), "--disable_tqdm", "true",
+               # a logging window ends at the warm-up's last step: the steady rate is read from the windows after it
+               "--logging_steps", str(args.timing_warmup if args.max_steps > 0 else 10),
                "--gradient_checkpointing", args.gradient_checkpointing, "--output_dir", str(out)]  # fmt: skip
     else:
         cmd = [sys.executable, str(ROOT / "benchmarks/peers/trl_vlm_sft.py"), str(data), str(model_dir), str(out),
                str(result), "--batch", str(args.batch), "--lr", str(args.lr), "--max_length", str(args.max_length),
                "--cache_dir", str(cache / "hf"), "--device", args.device, "--num_workers", str(args.num_workers),
                "--no_save", "--gradient_checkpointing", args.gradient_checkpointing, *steps,
+               "--logging_steps", str(args.timing_warmup if args.max_steps > 0 else 10),
                "--timing_warmup", str(args.timing_warmup), *(["--bf16"] if args.bf16 else [])]  # fmt: skip
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -138,11 +144,13 @@ def run_one(system: str, data: Path, model_dir: Path, work: Path, args) -> dict:
         raise RuntimeError(f"{system} failed:\n{output[-4000:]}")
     if system == "tunebook":
         summary = json.loads((out / "summary.json").read_text())
+        steady = tunebook_figures(out, args.timing_warmup)["tokens_per_second"] if args.max_steps > 0 else None
         stats = {"tokens": summary["train_tokens"], "images": summary["train_samples"],  # one picture a row
                  "train_seconds": summary["train_runtime_seconds"], "steps": summary["train_steps"],
                  "time_to_first_step": summary["time_to_first_step_seconds"],
                  "final_train_loss": summary["final_train_loss"],
-                 "peak_memory_mb": summary.get("peak_memory_allocated_mb") or usage.ru_maxrss / 1024}  # fmt: skip
+                 "steady_tokens_per_second": steady,
+                 "peak_memory_mb": summary.get("peak_device_memory_mb") or usage.ru_maxrss / 1024}  # fmt: skip
     else:
         stats = json.loads(result.read_text())
         stats["peak_memory_mb"] = stats["peak_memory_mb"] if args.device == "cuda" else usage.ru_maxrss / 1024
@@ -167,10 +175,12 @@ def table(runs: list[dict], systems: list[str]) -> list[str]:
         return statistics.median(values) if values else float("nan")
 
     names = {"tunebook": "Tunebook sft", "trl": "TRL SFTTrainer"}
-    lines = ["| system | whole process (s) | tokens/s | images/s | first step (s) | peak memory (MB) | steps | "
-             "tokens | images | final loss |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    lines = ["| system | whole process (s) | tokens/s | steady tokens/s | images/s | first step (s) | peak memory (MB) | "
+             "steps | tokens | images | last window's loss |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for s in systems:
         lines.append(f"| {names[s]} | {med(s, 'wall_seconds'):.1f} | {med(s, 'tokens_per_second'):.0f} | "
+                     f"{med(s, 'steady_tokens_per_second'):.0f} | "
                      f"{med(s, 'images_per_second'):.1f} | {med(s, 'time_to_first_step'):.1f} | "
                      f"{med(s, 'peak_memory_mb'):.0f} | {med(s, 'steps'):.0f} | {med(s, 'tokens'):.0f} | "
                      f"{med(s, 'images'):.0f} | {med(s, 'final_train_loss'):.3f} |")  # fmt: skip

@@ -68,7 +68,9 @@ def main():
         computed_positions=seen.positions,
         train_seconds=metrics["train_runtime"],
         time_to_first_step=first_step.seconds,
-        final_train_loss=metrics["train_loss"],
+        # the last logging window's mean, as Tunebook's final_train_loss (train_loss is the whole run's mean)
+        final_train_loss=next(e["loss"] for e in reversed(trainer.state.log_history) if "loss" in e),
+        mean_train_loss=metrics["train_loss"],
         steps=trainer.state.global_step,
         **peak_memory(args.device),
         **steady,
