@@ -11,10 +11,10 @@ family's PIL image processor (`tunebook.models.vision.tiny_processor`).
 
 Both systems train the same steps at the same batch, learning rate and schedule, loss on the assistant turns only,
 images decoded in `--num_workers` DataLoader workers, no evaluation, no saving. Reported: non-padding tokens and
-images trained per second of training (with `--max_steps`, also the steady rate after `--timing_warmup` steps for
-TRL), the time from process start to the first optimizer step, the whole process's wall time, peak memory and the
-loss of the last logging window. The CPU row runs here; the GPU row (`--shape qwen2.5-vl-3b --device cuda --bf16`) runs from
-benchmarks/gpu/run.sh on a lent GPU.
+images trained per second of training (with `--max_steps`, also the steady rate after `--timing_warmup` steps),
+the time from process start to the first optimizer step, the whole process's wall time, peak memory and the loss
+of the last logging window. The CPU row runs here; the GPU row (`--shape qwen2.5-vl-3b --device cuda --bf16`) runs
+from benchmarks/gpu/run.sh on a lent GPU.
 """
 
 from __future__ import annotations
