@@ -6,7 +6,7 @@ pixel values are many times the size of compressed images: a 448 x 448 picture i
 reads. Off by default, as the issue's users mostly have more pictures than disk to spare.
 
 A row's cached inputs are one entry per output of the image processor (`pixel_values`, Qwen-VL's `image_grid_thw`,
-...): its name, dtype, shape and values flattened. The collator concatenates the rows' entries along the first
+...): its name, dtype, shape and values flattened. The collator (`vision_collate.cached_image_inputs`) concatenates the rows' entries along the first
 dimension, as the image processor does for a batch of images. The image-token check of the collator
 (`vision_collate`) runs here, once, at preparation. Since the cache now holds what a file's pixels were, its key
 covers every image file's modification time and size (`image_files_fingerprint`), not the header size alone.
@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import datasets
-import numpy as np
 import torch
 
-__all__ = ["PIXEL_FEATURES", "add_pixel_values", "cached_image_inputs", "image_files_fingerprint"]
+from .vision_collate import decoded_image_inputs  # the collator's own decode and check
+
+__all__ = ["PIXEL_FEATURES", "add_pixel_values", "image_files_fingerprint"]
 
 PIXEL_FEATURES = datasets.List({
     "name": datasets.Value("string"),
@@ -31,7 +32,6 @@ PIXEL_FEATURES = datasets.List({
     "shape": datasets.List(datasets.Value("int64")),
     "values": datasets.List(datasets.Value("float32")),
 })  # fmt: skip
-_DTYPES = {"float32": torch.float32, "int64": torch.int64}
 
 
 def image_files_fingerprint(dataset) -> str:
@@ -62,8 +62,6 @@ def add_pixel_values(dataset, processor, max_image_pixels: int, key: str, scratc
 
 
 def _pixel_inputs(row: dict[str, Any], processor, max_image_pixels: int) -> dict[str, Any]:
-    from .vision_collate import decoded_image_inputs  # the collator's own decode and check
-
     ids = torch.tensor([row["input_ids"]])
     out = decoded_image_inputs(processor, [row], ids, max_image_pixels, mm_types=False)
     entries = []
@@ -73,14 +71,3 @@ def _pixel_inputs(row: dict[str, Any], processor, max_image_pixels: int) -> dict
         entries.append({"name": name, "dtype": dtype, "shape": list(value.shape),
                         "values": value.reshape(-1).to(torch.float32).numpy()})  # fmt: skip
     return {"pixel_inputs": entries}
-
-
-def cached_image_inputs(features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """The rows' cached image processor outputs, concatenated along the first dimension in row order."""
-    parts: dict[str, list[torch.Tensor]] = {}
-    for row in features:
-        for entry in row["pixel_inputs"]:
-            values = torch.from_numpy(np.asarray(entry["values"], dtype=np.float32))
-            tensor = values.reshape(entry["shape"]).to(_DTYPES[entry["dtype"]])
-            parts.setdefault(entry["name"], []).append(tensor)
-    return {name: torch.cat(tensors) for name, tensors in parts.items()}

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import compat
 from ..errors import DataError
 from .collate import PadCollator, PromptCollator
 from .image_files import DEFAULT_MAX_IMAGE_PIXELS, open_images
-from .pixel_cache import cached_image_inputs
 
 __all__ = ["VISION_COLUMNS", "VisionCollator", "VisionPromptCollator", "decoded_image_inputs", "vision_columns"]
 
+_DTYPES = {"float32": torch.float32, "int64": torch.int64}  # of cache_pixel_values' entries (data/pixel_cache.py)
 VISION_COLUMNS = ["input_ids", "labels", "images", "where"]
 
 
@@ -96,3 +97,15 @@ def _check_image_tokens(processor, input_ids, images: list[list], out: dict, fea
             raise DataError(f"{features[i].get('where', f'row {i + 1}')}: {have[i]} image tokens in the row, but its "
                             f"images ({sizes}) need {need}: an image changed since the data was prepared (the "
                             "token counts come from the sizes read then); run again to prepare it anew")  # fmt: skip
+
+
+def cached_image_inputs(features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """The rows' image processor outputs cached at preparation (`cache_pixel_values`, data/pixel_cache.py),
+    concatenated along the first dimension in row order, as the image processor does for a batch of images."""
+    parts: dict[str, list[torch.Tensor]] = {}
+    for row in features:
+        for entry in row["pixel_inputs"]:
+            values = torch.from_numpy(np.asarray(entry["values"], dtype=np.float32))
+            tensor = values.reshape(entry["shape"]).to(_DTYPES[entry["dtype"]])
+            parts.setdefault(entry["name"], []).append(tensor)
+    return {name: torch.cat(tensors) for name, tensors in parts.items()}

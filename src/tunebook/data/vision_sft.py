@@ -20,6 +20,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 
+from ..config.tiny import TINY_QWEN2_VL
 from ..errors import ConfigError, DataError
 from ..locations import PACKAGE_PREFIX, package_model
 from ..models.tokenizer import setup_chat_template
@@ -59,9 +60,12 @@ VISION_FEATURES = datasets.Features({
 })  # fmt: skip
 
 
-def uses_images(config) -> bool:
+def uses_images(config, log: logging.Logger | None = None) -> bool:
     """Whether `recipes/sft.py` takes the vision path: its model is a vision-language model. A train_data file
-    whose first row has images, given a text-only model, is a ConfigError (a text model cannot see them)."""
+    whose first row has images, given a text-only model, is a ConfigError (a text model cannot see them); given no
+    model at all (the recipe's tiny text default), the tiny default becomes a Qwen2-VL (`TINY_QWEN2_VL`, as
+    recipes/configs/sft/vlm_default.yaml builds) and `config.model_config` says so."""
+    default = config.model_name_or_path is None and config.model_config == dict(config.tiny_model)
     model = config.model_name_or_path or config.model_config
     if isinstance(model, str) and model.startswith(PACKAGE_PREFIX):  # pip:: a folder, or a GGUF file (text only)
         folder = package_model(model)
@@ -70,6 +74,11 @@ def uses_images(config) -> bool:
         return True
     for path in _local_files(config.train_data):
         column = _image_column(path)
+        if column and default:  # no model named: the offline default, one that sees images
+            config.model_config = dict(TINY_QWEN2_VL)
+            if log is not None:
+                log.info("train_data %s has images and no model is named: a tiny Qwen2-VL built from a config", path)
+            return True
         if column:
             name = config.model_name_or_path or f"model_config ({_model_type(config.model_config)})"
             raise ConfigError(f"train_data {path} has images (column {column!r}), and {name} is not a "
@@ -104,7 +113,7 @@ def _image_column(path: Path) -> str | None:
 def prepare_sft_or_vision_data(config, cache_dir: Path, log: logging.Logger) -> SFTData:
     """What `recipes/sft.py` and `tunebook prepare --recipe sft` prepare: a vision-language model's data with images
     (`uses_images`; `data.processor` set), else the text path's (`prepare_sft_data`)."""
-    return (prepare_vision_sft_data if uses_images(config) else prepare_sft_data)(config, cache_dir, log)
+    return (prepare_vision_sft_data if uses_images(config, log) else prepare_sft_data)(config, cache_dir, log)
 
 
 def prepare_vision_sft_data(config, cache_dir: Path, log: logging.Logger) -> SFTData:

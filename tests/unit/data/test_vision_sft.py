@@ -17,7 +17,7 @@ from tunebook.config.tiny import TINY_LLAVA, TINY_QWEN2_VL
 from tunebook.data.image_files import image_reference, image_size, open_image
 from tunebook.data.tokenize import IGNORE_INDEX
 from tunebook.data.vision_collate import VisionCollator, VisionPromptCollator
-from tunebook.data.vision_sft import prepare_vision_sft_data, uses_images
+from tunebook.data.vision_sft import prepare_sft_or_vision_data, prepare_vision_sft_data, uses_images
 from tunebook.data.vision_tokenize import image_token_ids, tokenize_image_conversation, tokenize_image_conversations
 from tunebook.errors import ConfigError, DataError
 from tunebook.models.tokenizer import train_chat_tokenizer
@@ -188,10 +188,21 @@ def test_the_config_default_of_max_image_pixels_is_the_data_codes():
 
 def test_images_for_a_text_model_are_one_line(tmp_path):
     _write_data(tmp_path, [(56, 56)])
-    config = SFTConfig(train_data=str(tmp_path / "train.jsonl"), cache_dir=str(tmp_path / "cache"))  # tiny Llama
+    tiny_llama = {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 1}  # a text model, named
+    config = SFTConfig(train_data=str(tmp_path / "train.jsonl"), cache_dir=str(tmp_path / "cache"),
+                       model_config=tiny_llama)  # fmt: skip
     with pytest.raises(ConfigError, match=r"has images \(column 'images'\), and model_config \(llama\) is not a "):
         uses_images(config)
     assert uses_images(_config(tmp_path))
+
+
+def test_images_and_no_model_named_build_a_tiny_qwen2_vl(tmp_path, caplog):
+    _write_data(tmp_path, [(56, 56), (84, 56)])
+    config = SFTConfig(train_data=str(tmp_path / "train.jsonl"), cache_dir=str(tmp_path / "cache"))  # no model
+    with caplog.at_level(logging.INFO, logger="test"):
+        data = prepare_sft_or_vision_data(config, tmp_path / "cache", LOG)
+    assert config.model_config == TINY_QWEN2_VL and "has images and no model is named" in caplog.text
+    assert type(data.processor).__name__ == "Qwen2VLProcessor" and len(data.train) == 2
 
 
 def test_cached_pixel_values_equal_decoded_ones_and_follow_a_rewritten_file(tmp_path):
