@@ -13,10 +13,10 @@ import torch
 
 from .. import compat
 from ..errors import DataError
-from .collate import PadCollator, PromptCollator
+from .collate import PadCollator, PairCollator, PromptCollator
 from .image_files import DEFAULT_MAX_IMAGE_PIXELS, open_images
 
-__all__ = ["VisionCollator", "VisionPromptCollator", "decoded_image_inputs"]
+__all__ = ["VisionCollator", "VisionPairCollator", "VisionPromptCollator", "decoded_image_inputs", "image_inputs_of"]
 
 
 class VisionCollator:
@@ -30,6 +30,25 @@ class VisionCollator:
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         batch = self.pad(features)
         batch.update(decoded_image_inputs(self.processor, features, batch["input_ids"], self.max_image_pixels))
+        return batch
+
+
+class VisionPairCollator:
+    """`PairCollator`'s batch of B pairs (2B rows, the chosen first) and the images' inputs: each pair's images are
+    opened once and given to both of its rows, so the model gets them for the chosen rows, then again for the
+    rejected rows, in the order their placeholders appear in the batch."""
+
+    def __init__(self, processor, pad_to_multiple_of: int | None = None,
+                 max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):  # fmt: skip
+        self.processor, self.max_image_pixels = processor, max_image_pixels
+        self.pairs = PairCollator(processor.tokenizer.pad_token_id, pad_to_multiple_of)
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        batch = self.pairs(features)
+        images = [open_images(f["images"], f["where"], self.max_image_pixels) for f in features]
+        # The image processor runs on both halves' images (not its outputs copied): each family lays its
+        # pixel_values out its own way (Qwen-VL: flattened patches of every image; LLaVA: one tensor an image).
+        batch.update(image_inputs_of(self.processor, images + images, features + features, batch["input_ids"]))
         return batch
 
 
@@ -50,6 +69,11 @@ def decoded_image_inputs(processor, features: list[dict[str, Any]], input_ids: t
     """The image processor's outputs for the rows' images, in row order, checked against the image tokens of each
     row of `input_ids`; and `mm_token_type_ids` where the processor's model takes them."""
     images = [open_images(f["images"], f.get("where", f"row {i + 1}"), max_pixels) for i, f in enumerate(features)]
+    return image_inputs_of(processor, images, features, input_ids)
+
+
+def image_inputs_of(processor, images: list[list], features: list[dict[str, Any]], input_ids: torch.Tensor) -> dict:
+    """`decoded_image_inputs` of images already opened: `images[i]` are row i's (`features[i]` names it in errors)."""
     flat = [image for row in images for image in row]
     out: dict[str, Any] = {}
     if flat:
