@@ -110,6 +110,25 @@ def evaluate(config: DPOConfig, model, reference, eval_loader, attn: str, dtype,
     )
 
 
+def warm_up(config: DPOConfig, model, data: PreferenceData, accelerator, log):
+    """`sft_warmup_steps` of plain SFT on the chosen responses (with their images: decoded by their collator)."""
+    vision = data.processor is not None
+    chosen = data.train.select_columns(["chosen_input_ids", "chosen_labels", *(["images", "where"] if vision else [])])
+    collate = VisionCollator(data.processor, config.pad_to_multiple_of, config.max_image_pixels) if vision else None
+    sft_warmup(
+        model,
+        chosen.rename_columns({"chosen_input_ids": "input_ids", "chosen_labels": "labels"}),
+        data.tokenizer.pad_token_id,
+        steps=config.sft_warmup_steps,
+        seed=config.seed,
+        batch_size=config.per_device_train_batch_size,
+        device=accelerator.device,
+        log=log,
+        pad_to_multiple_of=config.pad_to_multiple_of,
+        collate_fn=collate,
+    )
+
+
 def precompute_reference(config: DPOConfig, model, data: PreferenceData, accelerator, cache_dir, attn: str, log):
     """The reference's log-probabilities of every pair, once, by the model as it is now: added to `data`'s splits and
     cached with the tokenised pairs."""
@@ -157,23 +176,7 @@ def main(config: DPOConfig) -> dict:
         model = build_causal_lm(tokenizer, model_options(config))
     with whole_weights(model):  # under DeepSpeed ZeRO-3 the model is built partitioned: whole until prepare
         if config.sft_warmup_steps:  # on the chosen responses
-            images = ["images", "where"] if vision else []  # rows with images: their collator decodes them
-            chosen = data.train.select_columns(["chosen_input_ids", "chosen_labels", *images])
-            chosen = chosen.rename_columns({"chosen_input_ids": "input_ids", "chosen_labels": "labels"})
-            sft_warmup(
-                model,
-                chosen,
-                tokenizer.pad_token_id,
-                steps=config.sft_warmup_steps,
-                seed=config.seed,
-                batch_size=config.per_device_train_batch_size,
-                device=accelerator.device,
-                log=log,
-                pad_to_multiple_of=config.pad_to_multiple_of,
-                collate_fn=VisionCollator(data.processor, config.pad_to_multiple_of, config.max_image_pixels)
-                if vision
-                else None,
-            )
+            warm_up(config, model, data, accelerator, log)
         attn, dtype = compat.attn_implementation(model.config), model.dtype
         reference = None  # with LoRA: the policy with its adapters off
         use_reference = config.loss_type not in REFERENCE_FREE_LOSSES
