@@ -6,6 +6,7 @@ processor and the model; the reference's precomputed log-probabilities see the i
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import datasets
@@ -13,16 +14,21 @@ import pytest
 import torch
 from PIL import Image
 
+from tunebook.config import DPOConfig
 from tunebook.config.tiny import TINY_LLAVA, TINY_QWEN2_VL
 from tunebook.data.image_files import open_image
 from tunebook.data.images import check_images, read_image_source
 from tunebook.data.sources import DataSource
 from tunebook.data.synthetic import SHAPE_COLOURS, write_synthetic_image_preferences, write_synthetic_image_task
 from tunebook.data.vision_collate import VisionPairCollator
-from tunebook.errors import DataError
+from tunebook.errors import ConfigError, DataError
 from tunebook.models.tokenizer import train_chat_tokenizer
 from tunebook.models.vision import build_vision_lm, tiny_processor
-from tunebook.preference import precompute_reference_log_probs, sequence_log_probs
+from tunebook.preference import (
+    precompute_reference_log_probs,
+    prepare_preference_or_vision_data,
+    sequence_log_probs,
+)
 from tunebook.preference.vision_data import PAIR_IMAGE_FEATURES, parse_image_pair, tokenize_image_pairs
 
 CONFIGS = {"qwen2_vl": TINY_QWEN2_VL, "llava": TINY_LLAVA}  # dynamic image tokens, and a fixed count
@@ -188,3 +194,13 @@ def test_the_shapes_pairs_are_the_shapes_tasks_pictures_with_a_wrong_colour_reje
         assert wrong in SHAPE_COLOURS and wrong != pair["chosen"][0]["content"][0]["text"]
     assert len({p["rejected"][0]["content"][0]["text"] for p in pairs}) > 2
     assert write_synthetic_image_preferences(tmp_path, 30, 6, seed=3) == (train, evaluation)  # reused as written
+
+
+def test_image_pairs_with_a_text_model_are_one_config_line(folder):
+    path = folder / "pairs.jsonl"
+    path.write_text(json.dumps(FORMS["messages"]) + "\n")
+    config = DPOConfig(train_data=str(path))  # the tiny Llama default: a text model
+    with pytest.raises(ConfigError) as error:
+        prepare_preference_or_vision_data(config, folder / "cache", logging.getLogger("test"))
+    line = str(error.value)
+    assert "\n" not in line and "pairs.jsonl has images (column 'images')" in line and "not a vision-language" in line
