@@ -3,7 +3,10 @@
 With no arguments it runs the embedded offline default: it generates preference pairs over the SFT default's digit
 task (the right answer chosen, a near miss rejected), trains a tokenizer locally, builds a tiny Llama, teaches it
 the task format with a brief SFT warm-up on the chosen answers, then runs DPO against a frozen copy of that model
-and reports the reward accuracy on held-out pairs before and after.
+and reports the reward accuracy on held-out pairs before and after. A vision-language model
+(`AutoModelForImageTextToText`) trains on pairs whose prompt carries images the same way
+(recipes/configs/dpo/vlm_default.yaml: coloured shapes, a tiny Qwen2-VL): the chosen and rejected responses share
+the prompt and its images, which the loader's workers decode once per pair.
 
     tunebook train --config_file accelerate_configs/cpu.yaml dpo                                # CPU
     tunebook train --config_file accelerate_configs/multi_cpu.yaml dpo                          # 2 CPU processes
@@ -24,10 +27,26 @@ import torch
 
 from tunebook import compat
 from tunebook.config import DPOConfig, load_config
-from tunebook.data import PairCollator, fingerprint, format_loss_mask, train_and_eval_loaders
+from tunebook.data import (
+    PairCollator,
+    VisionCollator,
+    VisionPairCollator,
+    fingerprint,
+    format_loss_mask,
+    train_and_eval_loaders,
+)
 from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import prompt_sampler
-from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options, whole_weights
+from tunebook.models import (
+    apply_lora,
+    build_causal_lm,
+    build_vision_lm,
+    describe_parameters,
+    freeze_vision,
+    lora_targets,
+    model_options,
+    whole_weights,
+)
 from tunebook.preference import (
     REFERENCE_FREE_LOSSES,
     PreferenceData,
@@ -38,7 +57,7 @@ from tunebook.preference import (
     policy_and_reference_log_probs,
     precompute_reference_log_probs,
     preference_loss,
-    prepare_preference_data,
+    prepare_preference_or_vision_data,
     response_lengths,
     weights_fingerprint,
 )
@@ -62,10 +81,16 @@ from tunebook.training import (
 )
 
 
+def pair_collator(config: DPOConfig, data: PreferenceData):
+    """One padded batch of chosen then rejected sequences a batch of pairs; with images, each pair's decoded once."""
+    if data.processor is not None:
+        return VisionPairCollator(data.processor, config.pad_to_multiple_of, config.max_image_pixels)
+    return PairCollator(data.tokenizer.pad_token_id, config.pad_to_multiple_of)
+
+
 def build_dataloaders(config: DPOConfig, data: PreferenceData):
-    """Batches of pairs, each one padded batch of chosen then rejected sequences; workers collate in the background."""
-    collate = PairCollator(data.tokenizer.pad_token_id, config.pad_to_multiple_of)
-    return train_and_eval_loaders(config, data.train, data.eval, collate)
+    """Batches of pairs (`pair_collator`); workers collate in the background."""
+    return train_and_eval_loaders(config, data.train, data.eval, pair_collator(config, data))
 
 
 def evaluate(config: DPOConfig, model, reference, eval_loader, attn: str, dtype, accelerator) -> dict:
@@ -85,11 +110,30 @@ def evaluate(config: DPOConfig, model, reference, eval_loader, attn: str, dtype,
     )
 
 
+def warm_up(config: DPOConfig, model, data: PreferenceData, accelerator, log):
+    """`sft_warmup_steps` of plain SFT on the chosen responses (with their images: decoded by their collator)."""
+    vision = data.processor is not None
+    chosen = data.train.select_columns(["chosen_input_ids", "chosen_labels", *(["images", "where"] if vision else [])])
+    collate = VisionCollator(data.processor, config.pad_to_multiple_of, config.max_image_pixels) if vision else None
+    sft_warmup(
+        model,
+        chosen.rename_columns({"chosen_input_ids": "input_ids", "chosen_labels": "labels"}),
+        data.tokenizer.pad_token_id,
+        steps=config.sft_warmup_steps,
+        seed=config.seed,
+        batch_size=config.per_device_train_batch_size,
+        device=accelerator.device,
+        log=log,
+        pad_to_multiple_of=config.pad_to_multiple_of,
+        collate_fn=collate,
+    )
+
+
 def precompute_reference(config: DPOConfig, model, data: PreferenceData, accelerator, cache_dir, attn: str, log):
     """The reference's log-probabilities of every pair, once, by the model as it is now: added to `data`'s splits and
     cached with the tokenised pairs."""
     model.to(accelerator.device)
-    collate = PairCollator(data.tokenizer.pad_token_id, config.pad_to_multiple_of)
+    collate = pair_collator(config, data)
     reference_key = weights_fingerprint(model)
     for split in ("train", "eval"):
         if getattr(data, split) is not None:
@@ -114,8 +158,9 @@ def main(config: DPOConfig) -> dict:
     accelerator, log = run.accelerator, run.log
 
     # --- data: prepared under a file lock (the first process builds, the others map the files), then all meet
-    data = prepare_then_join(accelerator, config, prepare_preference_data, run.cache_dir, log)
-    tokenizer = data.tokenizer
+    # A vision-language model's pairs carry images (its processor in data.processor), else text.
+    data = prepare_then_join(accelerator, config, prepare_preference_or_vision_data, run.cache_dir, log)
+    tokenizer, vision = data.tokenizer, data.processor is not None
     pair = data.train[0]
     log.info(
         "One training pair, loss-bearing text in [[...]]:\nchosen:   %s\nrejected: %s",
@@ -124,22 +169,14 @@ def main(config: DPOConfig) -> dict:
     )
 
     # --- model: the policy; optionally a brief SFT warm-up; then the reference it is measured against
-    model = build_causal_lm(tokenizer, model_options(config))
+    if vision:  # the vision tower (and with freeze_projector the projector) keeps its weights
+        model = build_vision_lm(data.processor, model_options(config))
+        freeze_vision(model, config.freeze_vision_tower, config.freeze_projector)
+    else:
+        model = build_causal_lm(tokenizer, model_options(config))
     with whole_weights(model):  # under DeepSpeed ZeRO-3 the model is built partitioned: whole until prepare
         if config.sft_warmup_steps:  # on the chosen responses
-            chosen = data.train.select_columns(["chosen_input_ids", "chosen_labels"])
-            chosen = chosen.rename_columns({"chosen_input_ids": "input_ids", "chosen_labels": "labels"})
-            sft_warmup(
-                model,
-                chosen,
-                tokenizer.pad_token_id,
-                steps=config.sft_warmup_steps,
-                seed=config.seed,
-                batch_size=config.per_device_train_batch_size,
-                device=accelerator.device,
-                log=log,
-                pad_to_multiple_of=config.pad_to_multiple_of,
-            )
+            warm_up(config, model, data, accelerator, log)
         attn, dtype = compat.attn_implementation(model.config), model.dtype
         reference = None  # with LoRA: the policy with its adapters off
         use_reference = config.loss_type not in REFERENCE_FREE_LOSSES
@@ -150,7 +187,10 @@ def main(config: DPOConfig) -> dict:
         elif not config.use_peft:  # a frozen copy of the starting model
             reference = frozen_copy(model, accelerator.device)
     if config.use_peft:  # LoRA: the base stays frozen; checkpoints and the output hold only the adapters
-        model = apply_lora(model, config)
+        # A vision-language model's all-linear: the language model's linear layers (and a training projector's)
+        language_only = vision and config.lora_target_modules == "all-linear"
+        targets = lora_targets(model, projector=not config.freeze_projector) if language_only else None
+        model = apply_lora(model, config, target_modules=targets)
     log.info("Model: %s, %s", type(model).__name__, describe_parameters(model))
 
     # --- optimizer, loaders

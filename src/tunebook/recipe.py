@@ -38,7 +38,7 @@ _PARTS = {
                  "text-classification"),
     "pretrain": ("PretrainConfig", "data:prepare_text_data",
                  "continued pretraining of a causal language model on plain text", "text-generation"),
-    "dpo": ("DPOConfig", "preference:prepare_preference_data",
+    "dpo": ("DPOConfig", "preference:prepare_preference_or_vision_data",
             "Direct Preference Optimization (DPO) of a causal language model on preference pairs", "text-generation"),
     "reward": ("RewardConfig", "preference:prepare_preference_data",
                "a reward model (one-output sequence classifier) trained on preference pairs", "text-classification"),

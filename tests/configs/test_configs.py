@@ -17,7 +17,7 @@ ACCELERATE_CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
 
 
 def test_all_configs_are_found():
-    assert len(RECIPE_CONFIGS) >= 11
+    assert len(RECIPE_CONFIGS) >= 12
     assert {p.name for p in ACCELERATE_CONFIGS} >= {
         "cpu.yaml",
         "multi_cpu.yaml",

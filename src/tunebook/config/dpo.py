@@ -8,6 +8,7 @@ from typing import Literal
 from .checks import (
     MODEL_DATA_CHECKS,
     TRAINING_CHECKS,
+    check_data_files,
     check_label_smoothing,
     check_reference_to_precompute,
     check_rpo_alpha,
@@ -15,13 +16,15 @@ from .checks import (
 )
 from .fields import config_field, new_default
 from .shared import CausalLMConfig, ChatModelConfig, fill_cache_dir, fill_tiny_model
+from .vision import VisionConfig, check_image_dir, check_vision_keys
 
 __all__ = ["DPOConfig"]
 
 
 @dataclass
-class DPOConfig(CausalLMConfig, ChatModelConfig):
-    """Direct Preference Optimization of a causal LM on (prompt, chosen, rejected) pairs.
+class DPOConfig(CausalLMConfig, VisionConfig, ChatModelConfig):
+    """Direct Preference Optimization of a causal LM on (prompt, chosen, rejected) pairs; a vision-language model's
+    pairs carry images (the `VisionConfig` keys; recipes/configs/dpo/vlm_default.yaml).
 
     The defaults are the embedded offline run: generated preference pairs over the SFT default's digit task (the
     correct answer chosen, a plausible wrong one rejected), a locally trained tokenizer and a tiny Llama that a
@@ -116,5 +119,10 @@ class DPOConfig(CausalLMConfig, ChatModelConfig):
             check_rpo_alpha,
             check_reference_to_precompute,
             check_sample_prompts,
+            check_vision_keys,
         ):
             check(self)
+
+    def check_files(self) -> None:
+        check_data_files(self)
+        check_image_dir(self)

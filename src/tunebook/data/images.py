@@ -220,15 +220,16 @@ def _image_values(messages: list[dict], listed: list, column: str | None, fmt: s
 
 def to_image_conversations(
     batch: dict[str, list[Any]], indices: list[int] | None = None, *, data_format: str, where: str,
-    base_dir: str | Path | None = None,
+    base_dir: str | Path | None = None, parse=parse_image_row,
 ) -> dict[str, list[Any]]:  # fmt: skip
     """Batched `datasets.map` function: rows of any supported shape -> {"conversation": [JSON], "images": [[ref]]}
-    (`IMAGE_FEATURES`). With `with_indices=True` errors name the row, counted from 1 (a JSONL file's line)."""
+    (`IMAGE_FEATURES`). With `with_indices=True` errors name the row, counted from 1 (a JSONL file's line).
+    `parse` reads one row into its normal form (`parse_image_row`; preference pairs: `parse_image_pair`)."""
     n = len(next(iter(batch.values()))) if batch else 0
     conversations, images = [], []
     for i in range(n):
         where_row = where if indices is None else f"{where}, row {indices[i] + 1}"
-        parsed = parse_image_row(
+        parsed = parse(
             {k: v[i] for k, v in batch.items()}, where=where_row, data_format=data_format, base_dir=base_dir
         )
         images.append(parsed.pop("images"))
@@ -238,15 +239,16 @@ def to_image_conversations(
 
 def read_image_source(
     source: DataSource, cache_dir: str | Path, seed: int, *, data_format: str = "auto",
-    image_dir: str | Path | None = None, num_proc: int | None = None,
+    image_dir: str | Path | None = None, num_proc: int | None = None, parse=None,
 ) -> datasets.Dataset:  # fmt: skip
-    """One source's rows in the normal form (`IMAGE_FEATURES`), read through `load_source` (weights, renames).
+    """One source's rows in the normal form (`IMAGE_FEATURES`), read through `load_source` (weights, renames);
+    `parse` reads a row of another task's shape (preference pairs), whose columns are its own to check.
 
     Relative image paths resolve against `image_dir`, else the data file's folder (a folder source: that folder).
     Images a data set holds as `datasets.Image` stay undecoded: their bytes are copied, never decoded here.
     """
     raw = load_source(source, cache_dir, seed)
-    fmt, _ = detect_image_format(raw.column_names, data_format, source.where)
+    fmt = detect_image_format(raw.column_names, data_format, source.where)[0] if parse is None else data_format
     if image_dir is None and source.is_local:
         path = Path(source.path).expanduser().absolute()
         image_dir = path.parent if path.is_file() else path
@@ -261,6 +263,7 @@ def read_image_source(
                 "data_format": fmt,
                 "where": source.where,
                 "base_dir": image_dir,
+                "parse": parse or parse_image_row,
             },
             remove_columns=raw.column_names,
             features=IMAGE_FEATURES,

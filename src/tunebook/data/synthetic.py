@@ -199,3 +199,36 @@ def _write_disjoint(directory: Path, num_train: int, num_eval: int, seed: int, m
         tmp.write_text("".join(json.dumps(r) + "\n" for r in part))
         tmp.replace(path)
     return train_path, eval_path
+
+
+def write_synthetic_image_preferences(directory: str | Path, num_train: int, num_eval: int,
+                                      seed: int) -> tuple[Path, Path]:  # fmt: skip
+    """The shapes task's own pictures as preference pairs (DPO with images): `pairs-train.jsonl`/`pairs-eval.jsonl`
+    beside the task's files (`write_synthetic_image_task`, same arguments, so the same pictures), in TRL's vision
+    DPO format; return the two paths.
+
+    A row: `{"prompt": [the user turn, image part first], "chosen": [{"role": "assistant", "content": [...
+    "red"]}], "rejected": [... a wrong colour], "images": ["images/<hash>.png"]}`. The wrong colour is drawn from
+    the picture's name, so pairs of a picture are the same whatever else changes.
+    """
+    paths = write_synthetic_image_task(directory, num_train, num_eval, seed)
+    out = []
+    for path in paths:
+        target = path.with_name(f"pairs-{path.name}")
+        out.append(target)
+        if target.is_file():
+            continue
+        rows = []
+        for line in path.read_text().splitlines():
+            example = json.loads(line)
+            user, answer = example["messages"]
+            colour = answer["content"][0]["text"]
+            rng = random.Random(example["images"][0])
+            wrong = rng.choice([c for c in SHAPE_COLOURS if c != colour])
+            rows.append({"prompt": [user], "chosen": [answer],
+                         "rejected": [{"role": "assistant", "content": [{"type": "text", "text": wrong}]}],
+                         "images": example["images"]})  # fmt: skip
+        tmp = target.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.replace(target)
+    return out[0], out[1]

@@ -14,10 +14,18 @@ import torch
 
 from .. import compat
 from ..errors import DataError
-from .collate import PadCollator, PromptCollator
+from .collate import PadCollator, PairCollator, PromptCollator
 from .image_files import DEFAULT_MAX_IMAGE_PIXELS, open_images
 
-__all__ = ["VISION_COLUMNS", "VisionCollator", "VisionPromptCollator", "decoded_image_inputs", "vision_columns"]
+__all__ = [
+    "VISION_COLUMNS",
+    "VisionCollator",
+    "VisionPairCollator",
+    "VisionPromptCollator",
+    "decoded_image_inputs",
+    "image_inputs_of",
+    "vision_columns",
+]
 
 _DTYPES = {"float32": torch.float32, "int64": torch.int64}  # of cache_pixel_values' entries (data/pixel_cache.py)
 VISION_COLUMNS = ["input_ids", "labels", "images", "where"]
@@ -42,6 +50,25 @@ class VisionCollator:
         return batch
 
 
+class VisionPairCollator:
+    """`PairCollator`'s batch of B pairs (2B rows, the chosen first) and the images' inputs: each pair's images are
+    opened once and given to both of its rows, so the model gets them for the chosen rows, then again for the
+    rejected rows, in the order their placeholders appear in the batch."""
+
+    def __init__(self, processor, pad_to_multiple_of: int | None = None,
+                 max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):  # fmt: skip
+        self.processor, self.max_image_pixels = processor, max_image_pixels
+        self.pairs = PairCollator(processor.tokenizer.pad_token_id, pad_to_multiple_of)
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        batch = self.pairs(features)
+        images = [open_images(f["images"], f["where"], self.max_image_pixels) for f in features]
+        # The image processor runs on both halves' images (not its outputs copied): each family lays its
+        # pixel_values out its own way (Qwen-VL: flattened patches of every image; LLaVA: one tensor an image).
+        batch.update(image_inputs_of(self.processor, images + images, features + features, batch["input_ids"]))
+        return batch
+
+
 class VisionPromptCollator:
     """`PromptCollator`'s left-padded prompts and reference answers, and the images of each prompt's inputs."""
 
@@ -62,14 +89,25 @@ def decoded_image_inputs(
     row of `input_ids` (or, with `cache_pixel_values`, the outputs cached and checked at preparation); and
     `mm_token_type_ids` where the processor's model takes them."""
     if "pixel_inputs" in features[0]:
-        out = cached_image_inputs(features)
-    else:
-        images = [open_images(f["images"], f.get("where", f"row {i + 1}"), max_pixels) for i, f in enumerate(features)]
-        flat = [image for row in images for image in row]
-        out = {}
-        if flat:
-            out = dict(processor.image_processor(images=flat, return_tensors="pt"))
-            _check_image_tokens(processor, input_ids, images, out, features)
+        return _with_mm_types(processor, cached_image_inputs(features), input_ids, mm_types)
+    images = [open_images(f["images"], f.get("where", f"row {i + 1}"), max_pixels) for i, f in enumerate(features)]
+    return image_inputs_of(processor, images, features, input_ids, mm_types)
+
+
+def image_inputs_of(
+    processor, images: list[list], features: list[dict[str, Any]], input_ids: torch.Tensor, mm_types: bool = True
+) -> dict:
+    """`decoded_image_inputs` of images already opened: `images[i]` are row i's (`features[i]` names it in errors)."""
+    flat = [image for row in images for image in row]
+    out: dict[str, Any] = {}
+    if flat:
+        out = dict(processor.image_processor(images=flat, return_tensors="pt"))
+        _check_image_tokens(processor, input_ids, images, out, features)
+    return _with_mm_types(processor, out, input_ids, mm_types)
+
+
+def _with_mm_types(processor, out: dict, input_ids: torch.Tensor, mm_types: bool) -> dict:
+    """`out` and the `mm_token_type_ids` of `input_ids` where the processor's model takes them (Qwen-VL)."""
     if mm_types and "mm_token_type_ids" in processor.model_input_names:
         types = processor.create_mm_token_type_ids(input_ids.tolist())
         out["mm_token_type_ids"] = torch.tensor(types, dtype=torch.long)

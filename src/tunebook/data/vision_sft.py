@@ -41,6 +41,7 @@ __all__ = [
     "prepare_vision_sft_data",
     "set_resize_bounds",
     "uses_images",
+    "vision_processor",
 ]
 
 VISION_VERSION = "1"  # bump when vision tokenisation or masking changes what it produces
@@ -141,6 +142,27 @@ def set_resize_bounds(processor, min_pixels: int | None, max_pixels: int | None)
     images.size = size
 
 
+def vision_processor(pipeline: Pipeline, texts, max_tokens: int | None = None):
+    """The processor of a pipeline's vision-language model (`pipeline.config`): loaded with model_name_or_path, or
+    for a fresh model the family's, around a tokenizer trained on `texts()` (or named) as the text path's is
+    (`max_tokens`: the longest text to train on, max_seq_length unless given); resize bounds and chat template set."""
+    config = pipeline.config
+    if config.model_name_or_path:
+        processor = load_processor(config.model_name_or_path, config.trust_remote_code, config.model_revision)
+    else:  # a fresh model: a tokenizer trained (or named) as the text path's, the family's image processor
+        key = fingerprint_sources(pipeline.train_sources)
+        tokenizer = pipeline.trained_tokenizer(key, texts, max_tokens or config.max_seq_length)
+        bounds = {"max_image_pixels": config.max_pixels} if config.max_pixels else {}
+        processor = tiny_processor(config.model_config, tokenizer, **bounds)
+    set_resize_bounds(processor, config.min_pixels, config.max_pixels)
+    tokenizer = processor.tokenizer
+    if isinstance(processor.chat_template, str):  # the processor's template renders image parts
+        tokenizer.chat_template = processor.chat_template
+    setup_chat_template(tokenizer, config.chat_template, config.trust_remote_code, pipeline.log)  # eos: end of turn
+    processor.chat_template = tokenizer.chat_template
+    return processor
+
+
 class VisionSFTPipeline(Pipeline):
     """SFT's steps for rows with images: the processor, images checked, tokenised with blank images, held out."""
 
@@ -158,22 +180,8 @@ class VisionSFTPipeline(Pipeline):
         return super().prepare()
 
     def make_tokenizer(self):
-        config = self.config
-        if config.model_name_or_path:
-            processor = load_processor(config.model_name_or_path, config.trust_remote_code, config.model_revision)
-        else:  # a fresh model: a tokenizer trained (or named) as the text path's, the family's image processor
-            texts = lambda: _texts(self._read(self.train_sources))  # noqa: E731
-            tokenizer = self.trained_tokenizer(fingerprint_sources(self.train_sources), texts, config.max_seq_length)
-            bounds = {"max_image_pixels": config.max_pixels} if config.max_pixels else {}
-            processor = tiny_processor(config.model_config, tokenizer, **bounds)
-        set_resize_bounds(processor, config.min_pixels, config.max_pixels)
-        tokenizer = processor.tokenizer
-        if isinstance(processor.chat_template, str):  # the processor's template renders image parts
-            tokenizer.chat_template = processor.chat_template
-        setup_chat_template(tokenizer, config.chat_template, config.trust_remote_code, self.log)  # eos: end of turn
-        processor.chat_template = tokenizer.chat_template
-        self.processor = processor
-        return tokenizer
+        self.processor = vision_processor(self, lambda: _texts(self._read(self.train_sources)))
+        return self.processor.tokenizer
 
     def _read(self, sources: list[DataSource]) -> datasets.Dataset:
         config = self.config

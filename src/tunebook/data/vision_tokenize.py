@@ -30,6 +30,7 @@ __all__ = [
     "processor_fingerprint",
     "tokenize_image_conversation",
     "tokenize_image_conversations",
+    "tokenize_image_prompt_and_responses",
 ]
 
 
@@ -120,6 +121,35 @@ def tokenize_image_conversation(
 def _prefix_ids(processor, messages: list[dict], sizes: list, tools, generation_prompt: bool) -> list[int]:
     text = _render(processor, messages, tools, generation_prompt)
     return _ids(processor, text, sizes[: _count_images(messages)])
+
+
+def tokenize_image_prompt_and_responses(
+    processor, prompt: list[dict], responses: list[list[dict]], sizes: list, tools: list | None = None
+) -> tuple[list[int], list[list[int]]]:
+    """(the prompt's ids, each response's ids) of a preference pair whose images (of `sizes`) are in the prompt: the
+    prompt rendered with the generation prompt, and each response the rest of the tokens of the whole conversation.
+
+    The text path's split (`tunebook.preference.data.prompt_and_response_texts`) made on tokens: the prompt's tokens
+    must be a prefix of every whole conversation's, so the chosen and rejected sequences share the prompt's tokens,
+    its image tokens included, exactly. A template that renders the prompt differently once a response follows is a
+    DataError.
+    """
+    prompt_text = _render(processor, prompt, tools, generation_prompt=True)
+    prompt_ids = _ids(processor, prompt_text, sizes)
+    rests = []
+    for response in responses:
+        text = _render(processor, prompt + response, tools)
+        check_messages_rendered(text, [v for v in _text_views(prompt + response) if v["role"] != "assistant"], tools)
+        ids = _ids(processor, text, sizes)
+        if ids[: len(prompt_ids)] != prompt_ids:
+            decode = processor.tokenizer.decode
+            raise DataError(unstable_turn(len(prompt), decode(prompt_ids), text, "as the prompt", "with a response"))
+        rest = ids[len(prompt_ids) :]
+        for message in (m for m in response if m["role"] == "assistant"):
+            answer = "".join(v["content"] for v in _text_views([message]))
+            check_turn_rendered(processor.tokenizer.decode(rest), {**message, "content": answer})
+        rests.append(rest)
+    return prompt_ids, rests
 
 
 def tokenize_image_conversations(

@@ -24,6 +24,7 @@ from .losses import (
 from .reference import frozen_copy, partition_reference
 from .reward import REWARD_FIGURES, RewardModel, bradley_terry_loss, load_reward_model, pair_rewards
 from .reward_evaluation import evaluate_reward_model
+from .vision_data import prepare_preference_or_vision_data, prepare_vision_preference_data
 
 __all__ = [
     "LOSS_TYPES",
@@ -44,6 +45,8 @@ __all__ = [
     "precompute_reference_log_probs",
     "preference_loss",
     "prepare_preference_data",
+    "prepare_preference_or_vision_data",
+    "prepare_vision_preference_data",
     "prompt_and_response",
     "prompt_and_response_ids",
     "response_lengths",

@@ -44,6 +44,7 @@ __all__ = [
     "PreferenceData",
     "PreferencePipeline",
     "encode_texts",
+    "held_out_pairs",
     "prepare_preference_data",
     "prompt_and_response",
     "prompt_and_response_ids",
@@ -98,15 +99,20 @@ class PreferencePipeline(Pipeline):
         return Tokenised(dataset, key, dict(stats))
 
     def split(self, train: Tokenised) -> tuple[Tokenised, Tokenised]:
-        ratio, seed = self.config.eval_split_ratio, self.config.seed
-        parts = train.dataset.train_test_split(test_size=ratio, seed=seed)
-        return (Tokenised(parts["train"], f"{train.key}-rest{ratio}-{seed}", train.stats),
-                Tokenised(parts["test"], f"{train.key}-split{ratio}-{seed}", {}))  # fmt: skip
+        return held_out_pairs(train, self.config.eval_split_ratio, self.config.seed)
 
     def finish(self, train: Tokenised, evaluation: Tokenised | None) -> PreferenceData:
         keys = {"train": train.key, **({"eval": evaluation.key} if evaluation else {})}
         return PreferenceData(tokenizer=self.tokenizer, train=train.dataset, eval=evaluation and evaluation.dataset,
                               keys=keys, stats={**train.stats, **self.notes})  # fmt: skip
+
+
+def held_out_pairs(train: Tokenised, ratio: float, seed: int) -> tuple[Tokenised, Tokenised]:
+    """(train, eval): a seeded share `ratio` of the pairs held out; the keys name the split, so reference
+    log-probabilities cached under them belong to these very pairs."""
+    parts = train.dataset.train_test_split(test_size=ratio, seed=seed)
+    return (Tokenised(parts["train"], f"{train.key}-rest{ratio}-{seed}", train.stats),
+            Tokenised(parts["test"], f"{train.key}-split{ratio}-{seed}", {}))  # fmt: skip
 
 
 def _texts(sources: list[DataSource], cache_dir: Path, seed: int):
@@ -152,15 +158,18 @@ def _build(sources: list[DataSource], tokenizer, config, cache_dir: Path, scratc
     return dataset.remove_columns(["keep", "truncated"]), stats
 
 
-def preference_pair(row: dict[str, Any], where: str) -> tuple[list[dict], list[dict], list[dict], list | None]:
-    """(prompt, chosen response, rejected response, tools) of one row, as message lists (module docstring)."""
+def preference_pair(
+    row: dict[str, Any], where: str, image_parts: bool = False
+) -> tuple[list[dict], list[dict], list[dict], list | None]:
+    """(prompt, chosen response, rejected response, tools) of one row, as message lists (module docstring); with
+    `image_parts` (pairs with images, `tunebook.preference.vision_data`) contents stay lists of parts."""
     chosen, rejected = row.get("chosen"), row.get("rejected")
     for side, response in (("chosen", chosen), ("rejected", rejected)):
         if response is None:  # a row without the key: datasets fills the column in with null
             raise DataError(f"{where}: no '{side}' response (the row has no '{side}' column, or it is null)")
     if row.get("prompt") is not None:
-        prompt = as_messages(row["prompt"], "user", where, "prompt")
-        chosen, rejected = (_response(row[side], prompt, side, where) for side in ("chosen", "rejected"))
+        prompt = as_messages(row["prompt"], "user", where, "prompt", image_parts=image_parts)
+        chosen, rejected = (_response(row[side], prompt, side, where, image_parts) for side in ("chosen", "rejected"))
     else:
         if isinstance(chosen, str) or isinstance(rejected, str):
             raise DataError(
@@ -168,7 +177,8 @@ def preference_pair(row: dict[str, Any], where: str) -> tuple[list[dict], list[d
                 "transcript: give chosen and rejected as message lists (their shared first turns become the "
                 "prompt), or add a prompt column"
             )
-        chosen, rejected = normalise_messages(chosen, where), normalise_messages(rejected, where)
+        chosen = normalise_messages(chosen, where, image_parts=image_parts)
+        rejected = normalise_messages(rejected, where, image_parts=image_parts)
         shared = 0
         while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
             shared += 1
@@ -191,10 +201,10 @@ def prompt_and_response(prompt: Any, response: Any, where: str) -> tuple[list[di
     return prompt, _response(response, prompt, "response", where)
 
 
-def _response(value: Any, prompt: list[dict], side: str, where: str) -> list[dict]:
+def _response(value: Any, prompt: list[dict], side: str, where: str, image_parts: bool = False) -> list[dict]:
     if isinstance(value, str):
-        return [{"role": "assistant", "content": value}]
-    messages = normalise_messages(value, where)
+        return [{"role": "assistant", "content": [{"type": "text", "text": value}] if image_parts else value}]
+    messages = normalise_messages(value, where, image_parts=image_parts)
     if messages[: len(prompt)] == prompt and len(messages) > len(prompt):
         return messages[len(prompt) :]  # a whole conversation that repeats the prompt
     if messages[0]["role"] != "assistant":
