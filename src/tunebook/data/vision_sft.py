@@ -84,7 +84,8 @@ def uses_images(config, log: logging.Logger | None = None) -> bool:
             name = config.model_name_or_path or f"model_config ({_model_type(config.model_config)})"
             raise ConfigError(f"train_data {path} has images (column {column!r}), and {name} is not a "
                               "vision-language model (AutoModelForImageTextToText): set model_name_or_path to one, "
-                              "or model_config as recipes/configs/sft/vlm_default.yaml does")  # fmt: skip
+                              "or model_config to a qwen2_vl, qwen2_5_vl or llava config, or neither (a tiny "
+                              "Qwen2-VL)")  # fmt: skip
     return False
 
 

@@ -199,8 +199,12 @@ def test_the_shapes_pairs_are_the_shapes_tasks_pictures_with_a_wrong_colour_reje
 def test_image_pairs_with_a_text_model_are_one_config_line(folder):
     path = folder / "pairs.jsonl"
     path.write_text(json.dumps(FORMS["messages"]) + "\n")
-    config = DPOConfig(train_data=str(path))  # the tiny Llama default: a text model
+    text_model = {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 1}  # named: a text model
+    config = DPOConfig(train_data=str(path), model_config=text_model)
     with pytest.raises(ConfigError) as error:
         prepare_preference_or_vision_data(config, folder / "cache", logging.getLogger("test"))
     line = str(error.value)
     assert "\n" not in line and "pairs.jsonl has images (column 'images')" in line and "not a vision-language" in line
+    no_model = DPOConfig(train_data=str(path))  # no model named: the tiny default becomes a Qwen2-VL
+    data = prepare_preference_or_vision_data(no_model, folder / "cache", logging.getLogger("test"))
+    assert no_model.model_config["model_type"] == "qwen2_vl" and data.processor is not None
