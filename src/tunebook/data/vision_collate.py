@@ -46,10 +46,17 @@ class VisionPromptCollator:
         return batch
 
 
-def decoded_image_inputs(processor, features: list[dict[str, Any]], input_ids: torch.Tensor, max_pixels: int) -> dict:
+def decoded_image_inputs(processor, features: list[dict[str, Any]], input_ids: torch.Tensor, max_pixels: int,
+                         repeat: int = 1) -> dict:  # fmt: skip
     """The image processor's outputs for the rows' images, in row order, checked against the image tokens of each
-    row of `input_ids`; and `mm_token_type_ids` where the processor's model takes them."""
+    row of `input_ids`; and `mm_token_type_ids` where the processor's model takes them. With `repeat`, each row
+    stands for `repeat` consecutive rows that share its images (GRPO's completions of one prompt): every image is
+    decoded once, and the outputs (and `mm_token_type_ids`) are those of the repeated rows."""
     images = [open_images(f["images"], f.get("where", f"row {i + 1}"), max_pixels) for i, f in enumerate(features)]
+    if repeat > 1:
+        images = [row for row in images for _ in range(repeat)]
+        features = [f for f in features for _ in range(repeat)]
+        input_ids = input_ids.repeat_interleave(repeat, dim=0)
     flat = [image for row in images for image in row]
     out: dict[str, Any] = {}
     if flat:

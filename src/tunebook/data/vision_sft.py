@@ -19,6 +19,7 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+from transformers import ProcessorMixin
 
 from ..errors import ConfigError, DataError
 from ..locations import PACKAGE_PREFIX, package_model
@@ -35,6 +36,7 @@ from .vision_tokenize import images_fingerprint, processor_fingerprint, tokenize
 
 __all__ = [
     "VISION_FEATURES",
+    "config_processor",
     "prepare_sft_or_vision_data",
     "prepare_vision_sft_data",
     "set_resize_bounds",
@@ -73,7 +75,7 @@ def uses_images(config) -> bool:
             name = config.model_name_or_path or f"model_config ({_model_type(config.model_config)})"
             raise ConfigError(f"train_data {path} has images (column {column!r}), and {name} is not a "
                               "vision-language model (AutoModelForImageTextToText): set model_name_or_path to one, "
-                              "or model_config as recipes/configs/sft/vlm_default.yaml does")  # fmt: skip
+                              "or model_config as the recipes' vlm_default.yaml configs do")  # fmt: skip
     return False
 
 
@@ -131,6 +133,28 @@ def set_resize_bounds(processor, min_pixels: int | None, max_pixels: int | None)
     images.size = size
 
 
+def config_processor(pipeline: Pipeline, texts) -> ProcessorMixin:
+    """The run's processor: `model_name_or_path`'s, or for a fresh model (`model_config`) a tokenizer trained on
+    `texts()` (or named) as the text path's with the family's image processor; its resize bounds set and its chat
+    template set up as a text model's (eos: end of turn). `pipeline` is the task's `Pipeline` (its config, cache, log)."""
+    config = pipeline.config
+    if config.model_name_or_path:
+        processor = load_processor(config.model_name_or_path, config.trust_remote_code, config.model_revision)
+    else:  # a fresh model: a tokenizer trained (or named) as the text path's, the family's image processor
+        tokenizer = pipeline.trained_tokenizer(
+            fingerprint_sources(pipeline.train_sources), texts, config.max_seq_length
+        )
+        bounds = {"max_image_pixels": config.max_pixels} if config.max_pixels else {}
+        processor = tiny_processor(config.model_config, tokenizer, **bounds)
+    set_resize_bounds(processor, config.min_pixels, config.max_pixels)
+    tokenizer = processor.tokenizer
+    if isinstance(processor.chat_template, str):  # the processor's template renders image parts
+        tokenizer.chat_template = processor.chat_template
+    setup_chat_template(tokenizer, config.chat_template, config.trust_remote_code, pipeline.log)  # eos: end of turn
+    processor.chat_template = tokenizer.chat_template
+    return processor
+
+
 class VisionSFTPipeline(Pipeline):
     """SFT's steps for rows with images: the processor, images checked, tokenised with blank images, held out."""
 
@@ -148,22 +172,8 @@ class VisionSFTPipeline(Pipeline):
         return super().prepare()
 
     def make_tokenizer(self):
-        config = self.config
-        if config.model_name_or_path:
-            processor = load_processor(config.model_name_or_path, config.trust_remote_code, config.model_revision)
-        else:  # a fresh model: a tokenizer trained (or named) as the text path's, the family's image processor
-            texts = lambda: _texts(self._read(self.train_sources))  # noqa: E731
-            tokenizer = self.trained_tokenizer(fingerprint_sources(self.train_sources), texts, config.max_seq_length)
-            bounds = {"max_image_pixels": config.max_pixels} if config.max_pixels else {}
-            processor = tiny_processor(config.model_config, tokenizer, **bounds)
-        set_resize_bounds(processor, config.min_pixels, config.max_pixels)
-        tokenizer = processor.tokenizer
-        if isinstance(processor.chat_template, str):  # the processor's template renders image parts
-            tokenizer.chat_template = processor.chat_template
-        setup_chat_template(tokenizer, config.chat_template, config.trust_remote_code, self.log)  # eos: end of turn
-        processor.chat_template = tokenizer.chat_template
-        self.processor = processor
-        return tokenizer
+        self.processor = config_processor(self, lambda: _texts(self._read(self.train_sources)))
+        return self.processor.tokenizer
 
     def _read(self, sources: list[DataSource]) -> datasets.Dataset:
         config = self.config
