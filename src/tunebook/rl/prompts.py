@@ -24,7 +24,6 @@ from ..data.pipeline import Pipeline, PreparedData, Tokenised
 from ..data.sources import DataSource, fingerprint_sources, load_source
 from ..data.synthetic import _write_disjoint, make_example
 from ..data.tokenize import cut_overlong, longest_token_chars, render_chat, tokenize_conversations
-from ..data.vision_sft import uses_images
 from ..errors import DataError
 from ..models.tokenizer import setup_chat_template
 
@@ -33,7 +32,7 @@ __all__ = [
     "PromptPipeline",
     "PromptRows",
     "load_prompts",
-    "prepare_prompt_data",
+    "prepare_text_prompt_data",
     "reference_examples",
     "reward_inputs",
     "write_synthetic_prompts",
@@ -49,13 +48,9 @@ class PromptData(PreparedData):
     source's columns."""
 
 
-def prepare_prompt_data(config, cache_dir: Path, log: logging.Logger) -> PromptData:
+def prepare_text_prompt_data(config, cache_dir: Path, log: logging.Logger) -> PromptData:
     """Sources -> tokenizer -> tokenised train and eval prompts, each from the cache when unchanged (`GRPOConfig`).
-    A vision-language model's prompts carry images (`tunebook.rl.vision_prompts`; `data.processor` set)."""
-    if uses_images(config):
-        from .vision_prompts import VisionPromptPipeline  # it builds on this module's pipeline
-
-        return VisionPromptPipeline(config, cache_dir, log).prepare()
+    What a text model's run prepares (`tunebook.rl.prepare_prompt_data` chooses)."""
     return PromptPipeline(config, cache_dir, log).prepare()
 
 

@@ -34,7 +34,7 @@ from ..data.sources import DataSource, fingerprint_sources
 from ..data.synthetic import write_synthetic_image_task
 from ..data.tokenize import IGNORE_INDEX
 from ..data.vision_collate import decoded_image_inputs
-from ..data.vision_sft import config_processor
+from ..data.vision_sft import config_processor, uses_images
 from ..data.vision_tokenize import (
     image_token_ids,
     images_fingerprint,
@@ -43,12 +43,13 @@ from ..data.vision_tokenize import (
     tokenize_image_prompt,
 )
 from ..errors import DataError
-from .prompts import PromptData, PromptPipeline, PromptRows, load_prompts
+from .prompts import PromptData, PromptPipeline, PromptRows, load_prompts, prepare_text_prompt_data
 
 __all__ = [
     "PromptImages",
     "VisionPromptPipeline",
     "VisionPromptRows",
+    "prepare_prompt_data",
     "prompt_images",
     "vision_reference_examples",
     "write_synthetic_image_prompts",
@@ -59,6 +60,14 @@ VISION_PROMPTS_VERSION = "1"  # bump when what the preparation produces changes
 # `where`), the image references (plain structs: see `vision_sft.VISION_FEATURES`), their sizes, the row's name.
 OWN_COLUMNS = ("conversation", "images", "image_sizes", "where")
 _REFERENCES = datasets.List({"bytes": datasets.Value("binary"), "path": datasets.Value("string")})
+
+
+def prepare_prompt_data(config, cache_dir: Path, log) -> PromptData:
+    """What recipes/grpo.py and `tunebook prepare --recipe grpo` prepare: a vision-language model's prompts with their
+    images (`data.processor` set), else text prompts (`prepare_text_prompt_data`)."""
+    if uses_images(config):
+        return VisionPromptPipeline(config, cache_dir, log).prepare()
+    return prepare_text_prompt_data(config, cache_dir, log)
 
 
 class VisionPromptPipeline(PromptPipeline):
