@@ -100,6 +100,12 @@ def test_a_prompt_whose_image_is_missing_is_one_line_naming_file_row_and_image(t
     path.write_text("\n".join(rows) + "\n")
     with pytest.raises(DataError, match=r"prompts\.jsonl, row 2, image 1 \(.*pics/gone\.png\): not found$"):
         prepare_prompt_data(_config(tmp_path, path), tmp_path / "cache", logging.getLogger("test"))
+    # on_bad_image: skip drops the row and counts it
+    data = prepare_prompt_data(
+        _config(tmp_path, path, on_bad_image="skip"), tmp_path / "cache", logging.getLogger("t")
+    )
+    assert len(data.train) == 2 and data.stats["skipped_bad_image"] == 1
+    assert all("row 2" not in w for w in data.train["where"])
 
 
 @pytest.fixture(scope="module")
