@@ -3,7 +3,10 @@
 With no arguments it runs the embedded offline default: the SFT default's digit task as prompts with reference
 answers, a locally trained tokenizer and a tiny Llama that a short SFT warm-up first teaches the answer format;
 then GRPO samples 8 completions per prompt, rewards exact matches, and reports the held-out exact match of greedy
-answers when GRPO starts and at the end.
+answers when GRPO starts and at the end. A vision-language model (`AutoModelForImageTextToText`) takes prompts with
+images the same way (recipes/configs/grpo/vlm_default.yaml: "What colour is the square?" on generated pictures, a
+tiny Qwen2-VL): its processor tokenises, the loader's workers decode the images, and a prompt's completions are
+generated and scored with its images (the rewards get their paths as `images`).
 
     tunebook train --config_file accelerate_configs/cpu.yaml grpo                                # CPU
     tunebook train --config_file accelerate_configs/multi_cpu.yaml grpo                          # 2 CPU processes
@@ -26,10 +29,20 @@ import time
 import torch
 
 from tunebook.config import GRPOConfig, load_config
-from tunebook.data import train_and_eval_loaders
+from tunebook.data import VisionCollator, train_and_eval_loaders
 from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import log_samples, prompt_sampler
-from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options, unwrap, whole_weights
+from tunebook.models import (
+    apply_lora,
+    build_causal_lm,
+    build_vision_lm,
+    describe_parameters,
+    freeze_vision,
+    lora_targets,
+    model_options,
+    unwrap,
+    whole_weights,
+)
 from tunebook.preference import frozen_copy, partition_reference
 from tunebook.rl import PromptData, PromptRows, prepare_prompt_data, reference_examples, reward_inputs
 from tunebook.rl.evaluation import evaluate_completions
@@ -48,6 +61,7 @@ from tunebook.rl.grpo import (
     stop_tokens,
 )
 from tunebook.rl.rewards import combined, describe, load_reward_functions, score
+from tunebook.rl.vision_prompts import VisionPromptRows, prompt_images, vision_reference_examples
 from tunebook.training import (
     accumulation_windows,
     after_step,
@@ -68,14 +82,15 @@ from tunebook.training import (
 )
 
 
-def generate_rollouts(config: GRPOConfig, run, state, model, reference, window, rewards, figures, tokenizer) -> list:
+def generate_rollouts(config: GRPOConfig, run, state, model, reference, window, rewards, figures, data) -> list:
     """Completions of the window's prompts, their rewards and advantages, and the log-probs the loss compares to."""
-    accelerator, G = run.accelerator, config.num_generations
+    accelerator, G, tokenizer = run.accelerator, config.num_generations, data.tokenizer
     policy = unwrap(model)
     parts = []
     for batch in window:
         start = time.perf_counter()
         prompt_ids = [p for p in batch["prompt_ids"] for _ in range(G)]  # a group's completions stay together
+        images = prompt_images(batch, data.processor)  # a VLM's: each prompt's images, once per completion
         seeds = [
             completion_seed(config.seed, state.global_step, int(row), g) for row in batch["row"] for g in range(G)
         ]
@@ -89,20 +104,21 @@ def generate_rollouts(config: GRPOConfig, run, state, model, reference, window, 
             temperature=config.temperature,
             top_p=config.top_p,
             device=accelerator.device,
+            images=images,
         )
         texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
         prompts, columns = reward_inputs(batch, completions, G)
         when = f"at step {state.global_step + 1}"  # what a failing reward's error says
         per_function = score(rewards, prompts, texts, columns, accelerator.device, when)
         figures.add_rewards(per_function)
-        parts.append((prompt_ids, completions, combined(per_function, rewards), time.perf_counter() - start))
+        parts.append((prompt_ids, completions, combined(per_function, rewards), images, time.perf_counter() - start))
     # scale_rewards batch: the std over the whole generation batch, every process's completions included.
-    batch_std = accelerator.gather(torch.cat([total for _, _, total, _ in parts])).std()
+    batch_std = accelerator.gather(torch.cat([part[2] for part in parts])).std()
     rollouts = []
-    for prompt_ids, completions, total, seconds in parts:
+    for prompt_ids, completions, total, images, seconds in parts:
         advantages, zero_std = group_advantages(total, G, config.scale_rewards, batch_std)
         rows = rollout_rows(prompt_ids, completions, tokenizer.pad_token_id, accelerator.device)
-        r = Rollouts(*rows, advantages, None, None)
+        r = Rollouts(*rows, advantages, None, None, images and images.inputs(rows[0]))
         with torch.no_grad():
             if config.num_iterations > 1:  # later updates compare with the policy that sampled
                 r.old_log_probs = completion_log_probs(model, r, config.temperature)[0]
@@ -137,6 +153,8 @@ def evaluate(config: GRPOConfig, model, data: PromptData, rewards, accelerator, 
         reference_column=config.reference_column,
         disable_tqdm=config.disable_tqdm,
         when=f"in the evaluation after step {step}" if step else "in the evaluation before training",
+        collate_fn=VisionPromptRows(data.processor, 1, config.max_image_pixels) if data.processor else None,
+        processor=data.processor,
     )
     log_samples(log, samples, step)
     return metrics
@@ -144,7 +162,14 @@ def evaluate(config: GRPOConfig, model, data: PromptData, rewards, accelerator, 
 
 def warm_up(config: GRPOConfig, model, data: PromptData, accelerator, log) -> None:
     """A brief SFT on the reference answers, which teaches the answer format before GRPO rewards it."""
-    examples = reference_examples(data.train, data.tokenizer, config.reference_column, config.max_seq_length)
+    collate = None
+    if data.processor is not None:  # a VLM's: the answers with their prompts' images
+        examples = vision_reference_examples(
+            data.train, data.processor, config.reference_column, config.max_seq_length
+        )
+        collate = VisionCollator(data.processor, max_image_pixels=config.max_image_pixels)
+    else:
+        examples = reference_examples(data.train, data.tokenizer, config.reference_column, config.max_seq_length)
     sft_warmup(
         model,
         examples,
@@ -156,6 +181,7 @@ def warm_up(config: GRPOConfig, model, data: PromptData, accelerator, log) -> No
         log=log,
         learning_rate=config.sft_warmup_learning_rate,  # constant: GRPO goes on from an unannealed model
         max_grad_norm=1.0,
+        collate_fn=collate,
     )
 
 
@@ -165,10 +191,14 @@ def main(config: GRPOConfig) -> dict:
 
     # --- data: prompts (and their other columns, for the rewards), prepared under a file lock, then all meet
     data = prepare_then_join(accelerator, config, prepare_prompt_data, run.cache_dir, log)
-    tokenizer = data.tokenizer
+    tokenizer, vision = data.tokenizer, data.processor is not None
 
     # --- model: the policy; optionally a brief SFT warm-up on the reference answers; the reference for the KL
-    model = build_causal_lm(tokenizer, model_options(config))
+    if vision:  # the vision tower (and with freeze_projector the projector) keeps its weights
+        model = build_vision_lm(data.processor, model_options(config))
+        freeze_vision(model, config.freeze_vision_tower, config.freeze_projector)
+    else:
+        model = build_causal_lm(tokenizer, model_options(config))
     with whole_weights(model):  # under DeepSpeed ZeRO-3 the model is built partitioned: whole until prepare
         if config.sft_warmup_steps:
             warm_up(config, model, data, accelerator, log)
@@ -176,7 +206,10 @@ def main(config: GRPOConfig) -> dict:
         if config.beta > 0 and not config.use_peft:
             reference = frozen_copy(model, accelerator.device)
     if config.use_peft:  # LoRA: the base stays frozen; checkpoints and the output hold only the adapters
-        model = apply_lora(model, config)
+        # A vision-language model's all-linear: the language model's linear layers (and a training projector's)
+        language_only = vision and config.lora_target_modules == "all-linear"
+        targets = lora_targets(model, projector=not config.freeze_projector) if language_only else None
+        model = apply_lora(model, config, target_modules=targets)
     log.info("Model: %s, %s", type(model).__name__, describe_parameters(model))
     rewards = load_reward_functions(config, accelerator.device)
     log.info(
@@ -191,7 +224,9 @@ def main(config: GRPOConfig) -> dict:
     optimizer = build_optimizer(
         model, config.learning_rate, config.weight_decay, (config.adam_beta1, config.adam_beta2), config.adam_epsilon
     )
-    train_loader, _ = train_and_eval_loaders(config, data.train, None, PromptRows())
+    # A VLM's prompts: their images decoded in the loader's workers, once for the group of completions
+    collate = VisionPromptRows(data.processor, config.num_generations, config.max_image_pixels) if vision else None
+    train_loader, _ = train_and_eval_loaders(config, data.train, None, collate or PromptRows())
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     reference = partition_reference(accelerator, reference)  # under ZeRO-3 sharded as the policy is
     plan = plan_steps(run, model, train_loader, "prompts", updates_per_window=config.num_iterations)
@@ -220,7 +255,7 @@ def main(config: GRPOConfig) -> dict:
             # Sample, score and compare within groups once; then num_iterations updates on these rollouts.
             first, rollouts = pending.take(device) or (
                 0,
-                generate_rollouts(config, run, loop.state, model, reference, window, rewards, figures, tokenizer),
+                generate_rollouts(config, run, loop.state, model, reference, window, rewards, figures, data),
             )
             # The loss is normalised over the whole step (all micro-batches and processes), per loss_type.
             normaliser, tokens = step_normaliser(rollouts, config.loss_type, config.max_new_tokens, accelerator)

@@ -24,3 +24,18 @@ def too_few(prompts, completions, **columns):
 
 def exits(prompts, completions, **columns):
     sys.exit(3)  # SystemExit passes `except Exception`: it must not end the run with this code and no word
+
+
+def picture_shows_the_answer(prompts, completions, images, answer, **columns):
+    """1 where a completion's `images` are its own prompt's: the picture holds the colour its answer names (the
+    shapes task; another prompt's picture holds it 1 time in 6)."""
+    from PIL import Image
+
+    from tunebook.data.synthetic import SHAPE_COLOURS
+
+    assert len(images) == len(completions) and all(len(paths) == 1 for paths in images)
+    shown = []
+    for paths, colour in zip(images, answer):
+        with Image.open(paths[0]) as picture:
+            shown.append(float(SHAPE_COLOURS[colour] in {c for _, c in picture.convert("RGB").getcolors(1 << 16)}))
+    return shown

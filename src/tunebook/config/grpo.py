@@ -16,17 +16,20 @@ from .checks import (
 )
 from .fields import config_field, new_default
 from .shared import CausalLMConfig, ChatModelConfig, fill_cache_dir, fill_tiny_model
+from .vision import VisionConfig, check_image_dir, check_vision_keys
 
 __all__ = ["GRPOConfig"]
 
 
 @dataclass
-class GRPOConfig(CausalLMConfig, ChatModelConfig):
+class GRPOConfig(CausalLMConfig, VisionConfig, ChatModelConfig):
     """Group Relative Policy Optimization of a causal LM on prompts, with rewards from Python functions.
 
     The defaults are the embedded offline run: the SFT default's digit task as prompts with reference answers, a
     locally trained tokenizer and a tiny Llama that a short SFT warm-up first teaches the answer format, then GRPO
-    with the exact-match reward; the held-out exact match of greedy answers is reported before and after.
+    with the exact-match reward; the held-out exact match of greedy answers is reported before and after. A
+    vision-language model (`AutoModelForImageTextToText`) takes prompts with images (the `VisionConfig` keys;
+    recipes/configs/grpo/vlm_default.yaml).
     """
 
     # --- data
@@ -113,7 +116,8 @@ class GRPOConfig(CausalLMConfig, ChatModelConfig):
     # --- rewards
     reward_functions: list[str] = config_field(
         "Reward functions: built-in names (exact_match, format_regex, length_penalty) and your own as "
-        "path/to/file.py:function, each called as f(prompts, completions, **columns) -> list of floats.",
+        "path/to/file.py:function, each called as f(prompts, completions, **columns) -> list of floats (with images, "
+        "`images`: each completion's image paths).",
         default_factory=lambda: ["exact_match"],
         section="training",
         common=True,
@@ -186,5 +190,10 @@ class GRPOConfig(CausalLMConfig, ChatModelConfig):
             check_reward_weights,
             check_reward_model,
             check_sample_prompts,
+            check_vision_keys,
         ):
             check(self)
+
+    def check_files(self) -> None:
+        super().check_files()
+        check_image_dir(self)

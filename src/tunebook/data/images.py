@@ -61,6 +61,8 @@ __all__ = [
     "CheckedImages",
     "check_images",
     "detect_image_format",
+    "image_base_dir",
+    "parse_image_prompt",
     "parse_image_row",
     "read_image_source",
     "to_image_conversations",
@@ -127,6 +129,20 @@ def parse_image_row(
     if row.get("tools") is not None:
         out["tools"] = tool_definitions(row["tools"], where)
     return out
+
+
+def parse_image_prompt(
+    prompt: Any, images: Any, *, where: str, column: str | None = "images", base_dir: str | Path | None = None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A prompt-only row (GRPO's `prompt`: text or messages, and its `images` column's value, or None) -> (messages
+    with bare image parts, image references in placeholder order), by the rules of `parse_image_row`: placeholders
+    filled in order by the column's images, inline image parts, or TRL's images-first rule for text prompts."""
+    listed = _listed(images)
+    prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    messages = as_messages(_images_first(prompt, len(listed)), "user", where, "prompt", image_parts=True)
+    values = _image_values(messages, listed, column if images is not None else None, "prompt_completion", where)
+    base = Path(base_dir) if base_dir is not None else Path.cwd()
+    return messages, [image_reference(v, base, f"{where}, image {k}") for k, v in enumerate(values, 1)]
 
 
 def _listed(value: Any) -> list[Any]:
@@ -249,9 +265,7 @@ def read_image_source(
     """
     raw = load_source(source, cache_dir, seed)
     fmt = detect_image_format(raw.column_names, data_format, source.where)[0] if parse is None else data_format
-    if image_dir is None and source.is_local:
-        path = Path(source.path).expanduser().absolute()
-        image_dir = path.parent if path.is_file() else path
+    image_dir = image_base_dir(source, image_dir)
     return (
         raw.with_format("arrow")
         .map(
@@ -272,6 +286,15 @@ def read_image_source(
         )
         .with_format(None)
     )
+
+
+def image_base_dir(source: DataSource, image_dir: str | Path | None) -> str | Path | None:
+    """Where a source's relative image paths resolve: `image_dir`, else the data file's folder (a folder source:
+    that folder); None (the working directory) for a Hub data set."""
+    if image_dir is None and source.is_local:
+        path = Path(source.path).expanduser().absolute()
+        image_dir = path.parent if path.is_file() else path
+    return image_dir
 
 
 def _arrow_batch_to_image_conversations(table, indices, *, features, **kwargs) -> dict[str, list[Any]]:

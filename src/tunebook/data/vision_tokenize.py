@@ -31,6 +31,7 @@ __all__ = [
     "tokenize_image_conversation",
     "tokenize_image_conversations",
     "tokenize_image_prompt_and_responses",
+    "tokenize_image_prompt",
 ]
 
 
@@ -116,6 +117,12 @@ def tokenize_image_conversation(
         labels = list(ids)
     labels = [IGNORE_INDEX if t in images else label for t, label in zip(ids, labels)]
     return ids, labels, spans[-1][0] if spans else len(ids)
+
+
+def tokenize_image_prompt(processor, messages: list[dict], sizes: list) -> list[int]:
+    """The input_ids of a prompt (messages up to a last user turn) with its images of `sizes` and the chat template's
+    generation prompt: what a model generates an assistant turn after (GRPO)."""
+    return _ids(processor, _render(processor, messages, None, generation_prompt=True), sizes)
 
 
 def _prefix_ids(processor, messages: list[dict], sizes: list, tools, generation_prompt: bool) -> list[int]:

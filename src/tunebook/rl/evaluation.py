@@ -12,6 +12,7 @@ from ..models.wrappers import unwrap
 from .grpo import sample_completions
 from .prompts import PromptRows, reward_inputs
 from .rewards import RewardFunction, combined, score
+from .vision_prompts import prompt_images
 
 __all__ = ["evaluate_completions"]
 
@@ -19,12 +20,14 @@ __all__ = ["evaluate_completions"]
 @torch.no_grad()
 def evaluate_completions(model, tokenizer, dataset, functions: list[RewardFunction], accelerator, *, batch_size: int,
                          max_new_tokens: int, reference_column: str, disable_tqdm: bool = True,
-                         when: str = "in evaluation"):  # fmt: skip
+                         when: str = "in evaluation", collate_fn=None, processor=None):  # fmt: skip
     """(metrics, samples): the mean reward of greedy completions (`eval_reward`, and per function
     `eval_rewards/<name>`), their exact match against `reference_column` when the data has it (`eval_exact_match`,
     whether or not it is a reward), and their mean length in tokens. Exact over processes: every prompt counts
-    once (the duplicates that even out the last batch are dropped). `when` goes into a failing reward's error."""
-    loader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=batch_size, collate_fn=PromptRows()))
+    once (the duplicates that even out the last batch are dropped). `when` goes into a failing reward's error. A
+    vision-language model's prompts come with their images: `collate_fn` a `VisionPromptRows`, and its `processor`."""
+    collate_fn = collate_fn or PromptRows()
+    loader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=batch_size, collate_fn=collate_fn))
     unwrapped = unwrap(model)
     stop = stop_token_ids(unwrapped, tokenizer)
 
@@ -32,7 +35,7 @@ def evaluate_completions(model, tokenizer, dataset, functions: list[RewardFuncti
         completions = sample_completions(
             unwrapped, batch["prompt_ids"], [0] * len(batch["prompt_ids"]), pad_token_id=tokenizer.pad_token_id,
             eos_token_id=stop, max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0, device=accelerator.device,
-            greedy=True,
+            greedy=True, images=prompt_images(batch, processor),
         )  # fmt: skip
         texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
         prompts, columns = reward_inputs(batch, completions)

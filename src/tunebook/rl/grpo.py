@@ -85,28 +85,41 @@ class Rollouts:
     advantages: torch.Tensor  # (n,)
     old_log_probs: torch.Tensor | None  # per loss token (flat, in loss-position order); None: the policy's own
     ref_log_probs: torch.Tensor | None  # per loss token, with beta > 0
+    # A vision-language model's image inputs for these rows (`PromptImages.inputs`): a group's rows share its images
+    image_inputs: dict[str, torch.Tensor] | None = None
 
     def batch(self) -> dict[str, torch.Tensor]:
         return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "labels": self.labels,
                 **loss_positions(self.labels)}  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
-        return {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        state = {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        if self.image_inputs is not None:  # each tensor with its dtype (pixels float, grids and types integer)
+            state["image_inputs"] = {k: [str(v.dtype).removeprefix("torch."), v.tolist()]
+                                     for k, v in self.image_inputs.items()}  # fmt: skip
+        return state
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any], device) -> Rollouts:
         dtypes = {"input_ids": torch.long, "attention_mask": torch.long, "labels": torch.long,
                   "completion_lengths": torch.long}  # fmt: skip
-        return cls(**{k: None if v is None else torch.tensor(v, dtype=dtypes.get(k, torch.float32), device=device)
-                      for k, v in state.items()})  # fmt: skip
+        state = dict(state)
+        images = state.pop("image_inputs", None)
+        rollouts = cls(**{k: None if v is None else torch.tensor(v, dtype=dtypes.get(k, torch.float32), device=device)
+                          for k, v in state.items()})  # fmt: skip
+        if images is not None:
+            rollouts.image_inputs = {k: torch.tensor(v, dtype=getattr(torch, dtype), device=device)
+                                     for k, (dtype, v) in images.items()}  # fmt: skip
+        return rollouts
 
 
 @torch.no_grad()
 def sample_completions(model, prompt_ids: list[list[int]], seeds: list[int], *, pad_token_id: int,
                        eos_token_id: int | list[int], max_new_tokens: int, temperature: float, top_p: float,
-                       device, greedy: bool = False) -> list[list[int]]:  # fmt: skip
+                       device, greedy: bool = False, images=None) -> list[list[int]]:  # fmt: skip
     """The completion ids of the prompts (one per seed; repeat a prompt for several), each up to and including its
-    first EOS token. `greedy` decodes without noise (evaluation)."""
+    first EOS token. `greedy` decodes without noise (evaluation). `images`: a vision-language model's prompts'
+    images (`tunebook.rl.vision_prompts.PromptImages`, row for row), never generated as image tokens."""
     longest = max(len(p) for p in prompt_ids)
     input_ids = torch.full((len(prompt_ids), longest), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
@@ -116,9 +129,12 @@ def sample_completions(model, prompt_ids: list[list[int]], seeds: list[int], *, 
     was_training = model.training
     model.eval()
     sampling = {} if greedy else {"logits_processor": LogitsProcessorList([SeededSampling(seeds, temperature, top_p)])}
+    input_ids = input_ids.to(device)
+    if images is not None:  # suppressed before the sampling noise: an image token's score is -inf
+        sampling.update(images.inputs(input_ids), suppress_tokens=images.suppressed_tokens())
     with eager():  # under torch_compile: decoding with a KV cache would compile graphs of its own
         out = model.generate(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), max_new_tokens=max_new_tokens,
+            input_ids=input_ids, attention_mask=attention_mask.to(device), max_new_tokens=max_new_tokens,
             do_sample=False, pad_token_id=pad_token_id, eos_token_id=eos_token_id, **sampling,
             temperature=None, top_p=None, top_k=None,
         )  # fmt: skip
@@ -152,7 +168,8 @@ def completion_log_probs(model, rollouts: Rollouts, temperature: float = 1.0) ->
     2628, 2644) and the policy in the loss (line 3001). Top-p is not applied here, as there: it only truncates.
     """
     batch = rollouts.batch()
-    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False,
+              **(rollouts.image_inputs or {})}  # fmt: skip
     losses, positions = causal_lm_token_losses(model, inputs, batch, temperature)
     return -losses, positions // batch["labels"].shape[1]
 

@@ -31,7 +31,8 @@ __all__ = [
     "PromptData",
     "PromptPipeline",
     "PromptRows",
-    "prepare_prompt_data",
+    "load_prompts",
+    "prepare_text_prompt_data",
     "reference_examples",
     "reward_inputs",
     "write_synthetic_prompts",
@@ -47,8 +48,9 @@ class PromptData(PreparedData):
     source's columns."""
 
 
-def prepare_prompt_data(config, cache_dir: Path, log: logging.Logger) -> PromptData:
-    """Sources -> tokenizer -> tokenised train and eval prompts, each from the cache when unchanged (`GRPOConfig`)."""
+def prepare_text_prompt_data(config, cache_dir: Path, log: logging.Logger) -> PromptData:
+    """Sources -> tokenizer -> tokenised train and eval prompts, each from the cache when unchanged (`GRPOConfig`).
+    What a text model's run prepares (`tunebook.rl.prepare_prompt_data` chooses)."""
     return PromptPipeline(config, cache_dir, log).prepare()
 
 
@@ -92,7 +94,8 @@ class PromptPipeline(Pipeline):
                           stats={**train.stats, **self.notes})  # fmt: skip
 
 
-def _load_prompts(source: DataSource, cache_dir: Path, seed: int) -> datasets.Dataset:
+def load_prompts(source: DataSource, cache_dir: Path, seed: int) -> datasets.Dataset:
+    """A source's rows, checked to have a `prompt` and none of Tunebook's own columns."""
     raw = load_source(source, cache_dir, seed)
     if "prompt" not in raw.column_names:
         raise DataError(f"{source.where}: prompt data needs a 'prompt' column (text, or a list of messages); found "
@@ -106,7 +109,7 @@ def _load_prompts(source: DataSource, cache_dir: Path, seed: int) -> datasets.Da
 def _texts(sources: list[DataSource], cache_dir: Path, config):
     """Prompts and reference answers as text, to train a tokenizer on."""
     for source in sources:
-        for number, row in enumerate(_load_prompts(source, cache_dir, config.seed), 1):
+        for number, row in enumerate(load_prompts(source, cache_dir, config.seed), 1):
             messages = as_messages(row["prompt"], "user", f"{source.where}, row {number}")
             reference = row.get(config.reference_column)
             yield "\n".join([m["content"] for m in messages] + ([str(reference)] if reference is not None else []))
@@ -115,7 +118,7 @@ def _texts(sources: list[DataSource], cache_dir: Path, config):
 def _build(sources: list[DataSource], tokenizer, config, cache_dir: Path, scratch: Path):
     parts = []
     for source in sources:
-        raw = _load_prompts(source, cache_dir, config.seed)
+        raw = load_prompts(source, cache_dir, config.seed)
         parts.append(
             raw.map(
                 _tokenize_prompts, batched=True, with_indices=True,
@@ -175,9 +178,10 @@ def reference_examples(prompts: datasets.Dataset, tokenizer, reference_column: s
 
 def reward_inputs(batch: dict[str, Any], completions: list[list[int]], repeat: int = 1) -> tuple[list, dict]:
     """(prompts, columns) for the reward functions from a `PromptRows` batch whose prompts each have `repeat`
-    consecutive completions: every column but ours, each value repeated, and `completion_lengths` (tokens)."""
+    consecutive completions: every column but ours, each value repeated, and `completion_lengths` (tokens). A
+    `VisionPromptRows` batch's `images` are each prompt's resolved image paths; its pixels stay out."""
     columns = {k: [v for v in values for _ in range(repeat)] for k, values in batch.items()
-               if k not in ("prompt", *PROMPT_COLUMNS)}  # fmt: skip
+               if k not in ("prompt", "image_inputs", *PROMPT_COLUMNS)}  # fmt: skip
     columns["completion_lengths"] = [len(c) for c in completions]
     return [p for p in batch["prompt"] for _ in range(repeat)], columns
 

@@ -4,6 +4,13 @@
 (text), and `columns` every other column of the prompts' rows, plus `completion_lengths` (tokens). A function may
 return None for a completion it does not apply to (it then adds nothing to that completion's reward).
 
+With a vision-language model's prompts (`tunebook.rl.vision_prompts`), `images` is each completion's list of its
+prompt's image paths, resolved (absolute, or the URL as given; None for an image the data holds as bytes), in the
+order of the prompt's image placeholders; it takes the place of the data's own `images`/`image` column:
+
+    def colour_named(prompts, completions, images, answer, **columns):  # images[i]: ["/data/shapes/3f2a.png"]
+        return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
 Built in, by name: `exact_match` (the completion, stripped, equals the `reference_column` value, stripped),
 `format_regex` (the whole stripped completion matches `format_pattern`), `length_penalty` (0 up to
 `max_new_tokens - length_penalty_buffer` tokens, then down linearly to -1 at `max_new_tokens`: DAPO's soft
