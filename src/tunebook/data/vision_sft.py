@@ -19,7 +19,6 @@ from pathlib import Path
 
 import datasets
 import numpy as np
-from transformers import ProcessorMixin
 
 from ..config.tiny import TINY_QWEN2_VL
 from ..errors import ConfigError, DataError

@@ -34,7 +34,7 @@ from ..data.sources import DataSource, fingerprint_sources
 from ..data.synthetic import write_synthetic_image_task
 from ..data.tokenize import IGNORE_INDEX
 from ..data.vision_collate import decoded_image_inputs
-from ..data.vision_sft import vision_processor, uses_images
+from ..data.vision_sft import uses_images, vision_processor
 from ..data.vision_tokenize import (
     image_token_ids,
     images_fingerprint,
