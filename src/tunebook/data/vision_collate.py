@@ -87,6 +87,7 @@ def decoded_image_inputs(
     features: list[dict[str, Any]],
     input_ids: torch.Tensor,
     max_pixels: int,
+    *,
     mm_types: bool = True,
     repeat: int = 1,
 ) -> dict:
@@ -95,15 +96,13 @@ def decoded_image_inputs(
     `mm_token_type_ids` where the processor's model takes them. With `repeat`, each row stands for `repeat`
     consecutive rows that share its images (GRPO's completions of one prompt): every image is decoded once, and the
     outputs (and `mm_token_type_ids`) are those of the repeated rows."""
-    if repeat > 1:
-        features = [f for f in features for _ in range(repeat)]
-        input_ids = input_ids.repeat_interleave(repeat, dim=0)
+    rows = [f for f in features for _ in range(repeat)]
+    input_ids = input_ids.repeat_interleave(repeat, dim=0) if repeat > 1 else input_ids
     if "pixel_inputs" in features[0]:
-        return _with_mm_types(processor, cached_image_inputs(features), input_ids, mm_types)
-    opened = [open_images(f["images"], f.get("where", f"row {i + 1}"), max_pixels)
-              for i, f in enumerate(features[::repeat])]  # fmt: skip
+        return _with_mm_types(processor, cached_image_inputs(rows), input_ids, mm_types)
+    opened = [open_images(f["images"], f.get("where", f"row {i + 1}"), max_pixels) for i, f in enumerate(features)]
     images = [row for row in opened for _ in range(repeat)]
-    return image_inputs_of(processor, images, features, input_ids, mm_types)
+    return image_inputs_of(processor, images, rows, input_ids, mm_types)
 
 
 def image_inputs_of(

@@ -189,7 +189,7 @@ class VisionPromptRows:
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         # The prompts padded only to check each one's image tokens against its images as decoded now.
         ids = self.pad([{"input_ids": f["prompt_ids"], "labels": f["prompt_ids"]} for f in features])["input_ids"]
-        inputs = decoded_image_inputs(self.processor, features, ids, self.max_image_pixels, self.repeat)
+        inputs = decoded_image_inputs(self.processor, features, ids, self.max_image_pixels, repeat=self.repeat)
         inputs.pop("mm_token_type_ids", None)  # of these padded prompts: `PromptImages` makes each batch's own
         batch = PromptRows()([{k: v for k, v in f.items() if k not in OWN_COLUMNS} for f in features])
         batch["images"] = [[r["path"] if r["bytes"] is None else None for r in f["images"]] for f in features]
