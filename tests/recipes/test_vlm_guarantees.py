@@ -52,17 +52,19 @@ def _run(family, out, cache, **overrides):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_stop_signal_then_resume_equals_the_uninterrupted_run(family, tmp_path, monkeypatch):
-    # Accumulation over micro-batches of different lengths (pictures of 4 sizes) and a shuffled order: the resumed
-    # run must pick up the loader (and its worker) at the next micro-batch of the same permutation.
+    # Accumulation over micro-batches of different lengths (pictures of 4 sizes) and a shuffled order, 3 steps an
+    # epoch: stopped after step 4, the resumed run must pick up the loader (and its worker) at the next micro-batch
+    # of the second epoch's permutation.
     common = {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 2, "max_steps": 5, "eval_steps": 2,
-              "warmup_ratio": 0.2}  # fmt: skip
+              "warmup_ratio": 0.2, "synthetic_train_size": 12}  # fmt: skip
     full = _run(family, tmp_path / "full", tmp_path / "cache", **common)
     with monkeypatch.context() as patch:
-        _signal_at(patch, "sft", 3)
+        _signal_at(patch, "sft", 4)
         with pytest.raises(SystemExit) as stopped:
             _run(family, tmp_path / "cut", tmp_path / "cache", **common)
     assert stopped.value.code == 143
-    assert [p.name for p in list_checkpoints(tmp_path / "cut")] == ["step-3"]
+    assert [p.name for p in list_checkpoints(tmp_path / "cut")] == ["step-4"]
+    assert json.loads((tmp_path / "cut/checkpoints/step-4/trainer_state.json").read_text())["epoch"] == 1
     resumed = _run(family, tmp_path / "cut", tmp_path / "cache", resume_from_checkpoint="latest", **common)
     records = [(_without_rates(a), _without_rates(b)) for a, b in zip(_records(tmp_path / "full"),
                                                                         _records(tmp_path / "cut"))]  # fmt: skip
@@ -71,7 +73,7 @@ def test_a_stop_signal_then_resume_equals_the_uninterrupted_run(family, tmp_path
         assert again == reference
     assert _weights(tmp_path / "cut") == _weights(tmp_path / "full")
     assert resumed["eval"] == full["eval"] and resumed["train_steps"] == full["train_steps"] == 5
-    assert resumed["resumed_from"].endswith("step-3") and resumed["final_train_loss"] == full["final_train_loss"]
+    assert resumed["resumed_from"].endswith("step-4") and resumed["final_train_loss"] == full["final_train_loss"]
 
 
 def _load_processor(family, directory):
@@ -182,11 +184,17 @@ def test_a_bad_image_stops_the_run_with_one_line_naming_file_row_and_image(kind,
 
 def test_skip_drops_each_row_with_a_bad_image_and_counts_it_in_the_summary(tmp_path):
     data = _image_data(tmp_path / "data", {2: "missing", 5: "unreadable", 9: "oversized"})
-    result = launch("recipes/sft.py", _train_args(data, tmp_path / "run", "skip"))
+    evaluation = _image_data(tmp_path / "eval", {0: "unreadable"})
+    args = [*_train_args(data, tmp_path / "run", "skip"), "--eval_data", evaluation, "--eval_split_ratio", "0"]
+    result = launch("recipes/sft.py", args)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "train data: 3 rows skipped for a bad image (on_bad_image: skip), the first: " in result.stdout
+    assert f"eval data: 1 rows skipped for a bad image (on_bad_image: skip), the first: {evaluation}, row 1" in (
+        result.stdout
+    )
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["data"]["skipped_bad_image"] == 3 and summary["data"]["examples_kept"] == 9
+    assert summary["data"]["eval_skipped_bad_image"] == 1 and summary["eval"]["eval_tokens"] > 0
     assert summary["train_steps"] == 2
 
 
