@@ -220,3 +220,27 @@ def test_an_image_damaged_past_its_header_is_one_line_from_the_worker_that_decod
     assert result.stderr == (
         f"tunebook: error: {data}, row 6, image 1 ({picture}): could not be read: image file is truncated\n"
     )
+
+
+@pytest.mark.multiprocess
+def test_a_stop_signal_on_two_processes_then_resume_equals_the_uninterrupted_run(tmp_path):
+    """SIGTERM reaches one of two processes, each with a loader worker decoding its pictures: both save at the same
+    step, and the resumed 2-process run is the uninterrupted one, records and weights."""
+    args = ["--config", "recipes/configs/sft/vlm_default.yaml", "--cache_dir", str(tmp_path / "cache"),
+            *[f"--{k}={v}" for k, v in TINY_RUN.items() if k != "max_steps"], "--max_steps", "5",
+            "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--eval_steps", "2",
+            "--synthetic_train_size", "16"]  # fmt: skip
+
+    def run(script, out, *extra, env=None):
+        return launch(script, [*args, "--output_dir", str(out), *extra], accelerate_config="multi_cpu.yaml", env=env)
+
+    assert run("recipes/sft.py", tmp_path / "full").returncode == 0
+    stopped = run("tests/recipes/signal_at_step.py", tmp_path / "cut", env={"SIGNAL_AT_STEP": "3"})
+    assert stopped.returncode == 143, stopped.stdout[-2000:] + stopped.stderr[-2000:]
+    assert [p.name for p in list_checkpoints(tmp_path / "cut")] == ["step-3"]
+    resumed = run("recipes/sft.py", tmp_path / "cut", "--resume_from_checkpoint", "latest")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert [_without_rates(r) for r in _records(tmp_path / "cut")] == [
+        _without_rates(r) for r in _records(tmp_path / "full")
+    ]
+    assert _weights(tmp_path / "cut") == _weights(tmp_path / "full")
