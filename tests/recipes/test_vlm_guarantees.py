@@ -113,6 +113,16 @@ def test_lora_outputs_merge_and_export_give_the_adapted_models_logits(family, tm
     adapted = _logits(load_adapter_model(out), inputs)
     base = _logits(AutoModelForImageTextToText.from_pretrained(out / "base_model"), inputs)
     assert (adapted - base).abs().max() > 1e-3  # the adapters changed the model: the comparisons below can fail
+    card = (out / "README.md").read_text().split("```python\n", 1)[1].split("```", 1)[0]
+    if family == "llava":  # the card's own lines load the adapters (Qwen-VL's AutoProcessor needs torchvision)
+        scope, cwd = {}, os.getcwd()
+        os.chdir(out.parent)  # the card names the run's folder as seen from beside it
+        try:
+            exec(card, scope)  # noqa: S102 - the model card this run wrote, run as a user would
+        finally:
+            os.chdir(cwd)
+        torch.testing.assert_close(_logits(scope["model"], inputs), adapted, rtol=0, atol=0)
+    assert "AutoModelForCausalLM" not in card and "AutoProcessor.from_pretrained" in card
     merged = AutoModelForImageTextToText.from_pretrained(out / "merged")
     assert type(merged).__name__.endswith("ForConditionalGeneration")
     # Merging folds B @ A into each weight: float32 rounding of a sum, a few units in the 6th digit of the logits.
