@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import sys
 import traceback
 
@@ -29,8 +30,22 @@ __all__ = [
 ]
 
 
+# How torch re-raises an error met in a DataLoader worker (`torch._utils.ExceptionWrapper.reraise`): the same class,
+# built from one string, "Caught DataError in DataLoader worker process 0.\nOriginal Traceback ...", the worker's whole
+# traceback, which ends with the error's own line "tunebook.errors.DataError: <message>".
+_WORKER_ERROR = re.compile(r"Caught \w+ in DataLoader worker process \d+\.\nOriginal Traceback")
+
+
 class TunebookError(Exception):
     """A mistake in the user's input, reported without a traceback."""
+
+    def __init__(self, *args):
+        # A data error met in a loader's worker (an image that no longer decodes) stays the one line it was there;
+        # the worker's traceback, which says nothing the message does not, is kept aside.
+        if len(args) == 1 and isinstance(args[0], str) and _WORKER_ERROR.match(args[0]):
+            self.worker_traceback = args[0]
+            args = (args[0].rstrip().splitlines()[-1].split(": ", 1)[-1],)
+        super().__init__(*args)
 
     def _render_traceback_(self) -> list[str]:
         """IPython's (Jupyter's) hook for an exception's own display: the one line instead of a page of traceback,

@@ -235,6 +235,8 @@ class VisionSFTPipeline(Pipeline):
         stats = {**train.stats, **self.notes}
         stats["train_rows"] = len(train.dataset)
         stats["train_tokens_per_epoch"] = int(example_lengths(train.dataset).sum())
+        if self.eval_sources:  # eval_data's rows dropped for a bad image count too (held-out rows are in the above)
+            stats["eval_skipped_bad_image"] = evaluation.stats["skipped_bad_image"]
         eval_rows = evaluation.dataset if evaluation is not None else None
         return SFTData(tokenizer=self.tokenizer, processor=self.processor, train=train.dataset, eval=eval_rows,
                        eval_examples=eval_rows, stats=stats)  # fmt: skip

@@ -302,12 +302,19 @@ def load_adapter_model(adapter_dir: str | Path, trust_remote_code: bool = False,
     classifier for a classifier's adapters. `kwargs` go to the base's `from_pretrained` (`dtype="auto"` unless
     given). `trust_remote_code`: the base model may run its own Python code."""
     peft = _peft()
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
+
+    from .vision import generative_auto_class
 
     adapter_dir = Path(adapter_dir)
     task = json.loads((adapter_dir / "adapter_config.json").read_text()).get("task_type")
-    auto_class = AutoModelForSequenceClassification if task == "SEQ_CLS" else AutoModelForCausalLM
     base, revision = adapter_base(adapter_dir)
+    # A CAUSAL_LM adapter of a vision-language model: its base loads whole, vision tower included
+    auto_class = (
+        AutoModelForSequenceClassification
+        if task == "SEQ_CLS"
+        else generative_auto_class(base, trust_remote_code, revision)
+    )
     kwargs = {"dtype": "auto", **({"revision": revision} if revision else {}), **kwargs}
     model = auto_class.from_pretrained(base, trust_remote_code=trust_remote_code, **kwargs)
     return peft.PeftModel.from_pretrained(model, adapter_dir)
@@ -330,8 +337,8 @@ def merge_adapter_dir(adapter_dir: str | Path, out_dir: str | Path, trust_remote
     merged = load_adapter_model(adapter_dir, trust_remote_code).merge_and_unload()
     with deepspeed_cpu_notice_filtered():  # save_pretrained imports DeepSpeed, where installed
         merged.save_pretrained(out_dir, safe_serialization=True)
-    if (adapter_dir / "tokenizer_config.json").is_file():
-        from transformers import AutoTokenizer
+    if (adapter_dir / "tokenizer_config.json").is_file():  # a vision-language model's processor, or a tokenizer
+        from .vision import load_saved_processor_or_tokenizer
 
-        save_tokenizer(AutoTokenizer.from_pretrained(adapter_dir, trust_remote_code=trust_remote_code), out_dir)
+        save_tokenizer(load_saved_processor_or_tokenizer(adapter_dir, trust_remote_code), out_dir)
     return out_dir

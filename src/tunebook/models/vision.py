@@ -48,8 +48,10 @@ __all__ = [
     "QWEN2_VL_TEMPLATE",
     "build_vision_lm",
     "freeze_vision",
+    "generative_auto_class",
     "is_vision_language_model",
     "load_processor",
+    "load_saved_processor_or_tokenizer",
     "lora_targets",
     "save_processor",
     "tiny_processor",
@@ -135,6 +137,25 @@ def is_vision_language_model(
     return values.get("model_type") in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or (
         "AutoModelForImageTextToText" in auto_map
     )
+
+
+def generative_auto_class(model: str | PretrainedConfig, trust_remote_code: bool = False, revision: str | None = None):
+    """The Auto class that loads a text-generating model from `model` (a name, path or config) with its weights:
+    `AutoModelForImageTextToText` for a vision-language model (`AutoModelForCausalLM` refuses its config, and would
+    lose the vision tower where it took it), `AutoModelForCausalLM` otherwise."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    vision = is_vision_language_model(model, trust_remote_code, revision)
+    return AutoModelForImageTextToText if vision else AutoModelForCausalLM
+
+
+def load_saved_processor_or_tokenizer(directory: str | Path, trust_remote_code: bool = False):
+    """What a run saved beside its model (a checkpoint's `tokenizer/`, an adapter directory): a vision-language
+    model's processor where the folder has `processor_config.json` (`load_processor`, chat template and image
+    processor included), else its tokenizer. Re-saved with `save_tokenizer`, either keeps what it had."""
+    if (Path(directory) / "processor_config.json").is_file():
+        return load_processor(str(directory), trust_remote_code)
+    return AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
 
 
 def tiny_processor(

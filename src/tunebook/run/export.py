@@ -46,7 +46,7 @@ def export_checkpoint(
 
 
 def _export(checkpoint: Path, out_dir: Path, merge: bool, trust_remote_code: bool) -> Path:
-    from transformers import AutoTokenizer
+    from ..models.vision import load_saved_processor_or_tokenizer
 
     if not (checkpoint / TRAINER_STATE).is_file() and not (checkpoint / MANIFEST).is_file():
         raise ConfigError(f"{checkpoint} is not a complete Tunebook checkpoint (no {TRAINER_STATE})")
@@ -61,12 +61,12 @@ def _export(checkpoint: Path, out_dir: Path, merge: bool, trust_remote_code: boo
         else:
             shutil.copytree(checkpoint / "adapter", out_dir, dirs_exist_ok=True)
             _repoint_base(checkpoint / "adapter", out_dir)
-        save_tokenizer(AutoTokenizer.from_pretrained(checkpoint / "tokenizer", trust_remote_code=trust_remote_code),
-                       out_dir)  # fmt: skip
+        # a vision-language model's processor (chat template, image processor), or the tokenizer
+        save_tokenizer(load_saved_processor_or_tokenizer(checkpoint / "tokenizer", trust_remote_code), out_dir)
         return out_dir
     if merge:
         raise ConfigError(f"--merge: {checkpoint} is not a LoRA checkpoint (no adapter/), its model is whole already")
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint / "tokenizer", trust_remote_code=trust_remote_code)
+    tokenizer = load_saved_processor_or_tokenizer(checkpoint / "tokenizer", trust_remote_code)
     model = _rebuild_model(checkpoint, recipe, tokenizer, trust_remote_code)
     _load_checkpoint_weights(model, checkpoint)
     model.save_pretrained(out_dir, safe_serialization=True)
@@ -113,8 +113,9 @@ def _checkpoint_recipe(checkpoint: Path) -> str | None:
 def _rebuild_model(checkpoint: Path, recipe: str | None, tokenizer, trust_remote_code: bool):
     """A fresh model (random weights) of the checkpoint's architecture: from `model_config/`, or for an older
     checkpoint from its `config.yaml` as the recipe built it (sft's head when the recipe is unknown)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
+    from transformers import AutoConfig, AutoModelForSequenceClassification, GenerationConfig
 
+    from ..models.vision import generative_auto_class
     from ..recipe import recipe_task
 
     model_dir = checkpoint / MODEL_CONFIG_DIR
@@ -132,7 +133,8 @@ def _rebuild_model(checkpoint: Path, recipe: str | None, tokenizer, trust_remote
         classify = (recipe_task(recipe) or ("", ""))[1] == "text-classification" or (
             recipe is None and any(a.endswith("SequenceClassification") for a in heads)
         )
-        auto_class = AutoModelForSequenceClassification if classify else AutoModelForCausalLM
+        # a vision-language model's checkpoint rebuilds as one (AutoModelForCausalLM refuses its config)
+        auto_class = AutoModelForSequenceClassification if classify else generative_auto_class(config)
         model = auto_class.from_config(config, trust_remote_code=trust_remote_code)
         if (model_dir / "generation_config.json").is_file():
             model.generation_config = GenerationConfig.from_pretrained(model_dir)

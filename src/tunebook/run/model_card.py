@@ -61,7 +61,9 @@ def load_line(output_dir: str | Path, recipe: str, shown_as: str | None = None) 
     elif (output_dir / "adapter_config.json").is_file():  # loads the base model, then the adapters
         library, auto, path = "peft", f"AutoPeftModelFor{task}", shown_as
         base = json.loads((output_dir / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
-        if base.startswith("."):  # a local base recorded relative to the adapters: peft would read it from the cwd
+        # A local base recorded relative to the adapters: peft would read it from the cwd. A vision-language base:
+        # peft has no AutoPeftModelForImageTextToText (0.21), load_adapter_model loads it as one.
+        if base.startswith(".") or task == "ImageTextToText":
             library, auto = "tunebook.models", "load_adapter_model"
             return f"from {library} import {auto}; model = {auto}({json.dumps(path)})"
     elif (output_dir / "config.json").is_file():
@@ -280,7 +282,8 @@ def _load_text(model_dir: Path, output_dir: Path, ref: str, recipe: str, config,
     subfolder = ', subfolder="merged"' if merged and on_hub else ""
     classify = (recipe_task(recipe) or ("", ""))[1] == "text-classification"  # classify and reward
     auto = "AutoModelForSequenceClassification" if classify else "AutoModelForCausalLM"
-    if not lora and (model_dir / "processor_config.json").is_file():  # a vision-language model and its processor
+    vision = (model_dir / "processor_config.json").is_file()  # a vision-language model and its processor
+    if not lora and vision:
         code = ("from transformers import AutoModelForImageTextToText, AutoProcessor\n\n"
                 f'model = AutoModelForImageTextToText.from_pretrained("{ref}"{subfolder})\n'
                 f'processor = AutoProcessor.from_pretrained("{ref}"{subfolder})  # without torchvision: '
@@ -295,6 +298,12 @@ def _load_text(model_dir: Path, output_dir: Path, ref: str, recipe: str, config,
         return f"```python\n{code}\n```"
     base = _adapter_base(model_dir)
     tokenizer = f'tokenizer = AutoTokenizer.from_pretrained("{ref}")'
+    if vision:  # its adapters on the base loaded as a vision-language model, and the processor for the pictures
+        code = ("from tunebook.models import load_adapter_model\nfrom transformers import AutoProcessor\n\n"
+                f'model = load_adapter_model("{ref}")  # loads the base model, then the adapters\n'
+                f'processor = AutoProcessor.from_pretrained("{ref}")  # without torchvision: '
+                "tunebook.models.vision.load_processor")  # fmt: skip
+        return f"```python\n{code}\n```"
     if not looks_like_local_path(base):  # a Hub base, which AutoPeftModel finds from anywhere
         peft_auto = "AutoPeftModelForSequenceClassification" if classify else "AutoPeftModelForCausalLM"
         code = (f"from peft import {peft_auto}\nfrom transformers import AutoTokenizer\n\n"
