@@ -75,7 +75,9 @@ def segment_sdpa_attention(module, query, key, value, attention_mask, scaling=No
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     cu = kwargs.get("cu_seq_lens_q")
-    if cu is None:  # also a vision tower's attention: transformers 5.23 keeps our lengths from it (see test_packed_vision)
+    # A vision tower's attention comes here too, without our lengths: transformers 5.23 does not hand the language
+    # model's keyword arguments to the tower (tests/equivalence/test_packed_vision.py fails the day it does).
+    if cu is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
