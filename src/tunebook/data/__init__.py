@@ -17,7 +17,7 @@ from .sources import DataSource, fingerprint_sources, load_source, parse_sources
 from .synthetic import write_synthetic_image_task, write_synthetic_task
 from .text import TextData, chunk_documents, prepare_text_data
 from .tokenize import IGNORE_INDEX, assistant_spans, format_loss_mask, render_chat, tokenize_conversations
-from .vision_collate import VisionCollator, VisionPromptCollator
+from .vision_collate import VisionCollator, VisionPackedCollator, VisionPromptCollator
 from .vision_sft import prepare_sft_or_vision_data, prepare_vision_sft_data, uses_images
 from .vision_tokenize import tokenize_image_conversation
 
@@ -76,6 +76,7 @@ __all__ = [
     "parse_image_row",
     "read_image_source",
     "VisionCollator",
+    "VisionPackedCollator",
     "VisionPromptCollator",
     "prepare_sft_or_vision_data",
     "prepare_vision_sft_data",
