@@ -67,3 +67,22 @@ def test_a_tiny_llava_trains_saves_and_reloads_with_the_same_logits(tmp_path, mo
     trained.tie_weights()
     with torch.no_grad():
         assert torch.equal(model(**batch).logits, trained.eval()(**batch).logits)
+
+
+@pytest.mark.slow
+def test_the_vlm_default_trains_on_packed_rows(tmp_path, monkeypatch):
+    monkeypatch.setenv("TUNEBOOK_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "run"
+    args = ["--config", "recipes/configs/sft/vlm_default.yaml", "--packing", "true", "--output_dir", str(out),
+            "--report_to", "none", "--disable_tqdm", "true", "--max_steps", "6", "--synthetic_train_size", "200",
+            "--synthetic_eval_size", "16", "--per_device_train_batch_size", "8", "--generation_max_new_tokens", "2",
+            "--dataloader_num_workers", "1"]  # fmt: skip
+    result = _ok(launch("recipes/sft.py", args))
+    assert "train data: packed 200 examples into" in result.stdout
+    assert "Packing with tunebook_segment_sdpa attention" in result.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["packing_efficiency"] > 0.85 and summary["train_steps"] == 6
+    assert summary["train_samples"] > 6 * 8  # rows of several examples each (1 a row would be 48)
+    assert summary["eval"]["eval_loss"] < summary["eval_before_training"]["eval_loss"]
+    model = AutoModelForImageTextToText.from_pretrained(out)
+    assert type(model).__name__ == "Qwen2VLForConditionalGeneration"
