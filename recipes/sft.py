@@ -80,8 +80,11 @@ def build_dataloaders(config: SFTConfig, data: SFTData, num_processes: int, attn
     collate = PackedCollator(pad_id, multiple, attn) if config.packing else PadCollator(pad_id, multiple)
     columns = ["input_ids", "labels", "seq_lengths"] if config.packing else ["input_ids", "labels"]
     if data.processor is not None:  # a vision-language model's rows: their images decoded in the workers
-        args = (data.processor, model_config, multiple, attn) if config.packing else (data.processor, multiple)
-        collate = (VisionPackedCollator if config.packing else VisionCollator)(*args, config.max_image_pixels)
+        processor, pixels = data.processor, config.max_image_pixels
+        if config.packing:  # each example's images ride with it; Qwen-VL's positions per example need the config
+            collate = VisionPackedCollator(processor, model_config, multiple, attn, pixels)
+        else:
+            collate = VisionCollator(processor, multiple, pixels)
         columns += ["images", "images_per_example", "where"] if config.packing else ["images", "where"]
     grouping = {}
     if config.group_by_length and not config.packing:  # packed rows are all about max_seq_length long
