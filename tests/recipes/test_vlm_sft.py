@@ -86,3 +86,24 @@ def test_the_vlm_default_trains_on_packed_rows(tmp_path, monkeypatch):
     assert summary["eval"]["eval_loss"] < summary["eval_before_training"]["eval_loss"]
     model = AutoModelForImageTextToText.from_pretrained(out)
     assert type(model).__name__ == "Qwen2VLForConditionalGeneration"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_eval_only_loss_is_the_same_packed_and_padded(tmp_path, monkeypatch, family):
+    """The recipe's evaluation of one model on one eval set, padded and packed: the same loss (float32, 1e-5)."""
+    monkeypatch.setenv("TUNEBOOK_CACHE", str(tmp_path / "cache"))
+    model = [] if family == "qwen2_vl" else ["--model_config", json.dumps(TINY_LLAVA), "--max_pixels", "null"]
+    summaries = {}
+    for packing in ("false", "true"):
+        out = tmp_path / f"packing-{packing}"
+        args = ["--config", "recipes/configs/sft/vlm_default.yaml", *model, "--packing", packing, "--output_dir",
+                str(out), "--report_to", "none", "--disable_tqdm", "true", "--max_steps", "0",
+                "--synthetic_train_size", "32", "--synthetic_eval_size", "40", "--generation_eval", "false",
+                "--dataloader_num_workers", "1"]  # fmt: skip
+        _ok(launch("recipes/sft.py", args))
+        summaries[packing] = json.loads((out / "summary.json").read_text())
+    padded, packed = summaries["false"]["eval"], summaries["true"]["eval"]
+    assert packed["eval_tokens"] == padded["eval_tokens"] > 0
+    assert packed["eval_loss"] == pytest.approx(padded["eval_loss"], rel=1e-5)
+    assert summaries["true"]["data"]["packing_efficiency"] > 0.5
