@@ -31,15 +31,16 @@ from tunebook.data import (
     PadCollator,
     SFTData,
     VisionCollator,
+    VisionPackedCollator,
     VisionPromptCollator,
     attention_inputs,
     example_lengths,
     format_loss_mask,
+    image_columns,
     packing_mechanism,
     prepare_sft_or_vision_data,
     train_and_eval_loaders,
     use_packed_attention,
-    vision_columns,
 )
 from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import evaluate_loss, generation_exact_match, log_samples, prompt_sampler
@@ -74,14 +75,18 @@ from tunebook.training import (
 )
 
 
-def build_dataloaders(config: SFTConfig, data: SFTData, num_processes: int, attn: str):
+def build_dataloaders(config: SFTConfig, data: SFTData, num_processes: int, attn: str, model_config):
     """Packed rows, or examples (batched by similar length with group_by_length); workers collate in the background."""
     pad_id, multiple = data.tokenizer.pad_token_id, config.pad_to_multiple_of
     collate = PackedCollator(pad_id, multiple, attn) if config.packing else PadCollator(pad_id, multiple)
     columns = ["input_ids", "labels", "seq_lengths"] if config.packing else ["input_ids", "labels"]
     if data.processor is not None:  # a vision-language model's rows: their images decoded in the workers
-        collate = VisionCollator(data.processor, multiple, config.max_image_pixels)
-        columns = vision_columns(data.train)  # with cache_pixel_values, the cached pixel values
+        processor, pixels = data.processor, config.max_image_pixels
+        if config.packing:  # each example's images ride with it; Qwen-VL's positions per example need the config
+            collate = VisionPackedCollator(processor, model_config, multiple, attn, pixels)
+        else:
+            collate = VisionCollator(processor, multiple, pixels)
+        columns += image_columns(data.train)  # images, where (and what packing or cache_pixel_values added)
     grouping = {}
     if config.group_by_length and not config.packing:  # packed rows are all about max_seq_length long
         global_batch = config.per_device_train_batch_size * num_processes * config.gradient_accumulation_steps
@@ -147,7 +152,7 @@ def main(config: SFTConfig) -> dict:
     optimizer = build_optimizer(
         model, config.learning_rate, config.weight_decay, (config.adam_beta1, config.adam_beta2), config.adam_epsilon
     )
-    train_loader, eval_loader = build_dataloaders(config, data, accelerator.num_processes, attn)
+    train_loader, eval_loader = build_dataloaders(config, data, accelerator.num_processes, attn, model.config)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     plan = plan_steps(run, model, train_loader)  # optimizer steps, in all and per epoch
     compiled = compile_model(config, accelerator, model, train_loader, plan.micro_batches, log)  # torch_compile

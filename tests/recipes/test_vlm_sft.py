@@ -67,3 +67,43 @@ def test_a_tiny_llava_trains_saves_and_reloads_with_the_same_logits(tmp_path, mo
     trained.tie_weights()
     with torch.no_grad():
         assert torch.equal(model(**batch).logits, trained.eval()(**batch).logits)
+
+
+@pytest.mark.slow
+def test_the_vlm_default_trains_on_packed_rows(tmp_path, monkeypatch):
+    monkeypatch.setenv("TUNEBOOK_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "run"
+    args = ["--config", "recipes/configs/sft/vlm_default.yaml", "--packing", "true", "--output_dir", str(out),
+            "--report_to", "none", "--disable_tqdm", "true", "--max_steps", "6", "--synthetic_train_size", "200",
+            "--synthetic_eval_size", "16", "--per_device_train_batch_size", "8", "--generation_max_new_tokens", "2",
+            "--dataloader_num_workers", "1"]  # fmt: skip
+    result = _ok(launch("recipes/sft.py", args))
+    assert "train data: packed 200 examples into" in result.stdout
+    assert "Packing with tunebook_segment_sdpa attention" in result.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["packing_efficiency"] > 0.85 and summary["train_steps"] == 6
+    assert summary["train_samples"] > 6 * 8  # rows of several examples each (1 a row would be 48)
+    assert summary["eval"]["eval_loss"] < summary["eval_before_training"]["eval_loss"]
+    model = AutoModelForImageTextToText.from_pretrained(out)
+    assert type(model).__name__ == "Qwen2VLForConditionalGeneration"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_eval_only_loss_is_the_same_packed_and_padded(tmp_path, monkeypatch, family):
+    """The recipe's evaluation of one model on one eval set, padded and packed: the same loss (float32, 1e-5)."""
+    monkeypatch.setenv("TUNEBOOK_CACHE", str(tmp_path / "cache"))
+    model = [] if family == "qwen2_vl" else ["--model_config", json.dumps(TINY_LLAVA), "--max_pixels", "null"]
+    summaries = {}
+    for packing in ("false", "true"):
+        out = tmp_path / f"packing-{packing}"
+        args = ["--config", "recipes/configs/sft/vlm_default.yaml", *model, "--packing", packing, "--output_dir",
+                str(out), "--report_to", "none", "--disable_tqdm", "true", "--max_steps", "0",
+                "--synthetic_train_size", "32", "--synthetic_eval_size", "40", "--generation_eval", "false",
+                "--dataloader_num_workers", "1"]  # fmt: skip
+        _ok(launch("recipes/sft.py", args))
+        summaries[packing] = json.loads((out / "summary.json").read_text())
+    padded, packed = summaries["false"]["eval"], summaries["true"]["eval"]
+    assert packed["eval_tokens"] == padded["eval_tokens"] > 0
+    assert packed["eval_loss"] == pytest.approx(padded["eval_loss"], rel=1e-5)
+    assert summaries["true"]["data"]["packing_efficiency"] > 0.5

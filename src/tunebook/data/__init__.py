@@ -17,7 +17,13 @@ from .sources import DataSource, fingerprint_sources, load_source, parse_sources
 from .synthetic import write_synthetic_image_task, write_synthetic_task
 from .text import TextData, chunk_documents, prepare_text_data
 from .tokenize import IGNORE_INDEX, assistant_spans, format_loss_mask, render_chat, tokenize_conversations
-from .vision_collate import VisionCollator, VisionPairCollator, VisionPromptCollator, vision_columns
+from .vision_collate import (
+    VisionCollator,
+    VisionPackedCollator,
+    VisionPairCollator,
+    VisionPromptCollator,
+    image_columns,
+)
 from .vision_sft import prepare_sft_or_vision_data, prepare_vision_sft_data, uses_images
 from .vision_tokenize import tokenize_image_conversation
 
@@ -76,11 +82,12 @@ __all__ = [
     "parse_image_row",
     "read_image_source",
     "VisionCollator",
+    "VisionPackedCollator",
     "VisionPairCollator",
     "VisionPromptCollator",
     "prepare_sft_or_vision_data",
     "prepare_vision_sft_data",
     "tokenize_image_conversation",
     "uses_images",
-    "vision_columns",
+    "image_columns",
 ]

@@ -88,17 +88,25 @@ def concatenate_examples(ids: list[list[int]], labels: list[list[int]]) -> dict[
     return row
 
 
-def _gather_rows(batch: dict[str, list], source: datasets.Dataset) -> dict[str, list]:
-    """Batched `map` over bins: concatenate each bin's examples into one row."""
+def _gather_rows(batch: dict[str, list], source: datasets.Dataset, carry: tuple[str, ...] = ()) -> dict[str, list]:
+    """Batched `map` over bins: concatenate each bin's examples into one row, and the `carry` columns with them: a
+    list column end to end, with its count per example as `{column}_per_example`; a string column joined by "; "."""
     bins = batch["indices"]
     examples = source[[i for b in bins for i in b]]
     out: dict[str, list] = {"input_ids": [], "labels": [], "seq_lengths": []}
     k = 0
     for b in bins:
         row = concatenate_examples(examples["input_ids"][k : k + len(b)], examples["labels"][k : k + len(b)])
+        for column in carry:
+            values = examples[column][k : k + len(b)]
+            if isinstance(values[0], str):
+                row[column] = "; ".join(values)
+            else:
+                row[column] = [v for value in values for v in value]
+                row[f"{column}_per_example"] = [len(value) for value in values]
         k += len(b)
         for key, value in row.items():
-            out[key].append(value)
+            out.setdefault(key, []).append(value)
     return out
 
 
@@ -108,12 +116,15 @@ def pack_dataset(
     seed: int,
     num_proc: int | None = None,
     cache_file_name: str | None = None,
+    carry: tuple[str, ...] = (),
 ) -> tuple[datasets.Dataset, dict[str, Any]]:
     """Pack `input_ids`/`labels` rows into rows of at most `max_seq_length` tokens.
 
     Returns the packed dataset (columns `input_ids`, `labels`, `seq_lengths`) and stats: examples, rows, and
     `packing_efficiency`, the share of the rows' `max_seq_length` slots that hold real tokens. Give
     `cache_file_name` to write the rows to an Arrow file as they are made instead of holding them in memory.
+    `carry` names more columns packed with the tokens, in the examples' order (`_gather_rows`): rows with images
+    keep their images in the order of their placeholders, and how many belong to each example.
     """
     lengths = example_lengths(dataset)
     order, offsets = best_fit_decreasing(lengths, max_seq_length, seed)
@@ -124,12 +135,12 @@ def pack_dataset(
         _gather_rows,
         batched=True,
         batch_size=256,
-        fn_kwargs={"source": dataset.select_columns(["input_ids", "labels"])},
+        fn_kwargs={"source": dataset.select_columns(["input_ids", "labels", *carry]), "carry": tuple(carry)},
         remove_columns=["indices"],
         num_proc=num_proc,
         desc="Packing",
         cache_file_name=cache_file_name,
-        new_fingerprint=f"tunebook-pack-{compat.fingerprint(dataset)}-{max_seq_length}-{seed}",
+        new_fingerprint=f"tunebook-pack-{compat.fingerprint(dataset)}-{max_seq_length}-{seed}{''.join('-' + c for c in carry)}",
     )
     rows = len(offsets) - 1
     stats = {

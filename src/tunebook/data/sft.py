@@ -114,7 +114,7 @@ class SFTPipeline(Pipeline):
                        stats=stats)  # fmt: skip
 
     def _packed(self, dataset, parent_key: str, part: str | bool, name: str):
-        return _packed(self.config, dataset, parent_key, part or None, self.cache_dir, name, self.built, self.log)
+        return pack_cached(self.config, dataset, parent_key, part or None, self.cache_dir, name, self.built, self.log)
 
     def streamed(self) -> SFTData:
         """Streamed train_data: conversations tokenised (and packed) in the loader's workers; eval_data cached as
@@ -219,7 +219,9 @@ def held_out_split(dataset: datasets.Dataset, ratio: float, seed: int):
     return dataset.select(np.flatnonzero(~held)), dataset.select(np.flatnonzero(held))
 
 
-def _packed(config, dataset, parent_key: str, part: str | None, cache_dir: Path, name: str, built: list, log):
+def pack_cached(config, dataset, parent_key: str, part: str | None, cache_dir: Path, name: str, built: list, log,
+            carry: tuple[str, ...] = ()):  # fmt: skip
+    """`pack_dataset` under the cache; `carry`: more columns packed with the tokens (rows with images: the images)."""
     key = fingerprint(
         {
             "parent": parent_key,
@@ -227,13 +229,14 @@ def _packed(config, dataset, parent_key: str, part: str | None, cache_dir: Path,
             "max_seq_length": config.max_seq_length,
             "seed": config.seed,
             "version": PACKING_VERSION,
+            **({"carry": list(carry)} if carry else {}),  # text rows keep the keys they had
         }
     )
     rows, stats, cached = cached_dataset(
         cache_dir,
         key,
         lambda scratch: pack_dataset(
-            dataset, config.max_seq_length, config.seed, config.dataset_num_proc, str(scratch / "rows.arrow")
+            dataset, config.max_seq_length, config.seed, config.dataset_num_proc, str(scratch / "rows.arrow"), carry
         ),
     )
     if not cached:

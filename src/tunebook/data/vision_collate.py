@@ -1,39 +1,43 @@
 """Collators for rows with images (`tunebook.data.vision_sft`): padded like `PadCollator` (training, evaluation
-loss) or left-padded prompts like `PromptCollator` (generation), with the row's images decoded here, in the
-DataLoader's workers, and run through the processor's image processor: `pixel_values` and what else the family
-takes (`image_grid_thw` for Qwen-VL, ...), and `mm_token_type_ids` where the processor makes them (Qwen-VL's
-multimodal rotary positions read them). Classes, not closures, so the workers can pickle them.
+loss), packed like `PackedCollator`, or left-padded prompts like `PromptCollator` (generation), with the row's
+images decoded here, in the DataLoader's workers, and run through the processor's image processor: `pixel_values`
+and what else the family takes (`image_grid_thw` for Qwen-VL, ...), and `mm_token_type_ids` where the processor
+makes them (Qwen-VL's multimodal rotary positions read them). Classes, not closures, so the workers can pickle them.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import numpy as np
 import torch
 
 from .. import compat
-from ..errors import DataError
-from .collate import PadCollator, PairCollator, PromptCollator
+from ..errors import ConfigError, DataError
+from ..models.attention import PACKABLE_VISION_FAMILIES, packing_refusal
+from .collate import PackedCollator, PadCollator, PairCollator, PromptCollator
 from .image_files import DEFAULT_MAX_IMAGE_PIXELS, open_images
 
 __all__ = [
-    "VISION_COLUMNS",
     "VisionCollator",
+    "VisionPackedCollator",
     "VisionPairCollator",
     "VisionPromptCollator",
     "decoded_image_inputs",
+    "image_columns",
     "image_inputs_of",
-    "vision_columns",
 ]
 
 _DTYPES = {"float32": torch.float32, "int64": torch.int64}  # of cache_pixel_values' entries (data/pixel_cache.py)
-VISION_COLUMNS = ["input_ids", "labels", "images", "where"]
+# What the collators read beside input_ids and labels (and seq_lengths), where the rows have them: packed rows'
+# images_per_example, cache_pixel_values' pixel_inputs.
+_IMAGE_COLUMNS = ("images", "where", "images_per_example", "pixel_inputs")
 
 
-def vision_columns(dataset) -> list[str]:
-    """The columns a `VisionCollator` reads from `dataset`'s rows: `pixel_inputs` too where they were cached."""
-    return VISION_COLUMNS + (["pixel_inputs"] if "pixel_inputs" in dataset.column_names else [])
+def image_columns(dataset) -> list[str]:
+    """The image columns a vision collator reads from `dataset`'s rows (those of `_IMAGE_COLUMNS` it has)."""
+    return [c for c in _IMAGE_COLUMNS if c in dataset.column_names]
 
 
 class VisionCollator:
@@ -67,6 +71,73 @@ class VisionPairCollator:
         # pixel_values out its own way (Qwen-VL: flattened patches of every image; LLaVA: one tensor an image).
         batch.update(image_inputs_of(self.processor, images + images, features + features, batch["input_ids"]))
         return batch
+
+
+class VisionPackedCollator:
+    """`PackedCollator`'s packed rows (positions and segment ids restarting per example) and the images' inputs, in
+    the rows' order, so each image meets its own placeholders. For a family with 3-D rotary positions (Qwen-VL)
+    also `rope_position_ids` (batch, 3, length): each example's positions as the model computes them for the
+    example alone (its `get_rope_index` with the example's tokens and image grids), restarting at every example.
+
+    Args:
+        model_config: the model's config (its `model_type` picks the positions; Qwen-VL's carries the merge size).
+    """
+
+    def __init__(self, processor, model_config, pad_to_multiple_of: int | None = None,
+                 attn_implementation: str | None = None, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):  # fmt: skip
+        family = model_config.model_type
+        if family not in PACKABLE_VISION_FAMILIES:
+            raise ConfigError(packing_refusal(family))
+        self.processor, self.max_image_pixels = processor, max_image_pixels
+        self.pack = PackedCollator(processor.tokenizer.pad_token_id, pad_to_multiple_of, attn_implementation)
+        self.model_config = model_config if PACKABLE_VISION_FAMILIES[family] == "3-D" else None
+        self._rope = None  # the model's rope index, built on first use in each worker (`_rope_model`)
+
+    def __getstate__(self):  # the workers get the config and build their own rope index
+        return {**self.__dict__, "_rope": None}
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        batch = self.pack(features)
+        batch.update(decoded_image_inputs(self.processor, features, batch["input_ids"], self.max_image_pixels))
+        if self.model_config is not None:
+            self._rope = self._rope or _rope_model(self.model_config)
+            batch["rope_position_ids"] = packed_rope_positions(self._rope, features, batch)
+        return batch
+
+
+def _rope_model(model_config):
+    """The model's inner class (`Qwen2VLModel`, ...) on the meta device, for its `get_rope_index` alone: the method
+    reads only the config, and the meta device holds no weights, so a loader's worker builds one in milliseconds."""
+    from transformers import AutoModel
+
+    config = copy.deepcopy(model_config)
+    with torch.device("meta"):
+        return AutoModel.from_config(config, attn_implementation="eager")
+
+
+def packed_rope_positions(rope_model, features: list[dict[str, Any]], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(batch, 3, length) rotary positions of packed rows: every example's as `rope_model.get_rope_index` gives
+    them for the example alone, with its own image grids (`image_grid_thw` holds the batch's images in row order,
+    `images_per_example` how many each example has); the padding tail counts 0, 1, 2, ... as its text would."""
+    input_ids, types = batch["input_ids"], batch["mm_token_type_ids"]
+    grids = batch.get("image_grid_thw")
+    positions = torch.arange(input_ids.shape[1]).repeat(input_ids.shape[0], 3, 1)
+    image = 0
+    for i, f in enumerate(features):
+        start = 0
+        for length, count in zip(f["seq_lengths"], f["images_per_example"]):
+            span = slice(start, start + length)
+            example_grids = grids[image : image + count] if count else None
+            if count:
+                rope, _ = rope_model.get_rope_index(input_ids[i : i + 1, span], types[i : i + 1, span],
+                                                    image_grid_thw=example_grids)  # fmt: skip
+                positions[i, :, span] = rope[:, 0]
+            else:  # text alone: the model counts positions as a text model does
+                positions[i, :, span] = torch.arange(length)
+            image += count
+            start += length
+        positions[i, :, start:] = torch.arange(input_ids.shape[1] - start)
+    return positions
 
 
 class VisionPromptCollator:

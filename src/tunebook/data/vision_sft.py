@@ -13,6 +13,7 @@ model is a vision-language model, the text path otherwise.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -30,7 +31,7 @@ from .images import IMAGE_COLUMNS, check_images, read_image_source
 from .packing import example_lengths
 from .pipeline import Pipeline, PreparedData, Tokenised
 from .pixel_cache import add_pixel_values, image_files_fingerprint
-from .sft import SFTData, held_out_split, prepare_sft_data
+from .sft import SFTData, held_out_split, pack_cached, prepare_sft_data
 from .sources import DataSource, fingerprint_sources, parse_sources
 from .synthetic import write_synthetic_image_task
 from .vision_tokenize import images_fingerprint, processor_fingerprint, tokenize_image_conversations
@@ -44,6 +45,8 @@ __all__ = [
     "vision_processor",
 ]
 
+# What a packed row keeps beside its tokens: the images of its examples in row order, and how many each has.
+PACKED_IMAGE_COLUMNS = ("images", "where")
 VISION_VERSION = "1"  # bump when vision tokenisation or masking changes what it produces
 _SIZES = datasets.List(datasets.List(datasets.Value("int32")))
 VISION_FEATURES = datasets.Features({
@@ -171,10 +174,9 @@ class VisionSFTPipeline(Pipeline):
 
     def prepare(self) -> PreparedData:
         config = self.config
-        for key, why in (("packing", "packing rows with images is not supported yet"),
-                         ("split_turns", "one example per turn is not supported with images yet")):  # fmt: skip
-            if getattr(config, key):
-                raise ConfigError(f"{key}: true with a vision-language model: {why}; set {key}: false")
+        if config.split_turns:
+            raise ConfigError("split_turns: true with a vision-language model: one example per turn is not supported "
+                              "with images yet; set split_turns: false")  # fmt: skip
         if any(isinstance(s, dict) and s.get("streaming") for s in _listed(config.train_data)):
             raise ConfigError("train_data: streaming: true with a vision-language model is not supported yet; remove "
                               "streaming (the rows are cached, the images read in the loader's workers)")  # fmt: skip
@@ -232,14 +234,23 @@ class VisionSFTPipeline(Pipeline):
         return train._replace(dataset=kept), Tokenised(held, train.key, {})
 
     def finish(self, train: Tokenised, evaluation: Tokenised | None) -> SFTData:
-        stats = {**train.stats, **self.notes}
-        stats["train_rows"] = len(train.dataset)
-        stats["train_tokens_per_epoch"] = int(example_lengths(train.dataset).sum())
+        config, stats = self.config, {**train.stats, **self.notes}
+        train_rows = train.dataset
+        eval_examples = eval_rows = evaluation.dataset if evaluation is not None else None
+        if config.packing:  # each example's images (and cached pixels) travel with it, in their placeholders' order
+            carry = PACKED_IMAGE_COLUMNS + (("pixel_inputs",) if config.cache_pixel_values else ())
+            pack = functools.partial(pack_cached, config, cache_dir=self.cache_dir, built=self.built, log=self.log,
+                                     carry=carry)  # fmt: skip
+            train_rows, pack_stats = pack(train.dataset, train.key, self.holds_out and "train" or None, name="train")
+            stats.update(pack_stats)
+            if evaluation is not None:
+                eval_rows, _ = pack(evaluation.dataset, evaluation.key, self.holds_out and "eval" or None, name="eval")
         if self.eval_sources:  # eval_data's rows dropped for a bad image count too (held-out rows are in the above)
             stats["eval_skipped_bad_image"] = evaluation.stats["skipped_bad_image"]
-        eval_rows = evaluation.dataset if evaluation is not None else None
-        return SFTData(tokenizer=self.tokenizer, processor=self.processor, train=train.dataset, eval=eval_rows,
-                       eval_examples=eval_rows, stats=stats)  # fmt: skip
+        stats["train_rows"] = len(train_rows)
+        stats["train_tokens_per_epoch"] = int(example_lengths(train_rows).sum())
+        return SFTData(tokenizer=self.tokenizer, processor=self.processor, train=train_rows, eval=eval_rows,
+                       eval_examples=eval_examples, stats=stats)  # fmt: skip
 
 
 def _listed(spec) -> list:

@@ -26,6 +26,7 @@ __all__ = [
     "BLOCK_MASK_KEYS",
     "BLOCK_MASK_PREFIX",
     "IMAGE_INPUTS",
+    "PACKABLE_VISION_FAMILIES",
     "SEGMENT_SDPA",
     "VARLEN_BACKENDS",
     "attention_inputs",
@@ -34,6 +35,7 @@ __all__ = [
     "document_kv_blocks",
     "image_inputs",
     "packing_mechanism",
+    "packing_refusal",
     "segment_sdpa_attention",
     "sliding_window",
     "use_packed_attention",
@@ -73,6 +75,8 @@ def segment_sdpa_attention(module, query, key, value, attention_mask, scaling=No
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     cu = kwargs.get("cu_seq_lens_q")
+    # A vision tower's attention comes here too, without our lengths: transformers 5.23 does not hand the language
+    # model's keyword arguments to the tower (tests/equivalence/test_packed_vision.py fails the day it does).
     if cu is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
@@ -144,10 +148,28 @@ _TWO_D_MASK_ONLY = {
 }
 
 
+# The vision-language families whose packed rows train exactly as their examples alone
+# (tests/equivalence/test_packed_vision.py), and how their positions restart per example: LLaVA's language model
+# takes 1-D positions; Qwen2-VL's and Qwen2.5-VL's take 3-D multimodal rotary positions (time, height, width),
+# computed per example by the model's own `get_rope_index`. Other families are refused (`check_packable`): Gemma 3
+# lets an image's tokens attend to each other both ways, Idefics3/SmolVLM and the rest are untested here.
+PACKABLE_VISION_FAMILIES = {"llava": "1-D", "qwen2_vl": "3-D", "qwen2_5_vl": "3-D"}
+
+
+def packing_refusal(family: str) -> str:
+    """The one line that refuses packing for a vision-language family it does not keep exact."""
+    return (f"packing: true with a {family} vision-language model: packing rows with images is supported for "
+            f"{', '.join(PACKABLE_VISION_FAMILIES)} only; set packing: false (group_by_length: true batches "
+            "examples of similar length, image tokens counted)")  # fmt: skip
+
+
 def check_packable(model, fix: str = "set packing: false") -> None:
     """Stop with one line where no packed-attention path keeps `model`'s examples apart: layers with state along the
     row (Mamba, convolution, linear attention: Jamba, Bamba, Falcon-H1, Granite-4.0-H, LFM2, Qwen3-Next, ...), and
     families that accept only a 2D mask (Bloom, Falcon with ALiBi, GPT-1). Padded batches train them correctly."""
+    family = getattr(model.config, "model_type", "")
+    if getattr(model.config, "vision_config", None) is not None and family not in PACKABLE_VISION_FAMILIES:
+        raise ConfigError(packing_refusal(family))
     config = _text_config(model.config)
     name, model_type = type(model).__name__, getattr(config, "model_type", "")
     kinds = sorted({str(k) for k in getattr(config, "layer_types", None) or []
@@ -345,6 +367,10 @@ def attention_inputs(batch: dict[str, torch.Tensor], attn_implementation: str, d
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
         return {**inputs, **image_inputs(batch)}
     inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+    inputs.update(image_inputs(batch))  # packed rows with images: their images in the rows' order
+    if "rope_position_ids" in batch:  # Qwen-VL: its 3-D positions per example, after the 1-D ones that restart
+        # at each example and mark the boundaries for flash varlen kernels: (4, batch, length), as the model takes
+        inputs["position_ids"] = torch.cat([batch["position_ids"][None], batch["rope_position_ids"].transpose(0, 1)])
     if attn_implementation in VARLEN_BACKENDS:  # transformers derives the cumulative lengths from position ids
         return inputs
     seq = batch["seq_ids"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -15,8 +16,10 @@ from PIL import Image
 from tunebook.config import SFTConfig
 from tunebook.config.tiny import TINY_LLAVA, TINY_QWEN2_VL
 from tunebook.data.image_files import image_reference, image_size, open_image
+from tunebook.data.loaders import LengthGroupedSampler
+from tunebook.data.packing import example_lengths
 from tunebook.data.tokenize import IGNORE_INDEX
-from tunebook.data.vision_collate import VisionCollator, VisionPromptCollator
+from tunebook.data.vision_collate import VisionCollator, VisionPackedCollator, VisionPromptCollator
 from tunebook.data.vision_sft import prepare_sft_or_vision_data, prepare_vision_sft_data, uses_images
 from tunebook.data.vision_tokenize import image_token_ids, tokenize_image_conversation, tokenize_image_conversations
 from tunebook.errors import ConfigError, DataError
@@ -146,10 +149,52 @@ def test_the_cache_key_follows_an_image_files_size(tmp_path):
     assert changed.train[0]["image_sizes"] == [[28, 28]]
 
 
-def test_packing_with_images_is_refused(tmp_path):
-    _write_data(tmp_path, [(56, 56)])
-    with pytest.raises(ConfigError, match="packing: true with a vision-language model"):
-        prepare_vision_sft_data(_config(tmp_path, packing=True), tmp_path / "cache", LOG)
+def test_packed_rows_keep_each_examples_images_in_the_order_of_their_placeholders(tmp_path):
+    _write_data(tmp_path, [(56, 56), (28, 28), (84, 56), (56, 28), (28, 28), (56, 56)])
+    data = prepare_vision_sft_data(_config(tmp_path, packing=True, max_seq_length=64), tmp_path / "cache", LOG)
+    examples = prepare_vision_sft_data(_config(tmp_path), tmp_path / "cache", LOG).train
+    assert "train packing" in data.built and data.stats["examples_packed"] == len(examples) == 6
+    assert len(data.train) < len(examples)
+    by_where = {e["where"]: e for e in examples}
+    image_pad, seen = data.processor.image_token_id, []
+    for row in data.train:
+        assert len(row["input_ids"]) <= 64 and sum(row["images_per_example"]) == len(row["images"])
+        start, image = 0, 0
+        wheres = row["where"].split("; ")  # the examples' rows, in the packed row's order
+        for length, count, where in zip(row["seq_lengths"], row["images_per_example"], wheres, strict=True):
+            example = by_where[where]
+            assert row["input_ids"][start : start + length] == example["input_ids"]  # the example, whole
+            assert row["images"][image : image + count] == example["images"]  # its images, in its place
+            seen.append(where)
+            start, image = start + length, image + count
+    assert sorted(seen) == sorted(examples["where"])
+    # The collator decodes them in that order: every row's image tokens are as many as its images need (it checks).
+    batch = VisionPackedCollator(data.processor, _tiny_qwen_config())(list(data.train))
+    needed = (batch["image_grid_thw"].prod(-1) // 4).sum().item()
+    assert (batch["input_ids"] == image_pad).sum().item() == needed
+    assert batch["pixel_values"].shape[0] == batch["image_grid_thw"].prod(-1).sum().item()
+
+
+def _tiny_qwen_config():
+    from transformers import AutoConfig
+
+    values = {k: v for k, v in TINY_QWEN2_VL.items() if k != "model_type"}
+    return AutoConfig.for_model("qwen2_vl", **values)
+
+
+def test_length_grouping_counts_the_image_tokens(tmp_path):
+    # The same text, pictures of 1 and of 16 image tokens (28 x 28 pixels each, within max_pixels 112 x 112).
+    _write_data(tmp_path, [(28, 28), (112, 112)] * 4)
+    data = prepare_vision_sft_data(_config(tmp_path, max_pixels=112 * 112), tmp_path / "cache", LOG)
+    lengths = example_lengths(data.train)  # what recipes/sft.py gives the sampler with group_by_length
+    image_pad = data.processor.image_token_id
+    tokens = [row["input_ids"].count(image_pad) for row in data.train]
+    assert sorted(set(tokens)) == [1, 16]
+    assert lengths.tolist() == [len(row["input_ids"]) for row in data.train]  # the expanded length
+    assert len(set(lengths - np.array(tokens))) == 1  # the text alone is the same length in every row
+    order = list(LengthGroupedSampler(lengths, batch_size=4, seed=0))
+    for batch in (order[:4], order[4:]):  # each batch holds pictures of one size: it pads nothing
+        assert len({int(lengths[i]) for i in batch}) == 1
 
 
 def test_the_collator_decodes_the_images_and_checks_their_tokens(tmp_path, processors):
@@ -223,3 +268,20 @@ def test_cached_pixel_values_equal_decoded_ones_and_follow_a_rewritten_file(tmp_
     fresh = VisionCollator(again.processor)(rows(again))["pixel_values"]
     assert not torch.equal(fresh, from_cache["pixel_values"])
     assert torch.equal(fresh, VisionCollator(decoded.processor)(rows(decoded))["pixel_values"])  # the new pixels
+
+
+def test_packed_rows_carry_their_cached_pixel_values(tmp_path):
+    from transformers import AutoConfig
+
+    _write_data(tmp_path, [(56, 56), (84, 56), (56, 84), (112, 84)])
+    model_config = AutoConfig.for_model(**TINY_QWEN2_VL)
+    batches = []
+    for cache in (False, True):
+        data = prepare_vision_sft_data(_config(tmp_path, packing=True, cache_pixel_values=cache), tmp_path / "cache",
+                                       LOG)  # fmt: skip
+        assert ("pixel_inputs" in data.train.column_names) == cache
+        rows = [data.train[i] for i in range(len(data.train))]
+        batches.append(VisionPackedCollator(data.processor, model_config)(rows))
+    assert batches[0].keys() == batches[1].keys()
+    for name, value in batches[0].items():  # the packed rows' pixels as decoding them gives
+        assert torch.equal(value, batches[1][name]), name
