@@ -8,6 +8,7 @@ from typing import Literal
 from .checks import (
     MODEL_DATA_CHECKS,
     TRAINING_CHECKS,
+    check_data_files,
     check_reward_functions,
     check_reward_model,
     check_reward_weights,
@@ -195,5 +196,5 @@ class GRPOConfig(CausalLMConfig, VisionConfig, ChatModelConfig):
             check(self)
 
     def check_files(self) -> None:
-        super().check_files()
+        check_data_files(self)
         check_image_dir(self)
