@@ -43,7 +43,6 @@ from tunebook.models import (
     build_vision_lm,
     describe_parameters,
     freeze_vision,
-    lora_targets,
     model_options,
     whole_weights,
 )
@@ -187,10 +186,7 @@ def main(config: DPOConfig) -> dict:
         elif not config.use_peft:  # a frozen copy of the starting model
             reference = frozen_copy(model, accelerator.device)
     if config.use_peft:  # LoRA: the base stays frozen; checkpoints and the output hold only the adapters
-        # A vision-language model's all-linear: the language model's linear layers (and a training projector's)
-        language_only = vision and config.lora_target_modules == "all-linear"
-        targets = lora_targets(model, projector=not config.freeze_projector) if language_only else None
-        model = apply_lora(model, config, target_modules=targets)
+        model = apply_lora(model, config)  # a VLM's all-linear: its language model's layers
     log.info("Model: %s, %s", type(model).__name__, describe_parameters(model))
 
     # --- optimizer, loaders

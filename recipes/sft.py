@@ -50,7 +50,6 @@ from tunebook.models import (
     build_vision_lm,
     describe_parameters,
     freeze_vision,
-    lora_targets,
     model_options,
 )
 from tunebook.training import (
@@ -140,10 +139,7 @@ def main(config: SFTConfig) -> dict:
     else:
         model = build_causal_lm(tokenizer, model_options(config))
     if config.use_peft:  # LoRA: the base stays frozen; checkpoints and the output hold only the adapters
-        # A vision-language model's all-linear: the language model's linear layers (and a training projector's)
-        language_only = vision and config.lora_target_modules == "all-linear"
-        targets = lora_targets(model, projector=not config.freeze_projector) if language_only else None
-        model = apply_lora(model, config, target_modules=targets)
+        model = apply_lora(model, config)  # a VLM's all-linear: its language model's layers
     log.info("Model: %s, %s", type(model).__name__, describe_parameters(model))
     attn, dtype = compat.attn_implementation(model.config), model.dtype
     if config.packing:  # on a CPU, sdpa becomes our per-example (varlen) SDPA

@@ -54,7 +54,8 @@ def apply_lora(
     """`model` with LoRA adapters from the config's `lora_*` keys (`use_peft`); only they (and
     `modules_to_save`) are trainable. A 4-bit model (`load_in_4bit`) is first prepared for k-bit training.
     `target_modules`, where given, replaces `lora_target_modules` as peft takes it (a string is a regex over whole
-    module names): a vision-language model's default, `tunebook.models.vision.lora_targets`."""
+    module names). A vision-language model's `all-linear` is its language model's linear layers, and the
+    projector's unless `freeze_projector` (`tunebook.models.vision.lora_targets`): peft's would adapt the tower too."""
     try:
         from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     except ImportError:
@@ -63,8 +64,12 @@ def apply_lora(
         # Non-reentrant checkpointing is set up by build_*; peft must not switch it back to reentrant.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     if target_modules is None:
+        from .vision import is_vision_language_model, lora_targets
+
         targets = config.lora_target_modules
         target_modules = targets if targets == "all-linear" or isinstance(targets, list) else [targets]
+        if targets == "all-linear" and is_vision_language_model(model.config):
+            target_modules = lora_targets(model, projector=not getattr(config, "freeze_projector", False))
     lora = LoraConfig(
         r=config.lora_r,
         lora_alpha=config.lora_alpha,
