@@ -312,13 +312,17 @@ class PendingRollouts:
     batch: registered for checkpointing (this process's), so a run resumed there trains on them, not on new ones."""
 
     def __init__(self):
-        self.pending: dict[str, Any] | None = None  # {"iteration": i, "rollouts": [Rollouts.state_dict(), ...]}
+        # as loaded from a checkpoint: {"iteration": i, "rollouts": [Rollouts.state_dict(), ...]}
+        self.pending: dict[str, Any] | None = None
+        # (the next update's index, the rollouts) since the last update: turned into lists only when a checkpoint is
+        # saved, not after every update (a VLM's pixel values are millions of numbers)
+        self._kept: tuple[int, list[Rollouts]] | None = None
 
     def keep(self, iteration: int, rollouts: list[Rollouts], iterations: int) -> None:
         """After update `iteration` of a generation batch: the rollouts a checkpoint must keep (none after the
         last update)."""
-        done = iteration + 1 == iterations
-        self.pending = None if done else {"iteration": iteration + 1, "rollouts": [r.state_dict() for r in rollouts]}
+        self._kept = None if iteration + 1 == iterations else (iteration + 1, rollouts)
+        self.pending = None
 
     def take(self, device) -> tuple[int, list[Rollouts]] | None:
         """(the next update's index, the rollouts) kept by `keep` in the checkpoint resumed from, or None."""
@@ -327,7 +331,10 @@ class PendingRollouts:
         return self.pending["iteration"], [Rollouts.from_state_dict(r, device) for r in self.pending["rollouts"]]
 
     def state_dict(self) -> dict[str, Any] | None:
+        if self._kept is not None:
+            iteration, rollouts = self._kept
+            return {"iteration": iteration, "rollouts": [r.state_dict() for r in rollouts]}
         return self.pending
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        self.pending = state
+        self.pending, self._kept = state, None
