@@ -24,6 +24,7 @@ import numpy as np
 from ..config.tiny import TINY_QWEN2_VL
 from ..errors import ConfigError, DataError
 from ..locations import PACKAGE_PREFIX, package_model
+from ..models.build import read_model_config
 from ..models.tokenizer import setup_chat_template
 from ..models.vision import is_vision_language_model, load_processor, tiny_processor
 from .cache import fingerprint
@@ -71,6 +72,8 @@ def uses_images(config, log: logging.Logger | None = None) -> bool:
     recipes/configs/sft/vlm_default.yaml builds) and `config.model_config` says so."""
     default = config.model_name_or_path is None and config.model_config == dict(config.tiny_model)
     model = config.model_name_or_path or config.model_config
+    if config.model_name_or_path is None and isinstance(model, str):  # a config file: read as the model build reads it
+        model = read_model_config(model)
     if isinstance(model, str) and model.startswith(PACKAGE_PREFIX):  # pip:: a folder, or a GGUF file (text only)
         folder = package_model(model)
         model = str(folder) if folder.is_dir() else None
