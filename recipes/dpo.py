@@ -39,11 +39,8 @@ from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import prompt_sampler
 from tunebook.models import (
     apply_lora,
-    build_causal_lm,
-    build_vision_lm,
+    build_chat_lm,
     describe_parameters,
-    freeze_vision,
-    model_options,
     whole_weights,
 )
 from tunebook.preference import (
@@ -159,8 +156,7 @@ def main(config: DPOConfig) -> dict:
     # --- data: prepared under a file lock (the first process builds, the others map the files), then all meet
     # A vision-language model's pairs carry images (its processor in data.processor), else text.
     data = prepare_then_join(accelerator, config, prepare_preference_or_vision_data, run.cache_dir, log)
-    tokenizer, vision = data.tokenizer, data.processor is not None
-    pair = data.train[0]
+    tokenizer, pair = data.tokenizer, data.train[0]
     log.info(
         "One training pair, loss-bearing text in [[...]]:\nchosen:   %s\nrejected: %s",
         format_loss_mask(tokenizer, pair["chosen_input_ids"], pair["chosen_labels"]),
@@ -168,11 +164,8 @@ def main(config: DPOConfig) -> dict:
     )
 
     # --- model: the policy; optionally a brief SFT warm-up; then the reference it is measured against
-    if vision:  # the vision tower (and with freeze_projector the projector) keeps its weights
-        model = build_vision_lm(data.processor, model_options(config))
-        freeze_vision(model, config.freeze_vision_tower, config.freeze_projector)
-    else:
-        model = build_causal_lm(tokenizer, model_options(config))
+    # a vision-language model (data.processor): its vision tower frozen (freeze_vision_tower)
+    model = build_chat_lm(tokenizer, data.processor, config)
     with whole_weights(model):  # under DeepSpeed ZeRO-3 the model is built partitioned: whole until prepare
         if config.sft_warmup_steps:  # on the chosen responses
             warm_up(config, model, data, accelerator, log)

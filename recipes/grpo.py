@@ -3,10 +3,8 @@
 With no arguments it runs the embedded offline default: the SFT default's digit task as prompts with reference
 answers, a locally trained tokenizer and a tiny Llama that a short SFT warm-up first teaches the answer format;
 then GRPO samples 8 completions per prompt, rewards exact matches, and reports the held-out exact match of greedy
-answers when GRPO starts and at the end. A vision-language model (`AutoModelForImageTextToText`) takes prompts with
-images the same way (recipes/configs/grpo/vlm_default.yaml: "What colour is the square?" on generated pictures, a
-tiny Qwen2-VL): its processor tokenises, the loader's workers decode the images, and a prompt's completions are
-generated and scored with its images (the rewards get their paths as `images`).
+answers when GRPO starts and at the end. A vision-language model takes prompts with images the same way
+(recipes/configs/grpo/vlm_default.yaml): completions are generated and scored with them (rewards get `images`).
 
     tunebook train --config_file accelerate_configs/cpu.yaml grpo                                # CPU
     tunebook train --config_file accelerate_configs/multi_cpu.yaml grpo                          # 2 CPU processes
@@ -29,21 +27,12 @@ import time
 import torch
 
 from tunebook.config import GRPOConfig, load_config
-from tunebook.data import VisionCollator, train_and_eval_loaders
+from tunebook.data import train_and_eval_loaders
 from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import log_samples, prompt_sampler
-from tunebook.models import (
-    apply_lora,
-    build_causal_lm,
-    build_vision_lm,
-    describe_parameters,
-    freeze_vision,
-    model_options,
-    unwrap,
-    whole_weights,
-)
+from tunebook.models import apply_lora, build_chat_lm, describe_parameters, unwrap, whole_weights
 from tunebook.preference import frozen_copy, partition_reference
-from tunebook.rl import PromptData, PromptRows, prepare_prompt_data, reference_examples, reward_inputs
+from tunebook.rl import PromptData, PromptRows, prepare_prompt_data, reward_inputs
 from tunebook.rl.evaluation import evaluate_completions
 from tunebook.rl.grpo import (
     GRPOStats,
@@ -60,7 +49,7 @@ from tunebook.rl.grpo import (
     stop_tokens,
 )
 from tunebook.rl.rewards import combined, describe, load_reward_functions, score
-from tunebook.rl.vision_prompts import VisionPromptRows, prompt_images, vision_reference_examples
+from tunebook.rl.vision_prompts import VisionPromptRows, prompt_images, warmup_examples
 from tunebook.training import (
     accumulation_windows,
     after_step,
@@ -161,14 +150,8 @@ def evaluate(config: GRPOConfig, model, data: PromptData, rewards, accelerator, 
 
 def warm_up(config: GRPOConfig, model, data: PromptData, accelerator, log) -> None:
     """A brief SFT on the reference answers, which teaches the answer format before GRPO rewards it."""
-    collate = None
-    if data.processor is not None:  # a VLM's: the answers with their prompts' images
-        examples = vision_reference_examples(
-            data.train, data.processor, config.reference_column, config.max_seq_length
-        )
-        collate = VisionCollator(data.processor, max_image_pixels=config.max_image_pixels)
-    else:
-        examples = reference_examples(data.train, data.tokenizer, config.reference_column, config.max_seq_length)
+    # the answers with their prompts, and for a VLM their images with the collator that decodes them
+    examples, collate = warmup_examples(data, config.reference_column, config.max_seq_length, config.max_image_pixels)
     sft_warmup(
         model,
         examples,
@@ -190,14 +173,10 @@ def main(config: GRPOConfig) -> dict:
 
     # --- data: prompts (and their other columns, for the rewards), prepared under a file lock, then all meet
     data = prepare_then_join(accelerator, config, prepare_prompt_data, run.cache_dir, log)
-    tokenizer, vision = data.tokenizer, data.processor is not None
+    tokenizer = data.tokenizer
 
-    # --- model: the policy; optionally a brief SFT warm-up on the reference answers; the reference for the KL
-    if vision:  # the vision tower (and with freeze_projector the projector) keeps its weights
-        model = build_vision_lm(data.processor, model_options(config))
-        freeze_vision(model, config.freeze_vision_tower, config.freeze_projector)
-    else:
-        model = build_causal_lm(tokenizer, model_options(config))
+    # --- model: the policy (a VLM's tower frozen); optionally a brief SFT warm-up; the reference for the KL
+    model = build_chat_lm(tokenizer, data.processor, config)
     with whole_weights(model):  # under DeepSpeed ZeRO-3 the model is built partitioned: whole until prepare
         if config.sft_warmup_steps:
             warm_up(config, model, data, accelerator, log)
@@ -220,9 +199,10 @@ def main(config: GRPOConfig) -> dict:
     optimizer = build_optimizer(
         model, config.learning_rate, config.weight_decay, (config.adam_beta1, config.adam_beta2), config.adam_epsilon
     )
-    # A VLM's prompts: their images decoded in the loader's workers, once for the group of completions
-    collate = VisionPromptRows(data.processor, config.num_generations, config.max_image_pixels) if vision else None
-    train_loader, _ = train_and_eval_loaders(config, data.train, None, collate or PromptRows())
+    collate = PromptRows()  # a VLM's: its images decoded in the loader's workers, once for a group's completions
+    if data.processor is not None:
+        collate = VisionPromptRows(data.processor, config.num_generations, config.max_image_pixels)
+    train_loader, _ = train_and_eval_loaders(config, data.train, None, collate)
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     reference = partition_reference(accelerator, reference)  # under ZeRO-3 sharded as the policy is
     plan = plan_steps(run, model, train_loader, "prompts", updates_per_window=config.num_iterations)

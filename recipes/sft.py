@@ -46,11 +46,8 @@ from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import evaluate_loss, generation_exact_match, log_samples, prompt_sampler
 from tunebook.models import (
     apply_lora,
-    build_causal_lm,
-    build_vision_lm,
+    build_chat_lm,
     describe_parameters,
-    freeze_vision,
-    model_options,
 )
 from tunebook.training import (
     LossWindow,
@@ -124,7 +121,6 @@ def main(config: SFTConfig) -> dict:
     # --- data: prepared under a file lock (the first process builds, the others map the files), then all meet
     # A vision-language model's data (rows with image references, its processor in data.processor), else text.
     data = prepare_then_join(accelerator, config, prepare_sft_or_vision_data, run.cache_dir, log)
-    vision = data.processor is not None
     tokenizer = data.tokenizer
     log.info(
         "One training %s, loss-bearing text in [[...]]:\n%s",
@@ -133,11 +129,8 @@ def main(config: SFTConfig) -> dict:
     )
 
     # --- model, optimizer, loaders
-    if vision:  # the vision tower (and with freeze_projector the projector) keeps its weights
-        model = build_vision_lm(data.processor, model_options(config))
-        freeze_vision(model, config.freeze_vision_tower, config.freeze_projector)
-    else:
-        model = build_causal_lm(tokenizer, model_options(config))
+    # a vision-language model (data.processor): its vision tower frozen (freeze_vision_tower)
+    model = build_chat_lm(tokenizer, data.processor, config)
     if config.use_peft:  # LoRA: the base stays frozen; checkpoints and the output hold only the adapters
         model = apply_lora(model, config)  # a VLM's all-linear: its language model's layers
     log.info("Model: %s, %s", type(model).__name__, describe_parameters(model))

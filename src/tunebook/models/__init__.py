@@ -18,7 +18,7 @@ _LAZY = {
         "parameter_counts", "register_adapter_checkpoints",
     ],
     "tunebook.models.vision": [
-        "build_vision_lm", "freeze_vision", "is_vision_language_model", "load_processor", "lora_targets",
+        "build_chat_lm", "build_vision_lm", "freeze_vision", "is_vision_language_model", "load_processor", "lora_targets",
         "save_processor", "tiny_processor",
     ],
     "tunebook.models.wrappers": ["unwrap"],

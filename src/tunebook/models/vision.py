@@ -39,7 +39,7 @@ from transformers import (
 
 from ..errors import ConfigError, ModelError, first_line
 from ..locations import looks_like_local_path
-from .build import ModelOptions, finish_model, load_pretrained, read_model_config, torch_dtype
+from .build import ModelOptions, build_causal_lm, finish_model, load_pretrained, read_model_config, torch_dtype
 from .saving import save_processor
 
 __all__ = [
@@ -230,6 +230,16 @@ def build_vision_lm(
     model = finish_model(model, tokenizer, options)
     if options.gradient_checkpointing:  # the language model reads its own config's use_cache, not the outer one
         model.config.get_text_config().use_cache = False
+    return model
+
+
+def build_chat_lm(tokenizer, processor: ProcessorMixin | None, config) -> PreTrainedModel:
+    """A chat recipe's model (sft, dpo, grpo): with a processor, the vision-language model (`build_vision_lm`) with
+    its vision tower, and with `freeze_projector` its projector, frozen as the config says; else the causal LM."""
+    if processor is None:
+        return build_causal_lm(tokenizer, ModelOptions.from_config(config))
+    model = build_vision_lm(processor, ModelOptions.from_config(config))
+    freeze_vision(model, config.freeze_vision_tower, config.freeze_projector)
     return model
 
 

@@ -33,7 +33,7 @@ from ..data.pipeline import Tokenised
 from ..data.sources import DataSource, fingerprint_sources
 from ..data.synthetic import write_synthetic_image_task
 from ..data.tokenize import IGNORE_INDEX
-from ..data.vision_collate import decoded_image_inputs
+from ..data.vision_collate import VisionCollator, decoded_image_inputs
 from ..data.vision_sft import uses_images, vision_processor
 from ..data.vision_tokenize import (
     image_token_ids,
@@ -43,7 +43,14 @@ from ..data.vision_tokenize import (
     tokenize_image_prompt,
 )
 from ..errors import DataError
-from .prompts import PromptData, PromptPipeline, PromptRows, load_prompts, prepare_text_prompt_data
+from .prompts import (
+    PromptData,
+    PromptPipeline,
+    PromptRows,
+    load_prompts,
+    prepare_text_prompt_data,
+    reference_examples,
+)
 
 __all__ = [
     "PromptImages",
@@ -53,6 +60,7 @@ __all__ = [
     "prompt_images",
     "vision_reference_examples",
     "write_synthetic_image_prompts",
+    "warmup_examples",
 ]
 
 VISION_PROMPTS_VERSION = "1"  # bump when what the preparation produces changes
@@ -224,6 +232,16 @@ class PromptImages:
 def prompt_images(batch: dict[str, Any], processor) -> PromptImages | None:
     """A `VisionPromptRows` batch's `PromptImages`; None for a text model's batch (no processor)."""
     return None if processor is None else PromptImages(batch["image_inputs"], processor)
+
+
+def warmup_examples(data: PromptData, reference_column: str, max_seq_length: int, max_image_pixels: int):
+    """(examples, collate_fn) of GRPO's SFT warm-up: the prompts with their reference answers, and for a
+    vision-language model (`data.processor`) with their images and the collator that decodes them (None: the
+    warm-up's own padding)."""
+    if data.processor is None:
+        return reference_examples(data.train, data.tokenizer, reference_column, max_seq_length), None
+    examples = vision_reference_examples(data.train, data.processor, reference_column, max_seq_length)
+    return examples, VisionCollator(data.processor, max_image_pixels=max_image_pixels)
 
 
 def vision_reference_examples(prompts: datasets.Dataset, processor, reference_column: str, max_seq_length: int):
