@@ -35,7 +35,7 @@ from .pixel_cache import add_pixel_values, image_files_fingerprint
 from .sft import SFTData, held_out_split, pack_cached, prepare_sft_data
 from .sources import DataSource, fingerprint_sources, parse_sources
 from .synthetic import write_synthetic_image_task
-from .vision_tokenize import images_fingerprint, processor_fingerprint, tokenize_image_conversations
+from .vision_tokenize import images_fingerprint, processor_fingerprint, tokenise_cached, tokenize_image_conversations
 
 __all__ = [
     "VISION_FEATURES",
@@ -270,23 +270,10 @@ def _texts(conversations: datasets.Dataset):
 
 
 def _tokenised(checked: datasets.Dataset, processor, config, key: str, scratch: Path):
-    tokenised = checked.map(
-        tokenize_image_conversations,
-        batched=True,
-        batch_size=100,
-        fn_kwargs={
-            "processor": processor,
-            "max_seq_length": config.max_seq_length,
-            "overlong": config.overlong_examples,
-            "assistant_only_loss": config.assistant_only_loss,
-        },  # fmt: skip
-        remove_columns=["conversation"],
-        features=VISION_FEATURES,
-        num_proc=config.dataset_num_proc,
-        cache_file_name=str(scratch / "tokenised.arrow"),
-        new_fingerprint=key,  # not a hash of the processor, which datasets would pickle for every run
-        desc="Tokenising (images as blanks of their sizes)",
-    )
+    tokenised = tokenise_cached(
+        checked, tokenize_image_conversations, processor, VISION_FEATURES, config, key, scratch,
+        "Tokenising (images as blanks of their sizes)", assistant_only_loss=config.assistant_only_loss,
+    )  # fmt: skip
     keep = np.asarray(tokenised.data.column("keep"), dtype=bool)
     truncated = np.asarray(tokenised.data.column("truncated"), dtype=bool)
     image_cut = np.asarray(tokenised.data.column("image_cut"), dtype=bool)

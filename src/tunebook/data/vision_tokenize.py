@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
 from PIL import Image
@@ -32,6 +33,7 @@ __all__ = [
     "tokenize_image_conversations",
     "tokenize_image_prompt_and_responses",
     "tokenize_image_prompt",
+    "tokenise_cached",
 ]
 
 
@@ -215,3 +217,25 @@ def images_fingerprint(dataset) -> str:
                 if buffer is not None:
                     h.update(buffer)
     return h.hexdigest()
+
+
+def tokenise_cached(checked, function, processor, features, config, key: str, scratch: Path, desc: str, **kwargs):
+    """`checked.map(function)` of the rows with image references, batched, into `scratch/tokenised.arrow` under the
+    cache entry's `key`: what the SFT and DPO vision pipelines share (`function` and `kwargs` are theirs)."""
+    return checked.map(
+        function,
+        batched=True,
+        batch_size=100,
+        fn_kwargs={
+            "processor": processor,
+            "max_seq_length": config.max_seq_length,
+            "overlong": config.overlong_examples,
+            **kwargs,
+        },  # fmt: skip
+        remove_columns=["conversation"],
+        features=features,
+        num_proc=config.dataset_num_proc,
+        cache_file_name=str(scratch / "tokenised.arrow"),
+        new_fingerprint=key,  # not a hash of the processor, which datasets would pickle for every run
+        desc=desc,
+    )

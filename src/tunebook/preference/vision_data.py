@@ -41,7 +41,12 @@ from ..data.sources import DataSource, fingerprint_sources
 from ..data.synthetic import write_synthetic_image_preferences
 from ..data.tokenize import IGNORE_INDEX
 from ..data.vision_sft import VISION_FEATURES, uses_images, vision_processor
-from ..data.vision_tokenize import images_fingerprint, processor_fingerprint, tokenize_image_prompt_and_responses
+from ..data.vision_tokenize import (
+    images_fingerprint,
+    processor_fingerprint,
+    tokenise_cached,
+    tokenize_image_prompt_and_responses,
+)
 from ..errors import DataError
 from .data import PAIR_COLUMNS, PreferenceData, PreferencePipeline, held_out_pairs, preference_pair
 
@@ -203,22 +208,8 @@ def _texts(pairs: datasets.Dataset):
 
 
 def _tokenised(checked: datasets.Dataset, processor, config, key: str, scratch: Path):
-    tokenised = checked.map(
-        tokenize_image_pairs,
-        batched=True,
-        batch_size=100,
-        fn_kwargs={
-            "processor": processor,
-            "max_seq_length": config.max_seq_length,
-            "overlong": config.overlong_examples,
-        },  # fmt: skip
-        remove_columns=["conversation"],
-        features=PAIR_IMAGE_FEATURES,
-        num_proc=config.dataset_num_proc,
-        cache_file_name=str(scratch / "tokenised.arrow"),
-        new_fingerprint=key,  # not a hash of the processor, which datasets would pickle for every run
-        desc="Tokenising pairs (images as blanks of their sizes)",
-    )
+    tokenised = tokenise_cached(checked, tokenize_image_pairs, processor, PAIR_IMAGE_FEATURES, config, key, scratch,
+                                "Tokenising pairs (images as blanks of their sizes)")  # fmt: skip
     keep = np.asarray(tokenised.data.column("keep"), dtype=bool)
     stats = {
         "pairs_read": len(tokenised),
