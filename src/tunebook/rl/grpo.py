@@ -43,20 +43,31 @@ __all__ = [
     "grpo_token_losses",
     "loss_normaliser",
     "sample_completions",
+    "sample_with_log_probs",
     "step_normaliser",
     "stop_tokens",
 ]
 
 
 class SeededSampling(LogitsProcessor):
-    """Temperature, top-p, then Gumbel noise from each row's own generator: greedy decoding then samples."""
+    """Temperature, top-p, then Gumbel noise from each row's own generator: greedy decoding then samples.
 
-    def __init__(self, seeds: list[int], temperature: float, top_p: float):
+    With `record_log_probs`, it also keeps each sampled token's log-probability under softmax(logits / T) (before
+    top-p, as the trainer computes it): a call's distribution is gathered at the next call, once the token chosen
+    from it is the last of `input_ids`, so only one (rows, vocabulary) row of log-probs is held at a time."""
+
+    def __init__(self, seeds: list[int], temperature: float, top_p: float, record_log_probs: bool = False):
         self.generators = [torch.Generator().manual_seed(s) for s in seeds]
         self.temperature, self.top_p = temperature, top_p
+        self.record = record_log_probs
+        self.log_probs: list[torch.Tensor] = []  # (rows,) per generated position
+        self._last: torch.Tensor | None = None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         scores = scores.float() / self.temperature
+        if self.record:
+            self.take_chosen(input_ids[:, -1])
+            self._last = scores.log_softmax(dim=-1)
         if self.top_p < 1.0:
             ordered, order = scores.sort(dim=-1, descending=True)
             probs = ordered.softmax(dim=-1)
@@ -67,6 +78,12 @@ class SeededSampling(LogitsProcessor):
         )
         gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-300)))
         return scores + gumbel.to(scores.device, torch.float32)
+
+    def take_chosen(self, chosen: torch.Tensor) -> None:
+        """The previous call's log-prob of `chosen` (the token sampled from it); after generation, the last one's."""
+        if self._last is not None:
+            self.log_probs.append(self._last.gather(1, chosen[:, None].to(self._last.device))[:, 0].cpu())
+            self._last = None
 
 
 def completion_seed(seed: int, step: int, row: int, index: int) -> int:
@@ -120,6 +137,18 @@ def sample_completions(model, prompt_ids: list[list[int]], seeds: list[int], *, 
     """The completion ids of the prompts (one per seed; repeat a prompt for several), each up to and including its
     first EOS token. `greedy` decodes without noise (evaluation). `images`: a vision-language model's prompts'
     images (`tunebook.rl.vision_prompts.PromptImages`, row for row), never generated as image tokens."""
+    return sample_with_log_probs(model, prompt_ids, seeds, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
+                                 max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, device=device,
+                                 greedy=greedy, images=images, record=False)[0]  # fmt: skip
+
+
+@torch.no_grad()
+def sample_with_log_probs(model, prompt_ids: list[list[int]], seeds: list[int], *, pad_token_id: int,
+                          eos_token_id: int | list[int], max_new_tokens: int, temperature: float, top_p: float,
+                          device, greedy: bool = False, images=None,
+                          record: bool = True) -> tuple[list[list[int]], list[list[float]] | None]:  # fmt: skip
+    """`sample_completions`, and (with `record`, not greedy) each completion token's log-probability under the
+    sampling model's softmax(logits / temperature): what a generation backend reports next to its tokens."""
     longest = max(len(p) for p in prompt_ids)
     input_ids = torch.full((len(prompt_ids), longest), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
@@ -128,7 +157,8 @@ def sample_completions(model, prompt_ids: list[list[int]], seeds: list[int], *, 
         attention_mask[i, longest - len(p) :] = 1
     was_training = model.training
     model.eval()
-    sampling = {} if greedy else {"logits_processor": LogitsProcessorList([SeededSampling(seeds, temperature, top_p)])}
+    sampler = None if greedy else SeededSampling(seeds, temperature, top_p, record_log_probs=record)
+    sampling = {} if sampler is None else {"logits_processor": LogitsProcessorList([sampler])}
     input_ids = input_ids.to(device)
     if images is not None:  # suppressed before the sampling noise: an image token's score is -inf
         sampling.update(images.inputs(input_ids), suppress_tokens=images.suppressed_tokens())
@@ -144,7 +174,11 @@ def sample_completions(model, prompt_ids: list[list[int]], seeds: list[int], *, 
     for row in out[:, longest:].tolist():
         end = next((j + 1 for j, t in enumerate(row) if t in stops), len(row))
         completions.append(row[:end])
-    return completions
+    if sampler is None or not record:
+        return completions, None
+    sampler.take_chosen(out[:, -1])
+    table = torch.stack(sampler.log_probs, dim=1).tolist() if sampler.log_probs else [[] for _ in completions]
+    return completions, [row[: len(c)] for row, c in zip(table, completions)]
 
 
 def rollout_rows(prompt_ids: list[list[int]], completions: list[list[int]], pad_token_id: int, device):
