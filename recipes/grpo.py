@@ -30,26 +30,16 @@ from tunebook.config import GRPOConfig, load_config
 from tunebook.data import train_and_eval_loaders
 from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import log_samples, prompt_sampler
-from tunebook.models import apply_lora, build_chat_lm, describe_parameters, unwrap, whole_weights
+from tunebook.models import apply_lora, build_chat_lm, describe_parameters, whole_weights
 from tunebook.preference import frozen_copy, partition_reference
-from tunebook.rl import PromptData, PromptRows, prepare_prompt_data, reward_inputs
+from tunebook.rl import PromptData, PromptRows, prepare_prompt_data
 from tunebook.rl.evaluation import evaluate_completions
-from tunebook.rl.grpo import (
-    GRPOStats,
-    PendingRollouts,
-    Rollouts,
-    completion_log_probs,
-    completion_seed,
-    group_advantages,
-    grpo_token_losses,
-    loss_numerator,
-    rollout_rows,
-    sample_completions,
-    step_normaliser,
-    stop_tokens,
-)
-from tunebook.rl.rewards import combined, describe, load_reward_functions, score
-from tunebook.rl.vision_prompts import VisionPromptRows, prompt_images, warmup_examples
+from tunebook.rl.generation import make_backend
+from tunebook.rl.grpo import completion_log_probs, grpo_token_losses, loss_numerator, step_normaliser
+from tunebook.rl.rewards import describe, load_reward_functions
+from tunebook.rl.rollouts import PendingRollouts, RolloutSource
+from tunebook.rl.stats import GRPOStats
+from tunebook.rl.vision_prompts import VisionPromptRows, warmup_examples
 from tunebook.training import (
     accumulation_windows,
     after_step,
@@ -68,65 +58,6 @@ from tunebook.training import (
     start_training,
     step_loss_scale,
 )
-
-
-def generate_rollouts(config: GRPOConfig, run, state, model, reference, window, rewards, figures, data) -> list:
-    """Completions of the window's prompts, their rewards and advantages, and the log-probs the loss compares to."""
-    accelerator, G, tokenizer = run.accelerator, config.num_generations, data.tokenizer
-    policy = unwrap(model)
-    parts = []
-    for batch in window:
-        start = time.perf_counter()
-        prompt_ids = [p for p in batch["prompt_ids"] for _ in range(G)]  # a group's completions stay together
-        images = prompt_images(batch, data.processor)  # a VLM's: each prompt's images, once per completion
-        seeds = [
-            completion_seed(config.seed, state.global_step, int(row), g) for row in batch["row"] for g in range(G)
-        ]
-        completions = sample_completions(
-            policy,
-            prompt_ids,
-            seeds,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=stop_tokens(policy, tokenizer),
-            max_new_tokens=config.max_new_tokens,
-            temperature=config.temperature,
-            top_p=config.top_p,
-            device=accelerator.device,
-            images=images,
-        )
-        texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-        prompts, columns = reward_inputs(batch, completions, G)
-        when = f"at step {state.global_step + 1}"  # what a failing reward's error says
-        per_function = score(rewards, prompts, texts, columns, accelerator.device, when)
-        figures.add_rewards(per_function)
-        parts.append((prompt_ids, completions, combined(per_function, rewards), images, time.perf_counter() - start))
-    # scale_rewards batch: the std over the whole generation batch, every process's completions included.
-    batch_std = accelerator.gather(torch.cat([part[2] for part in parts])).std()
-    rollouts = []
-    for prompt_ids, completions, total, images, seconds in parts:
-        advantages, zero_std = group_advantages(total, G, config.scale_rewards, batch_std)
-        rows = rollout_rows(prompt_ids, completions, tokenizer.pad_token_id, accelerator.device)
-        r = Rollouts(*rows, advantages, None, None, images and images.inputs(rows[0]))
-        with torch.no_grad():
-            if config.num_iterations > 1:  # later updates compare with the policy that sampled
-                r.old_log_probs = completion_log_probs(model, r, config.temperature)[0]
-            if config.beta > 0 and reference is None:  # LoRA: the reference is the policy with adapters off
-                with policy.disable_adapter():
-                    r.ref_log_probs = completion_log_probs(model, r, config.temperature)[0]
-            elif config.beta > 0:
-                r.ref_log_probs = completion_log_probs(reference, r, config.temperature)[0]
-        figures.add(
-            completions=len(completions),
-            reward=total.sum(),
-            reward_sq=(total**2).sum(),
-            zero_std_groups=zero_std.sum(),
-            groups=len(completions) // G,
-            tokens=r.completion_lengths.sum(),
-            max_length=r.completion_lengths.max(),
-            generation_seconds=seconds,
-        )
-        rollouts.append(r)
-    return rollouts
 
 
 def evaluate(config: GRPOConfig, model, data: PromptData, rewards, accelerator, log, step: int) -> dict:
@@ -216,9 +147,14 @@ def main(config: GRPOConfig) -> dict:
 
     evaluation = run_evaluation if data.eval is not None else None
     figures = GRPOStats(accelerator.device, [f.name for f in rewards])
-    pending = PendingRollouts()  # a checkpoint between the updates of one generation batch keeps its rollouts
+    pending = PendingRollouts()  # a checkpoint keeps the rollouts in flight: between updates, or generated ahead
     saved = load_checkpoint_or_start(
         run, optimizer, lr_scheduler, train_loader, figures, evaluation is not None, pending_rollouts=pending
+    )
+    # --- generation: the policy's own generate, or vLLM (colocated or a server), each step or one step ahead
+    backend = make_backend(config, model, accelerator, data, log)
+    source = RolloutSource(
+        config, accelerator, backend, model, reference, rewards, figures, data, pending, saved.state.global_step
     )
     samples = prompt_sampler(config, model, tokenizer, accelerator)  # sample_prompts, at each evaluation
     loop = start_training(
@@ -227,12 +163,10 @@ def main(config: GRPOConfig) -> dict:
     model.train()
     k, device = config.gradient_accumulation_steps, accelerator.device
     for loader in epochs(run, loop):
-        for window in accumulation_windows(loader, k, run.timer):
-            # Sample, score and compare within groups once; then num_iterations updates on these rollouts.
-            first, rollouts = pending.take(device) or (
-                0,
-                generate_rollouts(config, run, loop.state, model, reference, window, rewards, figures, data),
-            )
+        for window, upcoming in source.windows(accumulation_windows(loader, k, run.timer)):
+            # Sample, score and compare within groups once (async: the next window sampled meanwhile); then
+            # num_iterations updates on these rollouts.
+            first, rollouts = source.next(window, upcoming, loop.state.global_step)
             # The loss is normalised over the whole step (all micro-batches and processes), per loss_type.
             normaliser, tokens = step_normaliser(rollouts, config.loss_type, config.max_new_tokens, accelerator)
             scale = step_loss_scale(normaliser, accelerator.num_processes, k)
@@ -245,6 +179,8 @@ def main(config: GRPOConfig) -> dict:
                     with micro_batch(accelerator, model, last=r is rollouts[-1]):
                         log_probs, rows = completion_log_probs(model, r, config.temperature)
                         old = log_probs.detach() if r.old_log_probs is None else r.old_log_probs
+                        # vLLM's or an older copy's samples: importance weights pi_trainer / pi_sampler (mismatch)
+                        weights = source.weights(r, old, rows, first_update=iteration == 0)
                         token_losses, token_clipped, token_kl = grpo_token_losses(
                             log_probs,
                             old,
@@ -253,6 +189,7 @@ def main(config: GRPOConfig) -> dict:
                             config.epsilon_high,
                             config.beta,
                             r.ref_log_probs,
+                            weights,
                         )
                         numerator = loss_numerator(token_losses, rows, r.completion_lengths, config.loss_type)
                         accelerator.backward(numerator * scale)
@@ -282,6 +219,7 @@ def main(config: GRPOConfig) -> dict:
             if ended:
                 break
 
+    source.close()  # a generation in flight finishes; the engine is released
     # --- final evaluation (the best checkpoint's weights with load_best_model_at_end) and outputs
     return finish(run, loop, headline=("eval_exact_match", "exact match", ".3f"))
 

@@ -53,6 +53,7 @@ RATES = (
     "mfu",
     "generation_seconds",
     "training_seconds",
+    "waiting_seconds",
 )
 
 

@@ -223,6 +223,38 @@ def test_a_stop_between_the_updates_of_one_generation_batch_resumes_on_its_rollo
     ).read_bytes()
 
 
+@pytest.mark.slow
+def test_async_generation_trains_one_step_behind_and_resumes_byte_identically(tmp_path, monkeypatch):
+    """async_generation: the next window is sampled while this one trains (from a copy of the policy one step
+    behind), the importance weights correct it, and a stop at step 3 keeps the completions generated ahead in the
+    checkpoint: the resumed run logs the uninterrupted run's figures and ends with its weights, byte for byte."""
+    common = {"async_generation": True, "max_steps": 6, "eval_steps": 3, "logging_steps": 1}
+    _run(tmp_path / "full", tmp_path / "cache", **common)
+    records = [r for r in _records(tmp_path / "full") if "loss" in r]
+    assert records[0]["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-4)  # step 1: on-policy
+    assert max(abs(r["sampling/importance_sampling_ratio/mean"] - 1) for r in records[1:]) > 1e-4  # then one behind
+    assert all(r["sampling/kl"] >= 0 and "waiting_seconds" in r for r in records[1:])
+    module = load_recipe("grpo").module
+    real = module.after_step
+
+    def signal_then_after_step(run, loop, *args, **kwargs):
+        if loop.state.global_step + 1 == 3:
+            signal.raise_signal(signal.SIGTERM)
+        return real(run, loop, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(module, "after_step", signal_then_after_step)
+        with pytest.raises(SystemExit):
+            _run(tmp_path / "cut", tmp_path / "cache", **common)
+    state = json.loads((tmp_path / "cut" / "checkpoints" / "step-3" / "process_state_0.json").read_text())
+    assert len(state["pending_rollouts"]["ahead"]) == 1  # step 4's completions, generated during step 3
+    _run(tmp_path / "cut", tmp_path / "cache", resume_from_checkpoint="latest", **common)
+    assert _untimed(_records(tmp_path / "cut")) == _untimed(_records(tmp_path / "full"))
+    assert (tmp_path / "cut" / "model.safetensors").read_bytes() == (
+        tmp_path / "full" / "model.safetensors"
+    ).read_bytes()
+
+
 @pytest.mark.parametrize("use_peft", [False, True])
 def test_every_log_prob_of_the_loss_is_at_the_sampling_temperature(tmp_path, monkeypatch, use_peft):
     """The policy's in the loss, the old policy's (num_iterations 2) and the reference's (beta > 0: a frozen copy, or
@@ -241,7 +273,8 @@ def test_every_log_prob_of_the_loss_is_at_the_sampling_temperature(tmp_path, mon
         ratios.append(torch.exp(new - old).detach())
         return token_losses(new, old, *args)
 
-    monkeypatch.setattr(recipe.module, "completion_log_probs", recording_log_probs)
+    monkeypatch.setattr(recipe.module, "completion_log_probs", recording_log_probs)  # the policy's, in the loss
+    monkeypatch.setattr("tunebook.rl.rollouts.completion_log_probs", recording_log_probs)  # the old and reference's
     monkeypatch.setattr(recipe.module, "grpo_token_losses", recording_losses)
     lora = {"use_peft": True, "lora_r": 4, "lora_target_modules": "all-linear"} if use_peft else {}
     _run(tmp_path / "run", tmp_path / "cache", temperature=0.7, beta=0.1, num_iterations=2, max_steps=2, **lora)

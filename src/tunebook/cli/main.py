@@ -40,6 +40,7 @@ USAGE = """usage: tunebook train [ACCELERATE LAUNCH OPTIONS] RECIPE [--config FI
        tunebook convert-gguf MODEL.gguf OUT_DIR
        tunebook report RUN_DIR [RUN_DIR ...] [--output FILE.png]
        tunebook chat MODEL_DIR [--prompt TEXT] [--system TEXT] [--max_new_tokens N] [--temperature T]
+       tunebook vllm-serve --model MODEL_DIR [--host HOST] [--port PORT] [vLLM server options]
 
 commands:
   train     accelerate launch a RECIPE (below) or a recipe .py file: the config is checked first, and a failure or a
@@ -54,6 +55,8 @@ commands:
   report    re-render runs' report.png and print their summaries side by side
   chat      talk to a model a run saved (or its LoRA adapter) with its chat template, replies streamed; --prompt
             answers once and exits; in the conversation an empty line or /exit quits, /reset clears the history
+  vllm-serve  start a vLLM server for GRPO's vllm_mode: server (weights reloaded from the trainer each step);
+            needs vLLM (make vllm)
 """
 
 
@@ -187,6 +190,10 @@ def main(argv: list[str] | None = None) -> None:
         from .chat import chat
 
         chat(rest)
+    elif command == "vllm-serve":
+        from .vllm_serve import vllm_serve
+
+        vllm_serve(rest)
     elif command in ("export", "convert-gguf"):
         flags = set(rest) & ({"--merge", "--trust_remote_code"} if command == "export" else set())
         rest = [a for a in rest if a not in flags]

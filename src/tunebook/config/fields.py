@@ -32,6 +32,7 @@ SECTIONS = {
     "data": "Data",
     "lora": "LoRA",
     "training": "Training",
+    "generation": "Generation engine (GRPO: transformers or vLLM, async)",
     "evaluation": "Evaluation",
     "vision": "Images (vision-language models)",
     "outputs": "Outputs, logging and checkpoints",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from ..errors import ConfigError
 from .checks import (
     MODEL_DATA_CHECKS,
     TRAINING_CHECKS,
@@ -70,6 +71,83 @@ class GRPOConfig(CausalLMConfig, VisionConfig, ChatModelConfig):
         1.0,
         bounds="(0, 1]",
         section="training",
+    )
+    # --- generation engine (TRL's keys: a TRL GRPO config reads unchanged)
+    use_vllm: bool = config_field(
+        "Sample completions with vLLM instead of the policy's own generate (install it with `make vllm`); the "
+        "trainer still computes the log-probs it trains on, and the engine's measure (and correct) the mismatch.",
+        False,
+        section="generation",
+        common=True,
+    )
+    vllm_mode: Literal["colocate", "server"] = config_field(
+        "colocate: an engine inside each training process; server: one engine in its own process (`tunebook "
+        "vllm-serve --model ...`) reached at vllm_server_base_url or vllm_server_host:vllm_server_port, which "
+        "must see output_dir (weights are reloaded from there every step).",
+        "colocate",
+        section="generation",
+    )
+    vllm_gpu_memory_utilization: float = config_field(
+        "colocate: the share of the GPU's memory the engine may take (on vLLM's CPU platform: of the machine's).",
+        0.3,
+        bounds="(0, 1]",
+        section="generation",
+    )
+    vllm_enable_sleep_mode: bool = config_field(
+        "colocate, on a GPU: the engine frees its weights and cache memory between generations.",
+        False,
+        section="generation",
+    )
+    vllm_max_model_length: int | None = config_field(
+        "colocate: the engine's context length; unset: max_prompt_length + max_new_tokens.",
+        None,
+        bounds="[1, inf)",
+        section="generation",
+    )
+    vllm_server_base_url: str | None = config_field(
+        "server: the server's URL (http://host:port); set, it replaces vllm_server_host and vllm_server_port.",
+        None,
+        section="generation",
+    )
+    vllm_server_host: str = config_field("server: the server's host.", "0.0.0.0", section="generation")
+    vllm_server_port: int = config_field("server: the server's port.", 8000, bounds="[1, 65535]", section="generation")
+    vllm_server_timeout: float = config_field(
+        "server: seconds to wait for the server to answer at the start (and for any one request).",
+        240.0,
+        bounds="(0, inf)",
+        section="generation",
+    )
+    vllm_importance_sampling_correction: bool = config_field(
+        "Where the completions were not sampled by the trained module itself (vLLM, or async_generation's copy one "
+        "step behind), weight each token's loss by the importance ratio pi_trainer / pi_sampler, truncated or "
+        "masked per vllm_importance_sampling_mode (TRL's formula).",
+        True,
+        section="generation",
+    )
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = (
+        config_field(
+            "token_truncate: each token's ratio clipped to [clip_min, clip_max] (truncated importance sampling); "
+            "token_mask: tokens with a ratio outside it get none; sequence_*: one ratio per completion (the product "
+            "of its tokens'), clipped or masked. TRL >= 1.6 defaults to sequence_mask.",
+            "token_truncate",
+            section="generation",
+        )
+    )
+    vllm_importance_sampling_clip_max: float | None = config_field(
+        "Upper bound C of the importance ratio (TRL's older name: vllm_importance_sampling_cap); unset: none.",
+        3.0,
+        bounds="(0, inf)",
+        section="generation",
+    )
+    vllm_importance_sampling_clip_min: float | None = config_field(
+        "Lower bound of the importance ratio; unset: none.", None, bounds="[0, inf)", section="generation"
+    )
+    async_generation: bool = config_field(
+        "Generate the next step's completions while this step trains (off-policy by exactly one step, corrected "
+        "by importance sampling): with vLLM, or with the transformers backend sampling from a copy of the policy "
+        "(one more model in memory; not under FSDP or ZeRO-3).",
+        False,
+        section="generation",
     )
     # --- loss
     loss_type: Literal["grpo", "dapo", "dr_grpo"] = config_field(
@@ -192,9 +270,25 @@ class GRPOConfig(CausalLMConfig, VisionConfig, ChatModelConfig):
             check_reward_model,
             check_sample_prompts,
             check_vision_keys,
+            check_generation_engine,
         ):
             check(self)
 
     def check_files(self) -> None:
         check_data_files(self)
         check_image_dir(self)
+
+
+def check_generation_engine(config: GRPOConfig) -> None:
+    """vLLM installed where asked for, and what it cannot take yet, each in one line."""
+    import importlib.util
+
+    if not config.use_vllm:
+        return
+    if importlib.util.find_spec("vllm") is None:
+        from ..rl.vllm_backends import VLLM_INSTALL
+
+        raise ConfigError(f"use_vllm: true needs vLLM, which is not installed here; install it with: {VLLM_INSTALL}")
+    low, high = config.vllm_importance_sampling_clip_min, config.vllm_importance_sampling_clip_max
+    if low is not None and high is not None and low > high:
+        raise ConfigError(f"vllm_importance_sampling_clip_min {low} is above vllm_importance_sampling_clip_max {high}")

@@ -47,6 +47,7 @@ ALIASES = {
     "lora_modules_to_save": "modules_to_save",
     "torch_dtype": "dtype",
     "evaluation_strategy": "eval_strategy",
+    "vllm_importance_sampling_cap": "vllm_importance_sampling_clip_max",  # TRL < 1.6
 }
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import ConfigError
 from ..models.wrappers import unwrap
 from .grpo import sample_with_log_probs
 
@@ -53,6 +54,8 @@ class GenerationBackend:
     name = "abstract"
     #: True where the trainer's own module samples: its log-probs are the trainer's, no mismatch to correct
     samples_with_trainer = False
+    #: True where the engine starts with the policy's weights (no push needed before the first generation)
+    starts_from_policy = False
 
     def generate(self, prompt_ids: list[list[int]], seeds: list[int], sampling: Sampling, images=None) -> Generated:
         raise NotImplementedError
@@ -71,6 +74,7 @@ class TransformersBackend(GenerationBackend):
     generation can run in a thread while the policy trains; the copy costs one more model in memory."""
 
     name = "transformers"
+    starts_from_policy = True
 
     def __init__(self, model: torch.nn.Module, device, snapshot: bool = False):
         self.device = device
@@ -78,6 +82,7 @@ class TransformersBackend(GenerationBackend):
         self.model = model
         self.snapshot = None
         if snapshot:
+            self.name = "transformers (a copy of the policy)"
             self.snapshot = copy.deepcopy(unwrap(model)).requires_grad_(False).eval()
 
     def policy(self) -> torch.nn.Module:
@@ -104,10 +109,25 @@ class TransformersBackend(GenerationBackend):
             self.snapshot.load_state_dict(unwrap(model).state_dict())
 
 
-def make_backend(config, model, accelerator, tokenizer, log) -> GenerationBackend:
+def make_backend(config, model, accelerator, data, log) -> GenerationBackend:
     """The backend a GRPO config asks for (`use_vllm`, `vllm_mode`, `async_generation`)."""
-    if not getattr(config, "use_vllm", False):
-        return TransformersBackend(model, accelerator.device, snapshot=getattr(config, "async_generation", False))
-    from .vllm_backends import make_vllm_backend  # vLLM imports only where it is asked for
+    if getattr(config, "use_vllm", False):
+        if data.processor is not None:
+            raise ConfigError("use_vllm: prompts with images are not supported yet; set use_vllm: false")
+        from .vllm_backends import make_vllm_backend  # vLLM imports only where it is asked for
 
-    return make_vllm_backend(config, model, accelerator, tokenizer, log)
+        backend = make_vllm_backend(config, model, accelerator, data.tokenizer, log)
+    else:
+        snapshot = bool(getattr(config, "async_generation", False))
+        if snapshot and _sharded(model):
+            raise ConfigError(
+                "async_generation with the transformers backend samples from a whole copy of the policy, which a "
+                "sharded model (FSDP, DeepSpeed ZeRO-3) does not have: use vLLM (use_vllm: true) or drop async"
+            )
+        backend = TransformersBackend(model, accelerator.device, snapshot=snapshot)
+    log.info("Generation: %s%s", backend.name, ", one step ahead (async)" if config.async_generation else "")
+    return backend
+
+
+def _sharded(model: torch.nn.Module) -> bool:
+    return any(hasattr(p, "ds_id") or hasattr(p, "full_tensor") for p in model.parameters())

@@ -35,8 +35,6 @@ from ..training.compilation import eager
 from ..training.loss import causal_lm_token_losses
 
 __all__ = [
-    "GRPOStats",
-    "PendingRollouts",
     "Rollouts",
     "completion_log_probs",
     "group_advantages",
@@ -104,6 +102,10 @@ class Rollouts:
     ref_log_probs: torch.Tensor | None  # per loss token, with beta > 0
     # A vision-language model's image inputs for these rows (`PromptImages.inputs`): a group's rows share its images
     image_inputs: dict[str, torch.Tensor] | None = None
+    # The sampler's log-probs of the loss tokens (flat, like old_log_probs), where it reports them
+    sampler_log_probs: torch.Tensor | None = None
+    # The importance weights of the loss tokens (`tunebook.rl.mismatch`): set at the first update, kept for the rest
+    importance_weights: torch.Tensor | None = None
 
     def batch(self) -> dict[str, torch.Tensor]:
         return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "labels": self.labels,
@@ -223,13 +225,15 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, batch_s
 
 def grpo_token_losses(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
                       epsilon: float, epsilon_high: float, beta: float = 0.0,
-                      ref_log_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Per-token losses (the clipped surrogate, plus beta x KL), whether each token was clipped, and the per-token
-    KL (zeros without a reference). `advantages` is per token (each completion's, repeated over its tokens)."""
+                      ref_log_probs: torch.Tensor | None = None,
+                      importance_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Per-token losses (the clipped surrogate, times the importance weights where the sampler was not the trained
+    module (`tunebook.rl.mismatch`), plus beta x KL), whether each token was clipped, and the per-token KL (zeros
+    without a reference). `advantages` is per token (each completion's, repeated over its tokens)."""
     ratio = torch.exp(log_probs - old_log_probs)
     clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
     surrogate = torch.minimum(ratio * advantages, clipped_ratio * advantages)
-    losses = -surrogate
+    losses = -surrogate if importance_weights is None else -surrogate * importance_weights
     clipped = ((ratio < 1 - epsilon) & (advantages < 0)) | ((ratio > 1 + epsilon_high) & (advantages > 0))
     kl = torch.zeros_like(losses)
     if beta > 0 and ref_log_probs is not None:
@@ -266,109 +270,3 @@ def step_normaliser(rollouts: list[Rollouts], loss_type: str, max_new_tokens: in
         )
     completions, tokens = accelerator.reduce(local, "sum")
     return loss_normaliser(loss_type, completions, tokens, max_new_tokens), tokens
-
-
-class GRPOStats:
-    """Running sums of a logging window (this process) for the logged figures."""
-
-    FIELDS = ("steps", "loss", "completions", "reward", "reward_sq", "zero_std_groups", "groups", "tokens",
-              "max_length", "trained_tokens", "clipped", "kl", "generation_seconds", "training_seconds")  # fmt: skip
-
-    def __init__(self, device, reward_names: list[str]):
-        self.reward_names = reward_names
-        self.sums = torch.zeros(len(self.FIELDS) + 3 * len(reward_names), dtype=torch.float64, device=device)
-
-    def add(self, **values: float | torch.Tensor) -> None:
-        for key, value in values.items():
-            i = self.FIELDS.index(key)
-            if key == "max_length":
-                self.sums[i] = torch.maximum(self.sums[i], torch.as_tensor(value, dtype=torch.float64))
-            else:
-                self.sums[i] += torch.as_tensor(value, dtype=torch.float64, device=self.sums.device)
-
-    def add_rewards(self, per_function: torch.Tensor) -> None:
-        """per_function: (completions, functions) with NaN where a function gave None."""
-        base = len(self.FIELDS)
-        present = ~torch.isnan(per_function)
-        values = torch.nan_to_num(per_function).double()
-        for j in range(len(self.reward_names)):
-            self.sums[base + 3 * j] += present[:, j].sum()
-            self.sums[base + 3 * j + 1] += values[:, j].sum()
-            self.sums[base + 3 * j + 2] += (values[:, j] ** 2).sum()
-
-    def local_loss(self) -> float | None:
-        """This process's mean loss of the window so far, without ending it (the timed progress line)."""
-        steps, loss = self.sums[:2].tolist()
-        return loss / steps if steps else None
-
-    def pop(self, accelerator, prefix: str = "") -> dict[str, float | None]:
-        n, longest = len(self.FIELDS), self.FIELDS.index("max_length")
-        gathered = accelerator.gather(self.sums[None].clone())  # (processes, fields): sums, and one maximum
-        self.sums.zero_()
-        s = dict(zip(self.FIELDS, gathered[:, :n].sum(dim=0).tolist()))
-        s["max_length"] = float(gathered[:, longest].max())
-        s["steps"] /= accelerator.num_processes  # every process counts each step; the loss is summed over them
-        rewards = gathered[:, n:].sum(dim=0)
-        if s["steps"] == 0:
-            return {"loss": None}
-        completions, tokens = max(s["completions"], 1.0), max(s["trained_tokens"], 1.0)
-        out = {
-            "loss": s["loss"] / s["steps"],
-            "reward": s["reward"] / completions,
-            "reward_std": math.sqrt(max(s["reward_sq"] / completions - (s["reward"] / completions) ** 2, 0.0)),
-        }
-        values = rewards.tolist()
-        for j, name in enumerate(self.reward_names):
-            count, total, squares = values[3 * j : 3 * j + 3]
-            mean = total / max(count, 1.0)
-            out[f"rewards/{name}/mean"] = mean
-            out[f"rewards/{name}/std"] = math.sqrt(max(squares / max(count, 1.0) - mean**2, 0.0))
-        out.update({
-            "frac_reward_zero_std": s["zero_std_groups"] / max(s["groups"], 1.0),
-            "completions/mean_length": s["tokens"] / completions,
-            "completions/max_length": s["max_length"],
-            "clip_ratio": s["clipped"] / tokens,
-            "kl": s["kl"] / tokens,
-            "generation_seconds": s["generation_seconds"],
-            "training_seconds": s["training_seconds"],
-        })  # fmt: skip
-        return {prefix + k: v for k, v in out.items()}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"sums": self.sums.tolist()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.sums.copy_(torch.tensor(state["sums"], dtype=torch.float64))
-
-
-class PendingRollouts:
-    """The rollouts still to train on when a checkpoint falls between the `num_iterations` updates of one generation
-    batch: registered for checkpointing (this process's), so a run resumed there trains on them, not on new ones."""
-
-    def __init__(self):
-        # as loaded from a checkpoint: {"iteration": i, "rollouts": [Rollouts.state_dict(), ...]}
-        self.pending: dict[str, Any] | None = None
-        # (the next update's index, the rollouts) since the last update: turned into lists only when a checkpoint is
-        # saved, not after every update (a VLM's pixel values are millions of numbers)
-        self._kept: tuple[int, list[Rollouts]] | None = None
-
-    def keep(self, iteration: int, rollouts: list[Rollouts], iterations: int) -> None:
-        """After update `iteration` of a generation batch: the rollouts a checkpoint must keep (none after the
-        last update)."""
-        self._kept = None if iteration + 1 == iterations else (iteration + 1, rollouts)
-        self.pending = None
-
-    def take(self, device) -> tuple[int, list[Rollouts]] | None:
-        """(the next update's index, the rollouts) kept by `keep` in the checkpoint resumed from, or None."""
-        if not self.pending:
-            return None
-        return self.pending["iteration"], [Rollouts.from_state_dict(r, device) for r in self.pending["rollouts"]]
-
-    def state_dict(self) -> dict[str, Any] | None:
-        if self._kept is not None:
-            iteration, rollouts = self._kept
-            return {"iteration": iteration, "rollouts": [r.state_dict() for r in rollouts]}
-        return self.pending
-
-    def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        self.pending, self._kept = state, None
