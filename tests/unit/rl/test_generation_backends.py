@@ -51,3 +51,48 @@ def test_a_snapshot_samples_the_pushed_weights_not_the_live_ones():
     assert after.token_ids == live.token_ids  # the same weights (a copy's kernels may round the last bit apart)
     torch.testing.assert_close(torch.tensor(after.log_probs), torch.tensor(live.log_probs), atol=1e-5, rtol=0)
     assert after.log_probs != before.log_probs
+
+
+def test_vllm_serve_runs_vllms_server_with_what_the_trainer_needs(monkeypatch):
+    from tunebook.cli.vllm_serve import server_command
+    from tunebook.errors import ConfigError
+
+    monkeypatch.setattr("tunebook.cli.vllm_serve._cuda", lambda: False)
+    command, env = server_command(["--model", "outputs/sft", "--port", "8011"])
+    assert command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"  # /collective_rpc and /reset_prefix_cache
+    text = " ".join(command)
+    assert "--logprobs-mode processed_logprobs" in text and "--port 8011" in text and "--host 0.0.0.0" in text
+    assert "--gpu-memory-utilization 0.3" in text  # vLLM's CPU platform would otherwise reserve 92% of RAM
+    command, _ = server_command(["--model=x", "--gpu-memory-utilization", "0.5", "--logprobs-mode", "raw_logprobs"])
+    assert command.count("--gpu-memory-utilization") == 1 and "processed_logprobs" not in command  # the user's
+    with pytest.raises(ConfigError, match="needs --model"):
+        server_command(["--port", "8000"])
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_asking_for_vllm_without_it_is_one_line_with_the_install_command(tmp_path):
+    import subprocess
+    import sys
+
+    from support import ROOT
+
+    for argv in (["train", "grpo", "--use_vllm", "true", "--output_dir", str(tmp_path / "o")],
+                 ["vllm-serve", "--model", "x"]):  # fmt: skip
+        done = subprocess.run([sys.executable, "-m", "tunebook.cli", *argv], cwd=ROOT, capture_output=True, text=True)
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+        assert any("needs vLLM" in line and "make vllm" in line for line in lines), done.stderr[-2000:]
+
+
+def test_async_generation_with_the_transformers_backend_refuses_a_sharded_model():
+    from types import SimpleNamespace
+
+    from tunebook.errors import ConfigError
+    from tunebook.rl.generation import make_backend
+
+    model = _policy("linear")
+    model.model.embed_tokens.weight.ds_id = 0  # what DeepSpeed ZeRO-3 marks its partitioned parameters with
+    config = SimpleNamespace(use_vllm=False, async_generation=True)
+    with pytest.raises(ConfigError, match="sharded model"):
+        make_backend(config, model, SimpleNamespace(device="cpu"), SimpleNamespace(processor=None), None)
