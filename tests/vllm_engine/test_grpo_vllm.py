@@ -78,3 +78,43 @@ def test_a_vllm_server_samples_the_weights_of_every_step(tmp_path):
     assert summary["train_steps"] == RUN["max_steps"]
     _in_step_with_the_trainer(records)
     assert (tmp_path / "run" / "vllm" / "weights" / "model.safetensors").is_file()  # what the server reloaded
+
+
+def _launch_args(out, cache, **overrides) -> list[str]:
+    args = {**RUN, "output_dir": str(out), "cache_dir": str(cache), "use_vllm": True, **overrides}
+    flat = []
+    for key, value in args.items():
+        flat += [f"--{key}", json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+    return flat
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["colocate", "server"])
+def test_two_processes_sample_the_weights_of_every_step(tmp_path, mode):
+    """DDP over 2 CPU processes (gloo): colocated, an engine in each process (vLLM's external launcher, in the
+    training job's process group); server, one engine that the main process sends the weights to while the other
+    waits. Every step in step with the trainer on both processes."""
+    from support import launch
+
+    extra, server = {}, None
+    if mode == "server":
+        _run(tmp_path / "first", tmp_path / "cache", max_steps=1)
+        port = _free_port()
+        server = subprocess.Popen(
+            [sys.executable, "-m", "tunebook.cli", "vllm-serve", "--model", str(tmp_path / "first"), "--host",
+             "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "128", "--seed", "0",
+             "--gpu-memory-utilization", "0.1"],
+            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "server.log", "w"),
+        )  # fmt: skip
+        _wait_until_listening(server, port, tmp_path / "server.log")
+        extra = {"vllm_mode": "server", "vllm_server_base_url": f"http://127.0.0.1:{port}"}
+    try:
+        result = launch("recipes/grpo.py", _launch_args(tmp_path / "run", tmp_path / "cache", **extra),
+                        accelerate_config="multi_cpu.yaml", timeout=900)  # fmt: skip
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=60)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    _in_step_with_the_trainer([r for r in records if "loss" in r])  # the max over both processes' tokens
