@@ -113,7 +113,9 @@ def main():
     parser.add_argument("--memory_share", type=float, default=0.15, help="vllm_gpu_memory_utilization (CPU: RAM)")
     parser.add_argument("--work_dir", default="/tmp/tunebook-grpo-generation")
     parser.add_argument("--only", nargs="*", help="variant names to run (default: all)")
-    parser.add_argument("--model_config", help="a model shape (JSON, as --model_config takes it); default: the tiny one")
+    parser.add_argument(
+        "--model_config", help="a model shape (JSON, as --model_config takes it); default: the tiny one"
+    )
     parser.add_argument("--accelerate_config", default="cpu.yaml")
     parser.add_argument("--num_generations", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=16, help="prompts per step")

@@ -33,8 +33,8 @@ from tunebook.evaluation import log_samples, prompt_sampler
 from tunebook.models import apply_lora, build_chat_lm, describe_parameters, whole_weights
 from tunebook.preference import frozen_copy, partition_reference
 from tunebook.rl import PromptData, PromptRows, prepare_prompt_data
+from tunebook.rl.engines import make_backend
 from tunebook.rl.evaluation import evaluate_completions
-from tunebook.rl.generation import make_backend
 from tunebook.rl.grpo import completion_log_probs, grpo_token_losses, loss_numerator, step_normaliser
 from tunebook.rl.rewards import describe, load_reward_functions
 from tunebook.rl.rollouts import PendingRollouts, RolloutSource

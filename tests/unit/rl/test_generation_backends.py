@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_grpo_loss import _policy, _rollouts, _tolerance
+from rl_policies import policy as _policy
+from rl_policies import rollouts as _rollouts
+from rl_policies import tolerance as _tolerance
 
 from tunebook.rl.generation import Sampling, TransformersBackend
 from tunebook.rl.grpo import completion_log_probs, sample_completions
@@ -89,7 +91,7 @@ def test_async_generation_with_the_transformers_backend_refuses_a_sharded_model(
     from types import SimpleNamespace
 
     from tunebook.errors import ConfigError
-    from tunebook.rl.generation import make_backend
+    from tunebook.rl.engines import make_backend
 
     model = _policy("linear")
     model.model.embed_tokens.weight.ds_id = 0  # what DeepSpeed ZeRO-3 marks its partitioned parameters with

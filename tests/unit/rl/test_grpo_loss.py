@@ -7,18 +7,18 @@ import math
 
 import pytest
 import torch
-from support import TINY_TEST_MODEL
+from rl_policies import policy as _policy
+from rl_policies import rollouts as _rollouts
+from rl_policies import tolerance as _tolerance
 
 from tunebook.errors import ConfigError
 from tunebook.rl.grpo import (
-    Rollouts,
     SeededSampling,
     completion_log_probs,
     group_advantages,
     grpo_token_losses,
     loss_normaliser,
     loss_numerator,
-    rollout_rows,
     sample_completions,
 )
 from tunebook.rl.rewards import RewardFunction, combined, exact_match, format_regex, length_penalty, score
@@ -142,34 +142,6 @@ def test_rewards_are_weighted_and_a_none_adds_nothing():
 def test_a_broken_reward_function_is_one_line_naming_it(fn, message):
     with pytest.raises(ConfigError, match=message):
         score([RewardFunction("bad", fn, 1.0)], ["p", "q"], ["x", "y"], {}, "cpu")
-
-
-def _policy(head: str, vocab: int = 64):
-    """A tiny Llama whose output layer gives logits of a few units (an initialised one gives ~0.1, where tempering
-    changes little): a plain linear head, one with a bias, or one the fused loss cannot take."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    settings = {k: v for k, v in TINY_TEST_MODEL.items() if k != "model_type"}
-    model = LlamaForCausalLM(LlamaConfig(**settings, vocab_size=vocab))
-    if head == "bias":
-        model.lm_head = torch.nn.Linear(settings["hidden_size"], vocab, bias=True)
-    with torch.no_grad():
-        model.lm_head.weight.normal_(0.0, 0.5)
-        if head == "bias":
-            model.lm_head.bias.normal_(0.0, 1.0)
-    return model.eval()
-
-
-def _rollouts(prompt_ids, completions):
-    rows = rollout_rows(prompt_ids, completions, 0, "cpu")
-    return Rollouts(*rows, torch.zeros(len(completions)), None, None)
-
-
-def _tolerance(logits: torch.Tensor, temperature: float, hidden_size: int) -> float:
-    """float32 rounding of logits / T (computed as (hidden / T) @ W where fused) and of the log-softmax: a few ulps
-    of the largest tempered logit per term of the hidden_size-long dot product."""
-    return 4 * hidden_size * torch.finfo(torch.float32).eps * float(logits.abs().max() / temperature + 1)
 
 
 @pytest.mark.parametrize("head", ["linear", "bias", "unfused"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-from test_grpo_loss import _policy
+from rl_policies import policy as _policy
 
 from tunebook.rl.generation import Sampling, TransformersBackend
 from tunebook.rl.grpo import completion_seed
