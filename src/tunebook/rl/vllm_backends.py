@@ -101,7 +101,8 @@ class VLLMColocated(GenerationBackend):
         options.update(gpu_memory_utilization=config.vllm_gpu_memory_utilization)
         if torch.cuda.is_available():
             options.update(enable_sleep_mode=self.sleep)
-        if accelerator.num_processes > 1:  # each process its own engine in the training job's process group
+        self.shared_group = accelerator.num_processes > 1
+        if self.shared_group:  # each process its own engine, in the training job's process group
             options.update(distributed_executor_backend="external_launcher")
         start = time.perf_counter()
         with _engine_environment():
@@ -141,7 +142,10 @@ class VLLMColocated(GenerationBackend):
             self.llm.sleep(level=1)
 
     def close(self) -> None:
-        del self.llm
+        # In the training job's process group (external launcher) vLLM's shutdown destroys that group, which the
+        # final evaluation and save still need: the engine then goes with the process.
+        if not self.shared_group:
+            del self.llm
 
 
 def _sampling_params(cls, sampling: Sampling, seed: int):
