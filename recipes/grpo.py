@@ -14,10 +14,12 @@ answers when GRPO starts and at the end. A vision-language model takes prompts w
 
 Each row of the data has a `prompt` (text or messages); its other columns reach the reward functions. Every
 optimizer step: the window's prompts (each process its own, whole groups) -> `num_generations` sampled completions
-each -> rewards -> advantages within each group -> `num_iterations` updates of the clipped objective
-(`tunebook.rl.grpo`). Outputs in `output_dir` as for the other recipes; `metrics.jsonl` adds reward mean/std
-per function, the fraction of groups with one reward for all, completion lengths, clip ratio, KL, and generation
-vs. training seconds.
+each, from the policy's own `generate` or vLLM (`use_vllm`; `async_generation` samples the next window while this
+one trains) -> rewards -> advantages within each group (`tunebook.rl.rollouts`) -> `num_iterations` updates of the
+clipped objective (`tunebook.rl.grpo`), each token weighted by pi_trainer / pi_sampler where the sampler was not the
+trained module. Outputs in `output_dir` as for the other recipes; `metrics.jsonl` adds reward mean/std per function,
+the fraction of groups with one reward for all, completion lengths, clip ratio, KL, the sampler-vs-trainer
+mismatch, and generation vs. training seconds.
 """
 
 from __future__ import annotations
