@@ -72,6 +72,7 @@ def test_vllm_serve_runs_vllms_server_with_what_the_trainer_needs(monkeypatch):
         server_command(["--port", "8000"])
 
 
+@pytest.mark.slow  # two commands, each a fresh interpreter
 @pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_asking_for_vllm_without_it_is_one_line_with_the_install_command(tmp_path):
     import subprocess
