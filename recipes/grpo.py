@@ -32,8 +32,9 @@ from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import log_samples, prompt_sampler
 from tunebook.models import apply_lora, build_chat_lm, describe_parameters, unwrap, whole_weights
 from tunebook.preference import frozen_copy, partition_reference
-from tunebook.rl import PromptData, PromptRows, prepare_prompt_data, reward_inputs
+from tunebook.rl import PromptData, PromptRows, load_episodes, prepare_prompt_data, reward_inputs
 from tunebook.rl.evaluation import evaluate_completions
+from tunebook.rl.generation import TransformersBackend
 from tunebook.rl.grpo import (
     GRPOStats,
     PendingRollouts,
@@ -49,7 +50,7 @@ from tunebook.rl.grpo import (
     stop_tokens,
 )
 from tunebook.rl.rewards import combined, describe, load_reward_functions, score
-from tunebook.rl.vision_prompts import VisionPromptRows, prompt_images, warmup_examples
+from tunebook.rl.vision_prompts import VisionPromptRows, prompt_images, warm_up
 from tunebook.training import (
     accumulation_windows,
     after_step,
@@ -63,14 +64,13 @@ from tunebook.training import (
     micro_batch,
     optimizer_step_or_skip,
     plan_steps,
-    sft_warmup,
     start_run,
     start_training,
     step_loss_scale,
 )
 
 
-def generate_rollouts(config: GRPOConfig, run, state, model, reference, window, rewards, figures, data) -> list:
+def generate_rollouts(config: GRPOConfig, run, state, model, reference, window, rewards, figures, data, episodes):
     """Completions of the window's prompts, their rewards and advantages, and the log-probs the loss compares to."""
     accelerator, G, tokenizer = run.accelerator, config.num_generations, data.tokenizer
     policy = unwrap(model)
@@ -82,30 +82,35 @@ def generate_rollouts(config: GRPOConfig, run, state, model, reference, window, 
         seeds = [
             completion_seed(config.seed, state.global_step, int(row), g) for row in batch["row"] for g in range(G)
         ]
-        completions = sample_completions(
-            policy,
-            prompt_ids,
-            seeds,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=stop_tokens(policy, tokenizer),
-            max_new_tokens=config.max_new_tokens,
-            temperature=config.temperature,
-            top_p=config.top_p,
-            device=accelerator.device,
-            images=images,
-        )
-        texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-        prompts, columns = reward_inputs(batch, completions, G)
+        ran = episodes and episodes.run(TransformersBackend(model, accelerator.device), batch, G, seeds)
+        if ran:  # multi-turn episodes: the model's turns and the tool results (which carry no loss) between them
+            prompt_ids, completions, texts = ran.prompt_ids, ran.token_ids, ran.texts
+        else:
+            completions = sample_completions(
+                policy,
+                prompt_ids,
+                seeds,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=stop_tokens(policy, tokenizer),
+                max_new_tokens=config.max_new_tokens,
+                temperature=config.temperature,
+                top_p=config.top_p,
+                device=accelerator.device,
+                images=images,
+            )
+            texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+        prompts, columns = reward_inputs(batch, completions, G, ran)
         when = f"at step {state.global_step + 1}"  # what a failing reward's error says
         per_function = score(rewards, prompts, texts, columns, accelerator.device, when)
         figures.add_rewards(per_function)
-        parts.append((prompt_ids, completions, combined(per_function, rewards), images, time.perf_counter() - start))
+        total = combined(per_function, rewards) + (torch.tensor(ran.rewards, device=accelerator.device) if ran else 0)
+        parts.append((prompt_ids, completions, total, images, time.perf_counter() - start, ran))
     # scale_rewards batch: the std over the whole generation batch, every process's completions included.
     batch_std = accelerator.gather(torch.cat([part[2] for part in parts])).std()
     rollouts = []
-    for prompt_ids, completions, total, images, seconds in parts:
+    for prompt_ids, completions, total, images, seconds, ran in parts:
         advantages, zero_std = group_advantages(total, G, config.scale_rewards, batch_std)
-        rows = rollout_rows(prompt_ids, completions, tokenizer.pad_token_id, accelerator.device)
+        rows = rollout_rows(prompt_ids, completions, tokenizer.pad_token_id, accelerator.device, ran and ran.loss_mask)
         r = Rollouts(*rows, advantages, None, None, images and images.inputs(rows[0]))
         with torch.no_grad():
             if config.num_iterations > 1:  # later updates compare with the policy that sampled
@@ -124,12 +129,13 @@ def generate_rollouts(config: GRPOConfig, run, state, model, reference, window, 
             tokens=r.completion_lengths.sum(),
             max_length=r.completion_lengths.max(),
             generation_seconds=seconds,
+            **(ran.stats() if ran else {}),  # tool calls, turns, truncated episodes
         )
         rollouts.append(r)
     return rollouts
 
 
-def evaluate(config: GRPOConfig, model, data: PromptData, rewards, accelerator, log, step: int) -> dict:
+def evaluate(config: GRPOConfig, model, data: PromptData, rewards, accelerator, log, step: int, episodes) -> dict:
     metrics, samples = evaluate_completions(
         model,
         data.tokenizer,
@@ -143,28 +149,10 @@ def evaluate(config: GRPOConfig, model, data: PromptData, rewards, accelerator, 
         when=f"in the evaluation after step {step}" if step else "in the evaluation before training",
         collate_fn=VisionPromptRows(data.processor, 1, config.max_image_pixels) if data.processor else None,
         processor=data.processor,
+        episodes=episodes,
     )
     log_samples(log, samples, step)
     return metrics
-
-
-def warm_up(config: GRPOConfig, model, data: PromptData, accelerator, log) -> None:
-    """A brief SFT on the reference answers, which teaches the answer format before GRPO rewards it."""
-    # the answers with their prompts, and for a VLM their images with the collator that decodes them
-    examples, collate = warmup_examples(data, config.reference_column, config.max_seq_length, config.max_image_pixels)
-    sft_warmup(
-        model,
-        examples,
-        data.tokenizer.pad_token_id,
-        steps=config.sft_warmup_steps,
-        seed=config.seed,
-        batch_size=32,
-        device=accelerator.device,
-        log=log,
-        learning_rate=config.sft_warmup_learning_rate,  # constant: GRPO goes on from an unannealed model
-        max_grad_norm=1.0,
-        collate_fn=collate,
-    )
 
 
 def main(config: GRPOConfig) -> dict:
@@ -177,9 +165,10 @@ def main(config: GRPOConfig) -> dict:
 
     # --- model: the policy (a VLM's tower frozen); optionally a brief SFT warm-up; the reference for the KL
     model = build_chat_lm(tokenizer, data.processor, config)
+    episodes = load_episodes(config, tokenizer, stop_tokens(model, tokenizer))  # tools: multi-turn episodes
     with whole_weights(model):  # under DeepSpeed ZeRO-3 the model is built partitioned: whole until prepare
         if config.sft_warmup_steps:
-            warm_up(config, model, data, accelerator, log)
+            warm_up(config, model, data, accelerator.device, log, episodes and episodes.environment.tools)
         reference = None  # beta 0: none; with LoRA: the policy with its adapters off
         if config.beta > 0 and not config.use_peft:
             reference = frozen_copy(model, accelerator.device)
@@ -212,7 +201,7 @@ def main(config: GRPOConfig) -> dict:
 
     # --- resume (or start), then train: the loop's bookkeeping is tunebook.training.loop
     def run_evaluation() -> dict:
-        return evaluate(config, model, data, rewards, accelerator, log, saved.state.global_step)
+        return evaluate(config, model, data, rewards, accelerator, log, saved.state.global_step, episodes)
 
     evaluation = run_evaluation if data.eval is not None else None
     figures = GRPOStats(accelerator.device, [f.name for f in rewards])
@@ -231,10 +220,10 @@ def main(config: GRPOConfig) -> dict:
             # Sample, score and compare within groups once; then num_iterations updates on these rollouts.
             first, rollouts = pending.take(device) or (
                 0,
-                generate_rollouts(config, run, loop.state, model, reference, window, rewards, figures, data),
+                generate_rollouts(config, run, loop.state, model, reference, window, rewards, figures, data, episodes),
             )
             # The loss is normalised over the whole step (all micro-batches and processes), per loss_type.
-            normaliser, tokens = step_normaliser(rollouts, config.loss_type, config.max_new_tokens, accelerator)
+            normaliser, tokens = step_normaliser(rollouts, config.loss_type, config.episode_tokens(), accelerator)
             scale = step_loss_scale(normaliser, accelerator.num_processes, k)
             ended = False
             for iteration in range(first, config.num_iterations):

@@ -181,12 +181,17 @@ def sample_with_log_probs(model, prompt_ids: list[list[int]], seeds: list[int], 
     return completions, [row[: len(c)] for row, c in zip(table, completions)]
 
 
-def rollout_rows(prompt_ids: list[list[int]], completions: list[list[int]], pad_token_id: int, device):
+def rollout_rows(prompt_ids: list[list[int]], completions: list[list[int]], pad_token_id: int, device,
+                 loss_mask: list[list[int]] | None = None):  # fmt: skip
     """Right-padded prompt + completion rows (`PadCollator`): input_ids, attention_mask, labels on the completion
-    tokens, and the completions' lengths."""
-    features = [{"input_ids": p + c, "labels": [IGNORE_INDEX] * len(p) + c} for p, c in zip(prompt_ids, completions)]
+    tokens, and the completions' lengths in trained tokens. `loss_mask` (multi-turn episodes, `tunebook.rl.episodes`):
+    per completion token, 1 where the model generated it, 0 where the environment wrote it (no label, not counted),
+    so every loss_type normalises over the model's own tokens."""
+    masks = loss_mask or [[1] * len(c) for c in completions]
+    features = [{"input_ids": p + c, "labels": [IGNORE_INDEX] * len(p) + [t if m else IGNORE_INDEX for t, m in zip(c, mask)]}
+                for p, c, mask in zip(prompt_ids, completions, masks)]  # fmt: skip
     batch = PadCollator(pad_token_id)(features)
-    lengths = torch.tensor([len(c) for c in completions], dtype=torch.long)
+    lengths = torch.tensor([sum(mask) for mask in masks], dtype=torch.long)
     return tuple(t.to(device) for t in (batch["input_ids"], batch["attention_mask"], batch["labels"], lengths))
 
 
@@ -272,7 +277,9 @@ class GRPOStats:
     """Running sums of a logging window (this process) for the logged figures."""
 
     FIELDS = ("steps", "loss", "completions", "reward", "reward_sq", "zero_std_groups", "groups", "tokens",
-              "max_length", "trained_tokens", "clipped", "kl", "generation_seconds", "training_seconds")  # fmt: skip
+              "max_length", "trained_tokens", "clipped", "kl", "generation_seconds", "training_seconds",
+              # multi-turn episodes with tools (`tunebook.rl.episodes.Episodes.stats`)
+              "episodes", "turns", "tool_calls", "episodes_with_calls", "tool_failures", "truncated")  # fmt: skip
 
     def __init__(self, device, reward_names: list[str]):
         self.reward_names = reward_names
@@ -332,6 +339,12 @@ class GRPOStats:
             "generation_seconds": s["generation_seconds"],
             "training_seconds": s["training_seconds"],
         })  # fmt: skip
+        if s["episodes"]:  # TRL's tools/call_frequency (calls per episode) and tools/failure_frequency (per call)
+            episodes = s["episodes"]
+            out.update({"tools/call_frequency": s["tool_calls"] / episodes,
+                        "tools/call_rate": s["episodes_with_calls"] / episodes,
+                        "tools/failure_frequency": s["tool_failures"] / max(s["tool_calls"], 1.0),
+                        "episodes/turns": s["turns"] / episodes, "episodes/truncated": s["truncated"] / episodes})  # fmt: skip
         return {prefix + k: v for k, v in out.items()}
 
     def state_dict(self) -> dict[str, Any]:
