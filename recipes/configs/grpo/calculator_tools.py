@@ -14,11 +14,11 @@ _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.m
               ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.USub: operator.neg}  # fmt: skip
 
 
-def calculator(expression: str) -> str:
+def calculator(expression: str):
     """Evaluate an arithmetic expression.
 
     Args:
-        expression: The expression, e.g. "123*456".
+        expression: The expression.
     """
     return str(_evaluate(ast.parse(expression, mode="eval").body))
 

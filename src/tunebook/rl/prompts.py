@@ -25,7 +25,7 @@ from ..data.sources import DataSource, fingerprint_sources, load_source
 from ..data.synthetic import _write_disjoint, make_example
 from ..data.tokenize import cut_overlong, longest_token_chars, render_chat, tokenize_conversations
 from ..errors import DataError
-from ..models.tokenizer import setup_chat_template
+from ..models.tokenizer import CHATML_TEMPLATE, setup_chat_template
 from .environments import tool_definitions
 
 __all__ = [
@@ -67,8 +67,7 @@ class PromptPipeline(Pipeline):
 
     def make_tokenizer(self):
         config = self.config
-        # With tools, their definitions (in every episode's prompt) are learnt too, in fewer tokens.
-        tools = json.dumps(tool_definitions(config.tools)) if getattr(config, "tools", None) else None
+        tools = _tools_text(config)
         texts = lambda: _texts(self.train_sources, self.cache_dir, config, tools)  # noqa: E731
         key = fingerprint_sources(self.train_sources) + (fingerprint({"tools": tools}) if tools else "")
         # A text holds a prompt (trained up to max_prompt_length tokens) and its reference answer (the SFT warm-up's).
@@ -122,6 +121,18 @@ def _texts(sources: list[DataSource], cache_dir: Path, config, tools: str | None
             completion = _completion_texts(row.get("completion"))  # a warm-up's tool calls and results, as text
             answer = [str(reference)] if reference is not None else []
             yield "\n".join([m["content"] for m in messages] + completion + answer + ([tools] if tools else []))
+
+
+def _tools_text(config) -> str | None:
+    """With tools, their definitions as the default chat template renders them into every episode's prompt: a
+    tokenizer trained on them too writes that prompt in fewer tokens."""
+    if not getattr(config, "tools", None):
+        return None
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered = render_jinja_template([[{"role": "user", "content": ""}]], tools=tool_definitions(config.tools),
+                                     chat_template=CHATML_TEMPLATE)  # fmt: skip
+    return rendered[0][0]
 
 
 def _completion_texts(completion) -> list[str]:
