@@ -168,7 +168,7 @@ def main(config: GRPOConfig) -> dict:
     episodes = load_episodes(config, tokenizer, stop_tokens(model, tokenizer))  # tools: multi-turn episodes
     with whole_weights(model):  # under DeepSpeed ZeRO-3 the model is built partitioned: whole until prepare
         if config.sft_warmup_steps:
-            warm_up(config, model, data, accelerator.device, log, episodes and episodes.environment.tools)
+            warm_up(config, model, data, accelerator.device, log, episodes and episodes.tools)
         reference = None  # beta 0: none; with LoRA: the policy with its adapters off
         if config.beta > 0 and not config.use_peft:
             reference = frozen_copy(model, accelerator.device)

@@ -267,9 +267,15 @@ def check_tools(config: Any) -> None:  # grpo
         if name in names:
             raise ConfigError(f"tools: two tools are named {name!r}; the model calls them by name")
         names.add(name)
-    if config.max_episode_tokens is not None and not config.tools:
-        raise ConfigError("max_episode_tokens bounds multi-turn episodes, which need tools; set tools, or use "
-                          "max_new_tokens")  # fmt: skip
+    if config.environment is not None:
+        if config.tools:
+            raise ConfigError("environment and tools: give one (an environment's tools are its own `tools`)")
+        if ":" not in config.environment:
+            raise ConfigError(f"environment {config.environment!r}: expected path/to/file.py:factory")
+        load_function(config.environment, "environment")
+    if config.max_episode_tokens is not None and not (config.tools or config.environment):
+        raise ConfigError("max_episode_tokens bounds multi-turn episodes, which need tools (or an environment); "
+                          "set tools, or use max_new_tokens")  # fmt: skip
 
 
 def check_reward_weights(config: Any) -> None:  # grpo

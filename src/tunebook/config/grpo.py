@@ -155,6 +155,13 @@ class GRPOConfig(CausalLMConfig, VisionConfig, ChatModelConfig):
         default_factory=list,
         section="training",
     )
+    environment: str | None = config_field(
+        "Your own environment for multi-turn episodes, as path/to/file.py:factory: factory() returns a "
+        "tunebook.rl.environments.Environment (reset(row) -> messages, step(messages) -> (observation, reward, "
+        "done), tools); its per-turn rewards are summed into the episode's. Instead of tools.",
+        None,
+        section="training",
+    )
     max_tool_calling_iterations: int | None = config_field(
         "Rounds of tool results an episode may feed back to the model (TRL's name; its turns are at most this + 1); "
         "unset: no limit but max_episode_tokens.",
@@ -230,7 +237,8 @@ class GRPOConfig(CausalLMConfig, VisionConfig, ChatModelConfig):
 
     def episode_tokens(self) -> int:
         """The longest completion: an episode's budget with tools, else one turn's."""
-        return (self.max_episode_tokens or self.max_new_tokens) if self.tools else self.max_new_tokens
+        episodes = self.tools or self.environment
+        return (self.max_episode_tokens or self.max_new_tokens) if episodes else self.max_new_tokens
 
     def check_files(self) -> None:
         check_data_files(self)

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..data.tokenize import render_chat
+from ..errors import ConfigError, TunebookError
+from ..user_code import load_function, user_failure
 from .environments import Environment, ToolEnvironment, load_tools
 from .generation import Generated, GenerationBackend, Sampling
 from .grpo import sample_completions
@@ -64,7 +66,7 @@ def run_episodes(backend: GenerationBackend, environment: Environment, rows: lis
                  max_tool_calling_iterations: int | None, max_episode_tokens: int) -> Episodes:  # fmt: skip
     """Run one episode per row (repeat a row for several), turn by turn, every unfinished episode's turn in one
     `backend.generate` call; see the module docstring."""
-    n, tools = len(rows), environment.tools or None
+    n, tools = len(rows), getattr(environment, "tools", None) or None
     messages = [environment.reset(row) for row in rows]
     prompts = [_ids(tokenizer, render_chat(tokenizer, m, tools, generation_prompt=True)) for m in messages]
     ep = Episodes(prompts, [[] for _ in rows], [[] for _ in rows], [[] for _ in rows], messages, [""] * n,
@@ -150,6 +152,11 @@ class EpisodeRunner:
     max_tool_calling_iterations: int | None
     max_episode_tokens: int
 
+    @property
+    def tools(self) -> list[dict] | None:
+        """The tool definitions every episode's prompt holds."""
+        return getattr(self.environment, "tools", None) or None
+
     def run(self, backend: GenerationBackend, batch: dict[str, list], repeat: int, seeds: list[int]) -> Episodes:
         """Episodes of a `PromptRows` batch's rows, each `repeat` times in a row (a group), one seed each."""
         rows = [{k: v[j] for k, v in batch.items()} for j in range(len(batch["prompt"])) for _ in range(repeat)]
@@ -159,10 +166,25 @@ class EpisodeRunner:
 
 
 def load_episodes(config, tokenizer, stop_token_ids) -> EpisodeRunner | None:
-    """The runner of a GRPO config's episodes (`tools`), or None: single-turn completions."""
-    if not config.tools:
+    """The runner of a GRPO config's episodes (`tools`, or `environment`), or None: single-turn completions."""
+    if not (config.tools or config.environment):
         return None
     stops = stop_token_ids if isinstance(stop_token_ids, list) else [stop_token_ids]
     sampling = Sampling(config.max_new_tokens, config.temperature, config.top_p, tuple(stops), tokenizer.pad_token_id)
-    return EpisodeRunner(ToolEnvironment(load_tools(config.tools)), tokenizer, ToolCallFormat.from_template(tokenizer),
-                         sampling, config.max_tool_calling_iterations, config.episode_tokens())  # fmt: skip
+    environment = ToolEnvironment(load_tools(config.tools)) if config.tools else _user_environment(config.environment)
+    return EpisodeRunner(environment, tokenizer, ToolCallFormat.from_template(tokenizer), sampling,
+                         config.max_tool_calling_iterations, config.episode_tokens())  # fmt: skip
+
+
+def _user_environment(spec: str) -> Environment:
+    try:
+        environment = load_function(spec, "environment")()
+    except (TunebookError, KeyboardInterrupt, GeneratorExit):
+        raise
+    except BaseException as error:  # the user's code, in one line
+        raise ConfigError(f"environment {spec!r}: calling it raised {user_failure(error)}") from None
+    missing = [m for m in ("reset", "step") if not callable(getattr(environment, m, None))]
+    if missing:
+        raise ConfigError(f"environment {spec!r}: returned a {type(environment).__name__} without {' or '.join(missing)}"
+                          "; return a tunebook.rl.environments.Environment")  # fmt: skip
+    return environment

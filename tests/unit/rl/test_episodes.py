@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_grpo_loss import _tolerance
 
 from tunebook.data.tokenize import IGNORE_INDEX, render_chat
 from tunebook.errors import ConfigError
@@ -182,7 +181,8 @@ def test_environment_tokens_carry_no_loss_and_the_model_tokens_log_probs_are_a_p
     assert len(engine) == len(trainer) and row_of.tolist() == [
         i for i in range(4) for _ in range(ep.model_lengths()[i])
     ]
-    torch.testing.assert_close(engine, trainer, atol=_tolerance(torch.tensor([top]), 1.0, 64) * 10, rtol=0)
+    # generation's forward runs with a KV cache and left padding: other kernels, the same bound with room
+    torch.testing.assert_close(engine, trainer, atol=tolerance * 10, rtol=0)
 
 
 @pytest.mark.parametrize(
@@ -203,3 +203,59 @@ def test_bad_tools_are_one_line_config_errors(tmp_path, write, spec, message):
     with pytest.raises(ConfigError, match=message) as error:
         load_tools([spec.format(file=file)])
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"tools": ["no_such_tools.py:calculator"]}, "tool 'no_such_tools.py:calculator': file not found: no_such_tools.py"),
+        ({"tools": [f"{CALCULATOR}:abacus"]}, "defines no function 'abacus'"),
+        ({"tools": ["calculator"]}, "tool 'calculator': expected path/to/file.py:function_name"),
+        ({"tools": [f"{CALCULATOR}:calculator"] * 2}, "two tools are named 'calculator'"),
+        ({"tools": [f"{CALCULATOR}:calculator"], "max_tool_calling_iterations": -1}, "max_tool_calling_iterations"),
+        ({"tools": [f"{CALCULATOR}:calculator"], "max_episode_tokens": 0}, "max_episode_tokens"),
+        ({"max_episode_tokens": 64}, "max_episode_tokens bounds multi-turn episodes, which need tools"),
+        ({"synthetic_task": "division"}, "synthetic_task"),
+    ],
+)  # fmt: skip
+def test_bad_tool_keys_are_one_line_config_errors(overrides, message):
+    from tunebook.config import GRPOConfig, parse_config
+
+    with pytest.raises(ConfigError, match=message) as error:
+        parse_config(GRPOConfig, overrides=overrides, overrides_from="the test")
+    assert "\n" not in str(error.value)
+
+
+def test_the_episode_budget_defaults_to_max_new_tokens_and_counts_for_dr_grpo():
+    from tunebook.config import GRPOConfig
+
+    assert GRPOConfig(max_new_tokens=20).episode_tokens() == 20
+    assert GRPOConfig(max_new_tokens=20, tools=[f"{CALCULATOR}:calculator"]).episode_tokens() == 20
+    assert GRPOConfig(max_new_tokens=20, max_episode_tokens=90, tools=["x.py:f"]).episode_tokens() == 90
+
+
+def test_an_environment_from_a_users_file_runs_the_episodes(tmp_path, tiny_tokenizer):
+    from tunebook.config import GRPOConfig, parse_config
+    from tunebook.rl.episodes import load_episodes
+
+    file = tmp_path / "env.py"
+    file.write_text(
+        "from tunebook.rl.environments import Environment\n\n"
+        "class Judge(Environment):\n"
+        "    def step(self, messages):\n"
+        "        return [], 0.5, True\n\n"
+        "def make():\n    return Judge()\n\n"
+        "def broken():\n    raise RuntimeError('no judge today')\n\n"
+        "def wrong():\n    return 3\n"
+    )
+    config = parse_config(GRPOConfig, overrides={"environment": f"{file}:make"}, overrides_from="the test")
+    runner = load_episodes(config, tiny_tokenizer, tiny_tokenizer.eos_token_id)
+    ep = runner.run(Scripted(tiny_tokenizer, ["56088"]), {"prompt": [ROWS[0]["prompt"]]}, 2, [1, 2])
+    assert ep.rewards == [0.5, 0.5] and ep.texts == ["56088", "56088"] and runner.tools is None
+    for name, message in [("broken", "calling it raised RuntimeError: no judge today"), ("wrong", "returned a int")]:
+        config = parse_config(GRPOConfig, overrides={"environment": f"{file}:{name}"}, overrides_from="the test")
+        with pytest.raises(ConfigError, match=message):
+            load_episodes(config, tiny_tokenizer, tiny_tokenizer.eos_token_id)
+    with pytest.raises(ConfigError, match="environment and tools: give one"):
+        parse_config(GRPOConfig, overrides={"environment": f"{file}:make", "tools": [f"{CALCULATOR}:calculator"]},
+                     overrides_from="the test")  # fmt: skip
