@@ -242,7 +242,7 @@ def make_prompt(rng: random.Random) -> dict[str, str]:
     return {"prompt": f"{example['instruction']}\n{example['input']}", "answer": example["output"]}
 
 
-def make_multiplication_prompt(rng: random.Random, tool_fraction: float = 0.5) -> dict[str, Any]:
+def make_multiplication_prompt(rng: random.Random, tool_fraction: float = 0.7) -> dict[str, Any]:
     """A product of two 3-digit numbers, and a warm-up completion: for `tool_fraction` of the rows a call to the
     `calculator` tool, its result and the answer; for the others the answer alone, which a tiny model cannot compute,
     so GRPO has the tool's use to reward (the tools default, recipes/configs/grpo/tools_default.yaml)."""
