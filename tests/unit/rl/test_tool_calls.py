@@ -108,3 +108,32 @@ def test_tool_results_are_the_templates_text_after_the_models_stop_token(tiny_to
     whole = render_chat(tiny_tokenizer, [*user, turn, *observation], generation_prompt=True)
     model_turn = render_chat(tiny_tokenizer, [*user, turn]).removesuffix("\n")  # up to its stop token
     assert whole == model_turn + text
+
+
+@pytest.mark.parametrize(
+    "name, eos, markers, calls",
+    [
+        ("qwen2.5-instruct", "<|im_end|>", ("<|im_start|>", "<tool_call>", "</tool_call>"), [CALLS, CALLS[:1]]),
+        # Llama 3.1's template takes one call per turn
+        ("llama-3.1-instruct", "<|eot_id|>", ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                                              "<|eom_id|>", "<|python_tag|>"), [CALLS[:1], CALLS[1:]]),
+    ],
+)  # fmt: skip
+def test_real_templates_calls_and_results_round_trip(name, eos, markers, calls):
+    """The real templates (tests/assets/chat_templates): the calls of an assistant turn as the template renders it
+    parse back to the calls; the text after a turn that called a tool is what the whole conversation renders."""
+    from support import ASSETS, base_tokenizer
+
+    tokenizer = base_tokenizer(eos, markers)
+    tokenizer.chat_template = (ASSETS / "chat_templates" / f"{name}.jinja").read_text()
+    fmt = ToolCallFormat.from_template(tokenizer)
+    for turn_calls in calls:
+        message = {"role": "assistant", "content": "", "tool_calls": turn_calls}
+        assert fmt.parse(_assistant_turn(tokenizer, message)) == ("", turn_calls, [])
+    user = [{"role": "user", "content": "Multiply"}]
+    turn = {"role": "assistant", "content": "", "tool_calls": CALLS[:1]}
+    observation = [{"role": "tool", "name": "calculator", "content": "56088"}]
+    whole = render_chat(tokenizer, [*user, turn, *observation], generation_prompt=True)
+    model_turn = render_chat(tokenizer, [*user, turn])
+    model_turn = model_turn[: model_turn.rindex(eos) + len(eos)]  # the model's tokens end with its stop token
+    assert whole == model_turn + observation_text(tokenizer, [], observation, eos)
