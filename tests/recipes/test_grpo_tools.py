@@ -13,7 +13,7 @@ from recipe_runs import _records  # isort: skip
 
 @pytest.mark.slow
 def test_the_tools_default_learns_to_call_its_calculator(tmp_path):
-    """After the SFT warm-up (half its rows call the calculator, half answer directly, always wrongly), GRPO raises
+    """After the SFT warm-up (70% of its rows call the calculator, the rest answer directly, wrongly for the model), GRPO raises
     the rate of sampled episodes that call the tool and the exact match of their final answers, and the held-out
     exact match of greedy episodes. The tool's results reach the model as tool messages between its turns."""
     out = tmp_path / "tools"
