@@ -5,6 +5,8 @@ answers, a locally trained tokenizer and a tiny Llama that a short SFT warm-up f
 then GRPO samples 8 completions per prompt, rewards exact matches, and reports the held-out exact match of greedy
 answers when GRPO starts and at the end. A vision-language model takes prompts with images the same way
 (recipes/configs/grpo/vlm_default.yaml): completions are generated and scored with them (rewards get `images`).
+With `tools` a completion is a multi-turn episode, the model's turns with the tools' results (no loss) between them
+(`tunebook.rl.episodes`; recipes/configs/grpo/tools_default.yaml: a tiny model learns to call a calculator).
 
     tunebook train --config_file accelerate_configs/cpu.yaml grpo                                # CPU
     tunebook train --config_file accelerate_configs/multi_cpu.yaml grpo                          # 2 CPU processes

@@ -259,3 +259,24 @@ def test_an_environment_from_a_users_file_runs_the_episodes(tmp_path, tiny_token
     with pytest.raises(ConfigError, match="environment and tools: give one"):
         parse_config(GRPOConfig, overrides={"environment": f"{file}:make", "tools": [f"{CALCULATOR}:calculator"]},
                      overrides_from="the test")  # fmt: skip
+
+
+def test_episode_figures_are_logged_per_episode_and_per_call(tiny_tokenizer):
+    """tools/call_frequency (TRL's: calls per episode), tools/failure_frequency (TRL's: errors per call), the rate of
+    episodes with a call, turns and truncated episodes; none of them without episodes."""
+    from accelerate import Accelerator
+
+    from tunebook.rl.grpo import GRPOStats
+
+    turn = _call("calculator", {"expression": "1/0"}) + _call("calculator", {"expression": "2*3"})
+    ep = _run(tiny_tokenizer, Scripted(tiny_tokenizer, [turn, "6"]), rows=ROWS[:1], seeds=[1], new=300, budget=600)
+    plain = GRPOStats("cpu", ["exact_match"])
+    plain.add(steps=1, completions=2)
+    assert not any(k.startswith(("tools/", "episodes/")) for k in plain.pop(Accelerator(cpu=True)))
+    figures = GRPOStats("cpu", ["exact_match"])
+    figures.add(steps=1, completions=2, **ep.stats())
+    figures.add(**{**ep.stats(), "tool_calls": 0, "episodes_with_calls": 0, "tool_failures": 0, "truncated": 1})
+    logged = figures.pop(Accelerator(cpu=True))
+    assert logged["tools/call_frequency"] == 1.0 and logged["tools/call_rate"] == 0.5
+    assert logged["tools/failure_frequency"] == 0.5 and logged["episodes/turns"] == 2.0
+    assert logged["episodes/truncated"] == 0.5
