@@ -5,6 +5,8 @@ answers, a locally trained tokenizer and a tiny Llama that a short SFT warm-up f
 then GRPO samples 8 completions per prompt, rewards exact matches, and reports the held-out exact match of greedy
 answers when GRPO starts and at the end. A vision-language model takes prompts with images the same way
 (recipes/configs/grpo/vlm_default.yaml): completions are generated and scored with them (rewards get `images`).
+With `tools` a completion is a multi-turn episode, the model's turns with the tools' results (no loss) between them
+(`tunebook.rl.episodes`; recipes/configs/grpo/tools_default.yaml: a tiny model learns to call a calculator).
 
     tunebook train --config_file accelerate_configs/cpu.yaml grpo                                # CPU
     tunebook train --config_file accelerate_configs/multi_cpu.yaml grpo                          # 2 CPU processes
@@ -34,14 +36,14 @@ from tunebook.distributed import prepare_then_join
 from tunebook.evaluation import log_samples, prompt_sampler
 from tunebook.models import apply_lora, build_chat_lm, describe_parameters, whole_weights
 from tunebook.preference import frozen_copy, partition_reference
-from tunebook.rl import PromptData, PromptRows, prepare_prompt_data
+from tunebook.rl import PromptData, PromptRows, load_episodes, prepare_prompt_data
 from tunebook.rl.engines import make_backend
 from tunebook.rl.evaluation import evaluate_completions
-from tunebook.rl.grpo import completion_log_probs, grpo_token_losses, loss_numerator, step_normaliser
+from tunebook.rl.grpo import completion_log_probs, grpo_token_losses, loss_numerator, step_normaliser, stop_tokens
 from tunebook.rl.rewards import describe, load_reward_functions
 from tunebook.rl.rollouts import PendingRollouts, RolloutSource
 from tunebook.rl.stats import GRPOStats
-from tunebook.rl.vision_prompts import VisionPromptRows, warmup_examples
+from tunebook.rl.vision_prompts import VisionPromptRows, warm_up
 from tunebook.training import (
     accumulation_windows,
     after_step,
@@ -55,14 +57,13 @@ from tunebook.training import (
     micro_batch,
     optimizer_step_or_skip,
     plan_steps,
-    sft_warmup,
     start_run,
     start_training,
     step_loss_scale,
 )
 
 
-def evaluate(config: GRPOConfig, model, data: PromptData, rewards, accelerator, log, step: int) -> dict:
+def evaluate(config: GRPOConfig, model, data: PromptData, rewards, accelerator, log, step: int, episodes) -> dict:
     metrics, samples = evaluate_completions(
         model,
         data.tokenizer,
@@ -76,28 +77,10 @@ def evaluate(config: GRPOConfig, model, data: PromptData, rewards, accelerator, 
         when=f"in the evaluation after step {step}" if step else "in the evaluation before training",
         collate_fn=VisionPromptRows(data.processor, 1, config.max_image_pixels) if data.processor else None,
         processor=data.processor,
+        episodes=episodes,
     )
     log_samples(log, samples, step)
     return metrics
-
-
-def warm_up(config: GRPOConfig, model, data: PromptData, accelerator, log) -> None:
-    """A brief SFT on the reference answers, which teaches the answer format before GRPO rewards it."""
-    # the answers with their prompts, and for a VLM their images with the collator that decodes them
-    examples, collate = warmup_examples(data, config.reference_column, config.max_seq_length, config.max_image_pixels)
-    sft_warmup(
-        model,
-        examples,
-        data.tokenizer.pad_token_id,
-        steps=config.sft_warmup_steps,
-        seed=config.seed,
-        batch_size=32,
-        device=accelerator.device,
-        log=log,
-        learning_rate=config.sft_warmup_learning_rate,  # constant: GRPO goes on from an unannealed model
-        max_grad_norm=1.0,
-        collate_fn=collate,
-    )
 
 
 def main(config: GRPOConfig) -> dict:
@@ -110,9 +93,10 @@ def main(config: GRPOConfig) -> dict:
 
     # --- model: the policy (a VLM's tower frozen); optionally a brief SFT warm-up; the reference for the KL
     model = build_chat_lm(tokenizer, data.processor, config)
+    episodes = load_episodes(config, tokenizer, stop_tokens(model, tokenizer))  # tools: multi-turn episodes
     with whole_weights(model):  # under DeepSpeed ZeRO-3 the model is built partitioned: whole until prepare
         if config.sft_warmup_steps:
-            warm_up(config, model, data, accelerator, log)
+            warm_up(config, model, data, accelerator.device, log, episodes and episodes.tools)
         reference = None  # beta 0: none; with LoRA: the policy with its adapters off
         if config.beta > 0 and not config.use_peft:
             reference = frozen_copy(model, accelerator.device)
@@ -145,7 +129,7 @@ def main(config: GRPOConfig) -> dict:
 
     # --- resume (or start), then train: the loop's bookkeeping is tunebook.training.loop
     def run_evaluation() -> dict:
-        return evaluate(config, model, data, rewards, accelerator, log, saved.state.global_step)
+        return evaluate(config, model, data, rewards, accelerator, log, saved.state.global_step, episodes)
 
     evaluation = run_evaluation if data.eval is not None else None
     figures = GRPOStats(accelerator.device, [f.name for f in rewards])
@@ -156,7 +140,17 @@ def main(config: GRPOConfig) -> dict:
     # --- generation: the policy's own generate, or vLLM (colocated or a server), each step or one step ahead
     backend = make_backend(config, model, accelerator, data, log)
     source = RolloutSource(
-        config, accelerator, backend, model, reference, rewards, figures, data, pending, saved.state.global_step
+        config,
+        accelerator,
+        backend,
+        model,
+        reference,
+        rewards,
+        figures,
+        data,
+        pending,
+        saved.state.global_step,
+        episodes,  # tools: each completion a multi-turn episode
     )
     samples = prompt_sampler(config, model, tokenizer, accelerator)  # sample_prompts, at each evaluation
     loop = start_training(
@@ -170,7 +164,7 @@ def main(config: GRPOConfig) -> dict:
             # num_iterations updates on these rollouts.
             first, rollouts = source.next(window, upcoming, loop.state.global_step)
             # The loss is normalised over the whole step (all micro-batches and processes), per loss_type.
-            normaliser, tokens = step_normaliser(rollouts, config.loss_type, config.max_new_tokens, accelerator)
+            normaliser, tokens = step_normaliser(rollouts, config.loss_type, config.episode_tokens(), accelerator)
             scale = step_loss_scale(normaliser, accelerator.num_processes, k)
             ended = False
             for iteration in range(first, config.num_iterations):

@@ -257,6 +257,27 @@ def check_reward_functions(config: Any) -> None:  # grpo
             load_function(spec, "reward function")
 
 
+def check_tools(config: Any) -> None:  # grpo
+    names = set()
+    for spec in config.tools:
+        if ":" not in spec:
+            raise ConfigError(f"tool {spec!r}: expected path/to/file.py:function_name")
+        load_function(spec, "tool")  # a missing file or function stops here; its definition at the run's start
+        name = spec.rpartition(":")[2]
+        if name in names:
+            raise ConfigError(f"tools: two tools are named {name!r}; the model calls them by name")
+        names.add(name)
+    if config.environment is not None:
+        if config.tools:
+            raise ConfigError("environment and tools: give one (an environment's tools are its own `tools`)")
+        if ":" not in config.environment:
+            raise ConfigError(f"environment {config.environment!r}: expected path/to/file.py:factory")
+        load_function(config.environment, "environment")
+    if config.max_episode_tokens is not None and not (config.tools or config.environment):
+        raise ConfigError("max_episode_tokens bounds multi-turn episodes, which need tools (or an environment); "
+                          "set tools, or use max_new_tokens")  # fmt: skip
+
+
 def check_reward_weights(config: Any) -> None:  # grpo
     rewards = len(config.reward_functions) + bool(config.reward_model)
     if config.reward_weights is not None and len(config.reward_weights) != rewards:

@@ -15,6 +15,7 @@ from .checks import (
     check_reward_weights,
     check_sample_prompts,
     check_some_reward,
+    check_tools,
 )
 from .fields import config_field, new_default
 from .shared import CausalLMConfig, ChatModelConfig, fill_cache_dir, fill_tiny_model
@@ -226,10 +227,41 @@ class GRPOConfig(CausalLMConfig, VisionConfig, ChatModelConfig):
         bounds="[0, inf)",
         section="training",
     )
+    # --- multi-turn episodes with tools (tunebook.rl.episodes)
+    tools: list[str] = config_field(
+        "Python functions the model may call, as path/to/file.py:function (type hints and a docstring with an Args: "
+        "line per argument give the definition the chat template renders into the prompt). With tools a completion is "
+        "an episode: the model's turn, the tools' results (tool messages, no loss), its next turn, ... until a turn "
+        "without a call; the rewards score the last turn's text and get the episode as `messages`.",
+        default_factory=list,
+        section="training",
+    )
+    environment: str | None = config_field(
+        "Your own environment for multi-turn episodes, as path/to/file.py:factory: factory() returns a "
+        "tunebook.rl.environments.Environment (reset(row) -> messages, step(messages) -> (observation, reward, "
+        "done), tools); its per-turn rewards are summed into the episode's. Instead of tools.",
+        None,
+        section="training",
+    )
+    max_tool_calling_iterations: int | None = config_field(
+        "Rounds of tool results an episode may feed back to the model (TRL's name; its turns are at most this + 1); "
+        "unset: no limit but max_episode_tokens.",
+        None,
+        bounds="[0, inf)",
+        section="training",
+    )
+    max_episode_tokens: int | None = config_field(
+        "Longest episode completion in tokens, the model's turns and the tool results together (as TRL's "
+        "max_completion_length); each turn generates at most max_new_tokens of what is left. Unset: max_new_tokens.",
+        None,
+        bounds="[1, inf)",
+        section="training",
+    )
     sft_warmup_steps: int | None = config_field(
         "Optimizer steps of plain SFT on the prompts' reference answers before GRPO, for a model that has not "
         "learnt the answer format; unset: 200 for a fresh model built from a config (the embedded default), 0 "
-        "for a loaded one.",
+        "for a loaded one. Prompt data with a `completion` column (text, or messages with tool calls and results) "
+        "trains on those completions instead of the reference answers.",
         None,
         bounds="[0, inf)",
         section="training",
@@ -254,6 +286,13 @@ class GRPOConfig(CausalLMConfig, VisionConfig, ChatModelConfig):
     eval_steps: int = new_default(20)
     synthetic_train_size: int = new_default(8000, "Prompts of the synthetic task (when train_data is None).")
     synthetic_eval_size: int = new_default(200, "Held-out prompts of the synthetic task (when train_data is None).")
+    synthetic_task: Literal["digits", "multiplication"] = config_field(
+        "The generated prompts (train_data None): digits (reverse or sort a digit string), or multiplication (two "
+        "3-digit numbers, with a `completion` that calls a `calculator` tool for a fraction of them: the tools "
+        "default).",
+        "digits",
+        section="data",
+    )
 
     def __post_init__(self) -> None:
         fill_cache_dir(self)
@@ -274,8 +313,14 @@ class GRPOConfig(CausalLMConfig, VisionConfig, ChatModelConfig):
             check_sample_prompts,
             check_vision_keys,
             check_generation_engine,
+            check_tools,
         ):
             check(self)
+
+    def episode_tokens(self) -> int:
+        """The longest completion: an episode's budget with tools, else one turn's."""
+        episodes = self.tools or self.environment
+        return (self.max_episode_tokens or self.max_new_tokens) if episodes else self.max_new_tokens
 
     def check_files(self) -> None:
         check_data_files(self)

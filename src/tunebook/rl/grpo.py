@@ -183,12 +183,17 @@ def sample_with_log_probs(model, prompt_ids: list[list[int]], seeds: list[int], 
     return completions, [row[: len(c)] for row, c in zip(table, completions)]
 
 
-def rollout_rows(prompt_ids: list[list[int]], completions: list[list[int]], pad_token_id: int, device):
+def rollout_rows(prompt_ids: list[list[int]], completions: list[list[int]], pad_token_id: int, device,
+                 loss_mask: list[list[int]] | None = None):  # fmt: skip
     """Right-padded prompt + completion rows (`PadCollator`): input_ids, attention_mask, labels on the completion
-    tokens, and the completions' lengths."""
-    features = [{"input_ids": p + c, "labels": [IGNORE_INDEX] * len(p) + c} for p, c in zip(prompt_ids, completions)]
+    tokens, and the completions' lengths in trained tokens. `loss_mask` (multi-turn episodes, `tunebook.rl.episodes`):
+    per completion token, 1 where the model generated it, 0 where the environment wrote it (no label, not counted),
+    so every loss_type normalises over the model's own tokens."""
+    masks = loss_mask or [[1] * len(c) for c in completions]
+    features = [{"input_ids": p + c, "labels": [IGNORE_INDEX] * len(p) + [t if m else IGNORE_INDEX for t, m in zip(c, mask)]}
+                for p, c, mask in zip(prompt_ids, completions, masks)]  # fmt: skip
     batch = PadCollator(pad_token_id)(features)
-    lengths = torch.tensor([len(c) for c in completions], dtype=torch.long)
+    lengths = torch.tensor([sum(mask) for mask in masks], dtype=torch.long)
     return tuple(t.to(device) for t in (batch["input_ids"], batch["attention_mask"], batch["labels"], lengths))
 
 

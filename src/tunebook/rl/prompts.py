@@ -25,7 +25,8 @@ from ..data.sources import DataSource, fingerprint_sources, load_source
 from ..data.synthetic import _write_disjoint, make_example
 from ..data.tokenize import cut_overlong, longest_token_chars, render_chat, tokenize_conversations
 from ..errors import DataError
-from ..models.tokenizer import setup_chat_template
+from ..models.tokenizer import CHATML_TEMPLATE, setup_chat_template
+from .environments import tool_definitions
 
 __all__ = [
     "PromptData",
@@ -35,6 +36,7 @@ __all__ = [
     "prepare_text_prompt_data",
     "reference_examples",
     "reward_inputs",
+    "write_multiplication_prompts",
     "write_synthetic_prompts",
 ]
 
@@ -59,14 +61,17 @@ class PromptPipeline(Pipeline):
     kept; a seeded held-out split; train rows numbered by their position."""
 
     def write_synthetic(self, directory, num_train, num_eval, seed):
+        if self.config.synthetic_task == "multiplication":
+            return write_multiplication_prompts(directory, num_train, num_eval, seed)
         return write_synthetic_prompts(directory, num_train, num_eval, seed)
 
     def make_tokenizer(self):
         config = self.config
-        texts = lambda: _texts(self.train_sources, self.cache_dir, config)  # noqa: E731
+        tools = _tools_text(config)
+        texts = lambda: _texts(self.train_sources, self.cache_dir, config, tools)  # noqa: E731
+        key = fingerprint_sources(self.train_sources) + (fingerprint({"tools": tools}) if tools else "")
         # A text holds a prompt (trained up to max_prompt_length tokens) and its reference answer (the SFT warm-up's).
-        tokenizer = self.trained_tokenizer(fingerprint_sources(self.train_sources), texts,
-                                           config.max_prompt_length + config.max_seq_length)  # fmt: skip
+        tokenizer = self.trained_tokenizer(key, texts, config.max_prompt_length + config.max_seq_length)
         return setup_chat_template(tokenizer, config.chat_template, config.trust_remote_code, self.log)
 
     def tokenise(self, sources: list[DataSource], name: str) -> Tokenised:
@@ -106,13 +111,38 @@ def load_prompts(source: DataSource, cache_dir: Path, seed: int) -> datasets.Dat
     return raw
 
 
-def _texts(sources: list[DataSource], cache_dir: Path, config):
-    """Prompts and reference answers as text, to train a tokenizer on."""
+def _texts(sources: list[DataSource], cache_dir: Path, config, tools: str | None = None):
+    """Prompts and reference answers (and warm-up completions, the tools' definitions) as text, to train a tokenizer
+    on."""
     for source in sources:
         for number, row in enumerate(load_prompts(source, cache_dir, config.seed), 1):
             messages = as_messages(row["prompt"], "user", f"{source.where}, row {number}")
             reference = row.get(config.reference_column)
-            yield "\n".join([m["content"] for m in messages] + ([str(reference)] if reference is not None else []))
+            completion = _completion_texts(row.get("completion"))  # a warm-up's tool calls and results, as text
+            answer = [str(reference)] if reference is not None else []
+            yield "\n".join([m["content"] for m in messages] + completion + answer + ([tools] if tools else []))
+
+
+def _tools_text(config) -> str | None:
+    """With tools, their definitions as the default chat template renders them into every episode's prompt: a
+    tokenizer trained on them too writes that prompt in fewer tokens."""
+    if not getattr(config, "tools", None):
+        return None
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered = render_jinja_template([[{"role": "user", "content": ""}]], tools=tool_definitions(config.tools),
+                                     chat_template=CHATML_TEMPLATE)  # fmt: skip
+    return rendered[0][0]
+
+
+def _completion_texts(completion) -> list[str]:
+    if not isinstance(completion, list):
+        return [completion] if isinstance(completion, str) else []
+    texts = []
+    for message in completion:
+        texts.append(str(message.get("content") or ""))
+        texts += [json.dumps(call.get("function", call)) for call in message.get("tool_calls") or []]
+    return texts
 
 
 def _build(sources: list[DataSource], tokenizer, config, cache_dir: Path, scratch: Path):
@@ -154,19 +184,25 @@ def _tokenize_prompts(batch: dict[str, list], indices: list[int], *, tokenizer, 
     return {"prompt_ids": ids, "keep": keep}
 
 
-def reference_examples(prompts: datasets.Dataset, tokenizer, reference_column: str, max_seq_length: int):
+def reference_examples(prompts: datasets.Dataset, tokenizer, reference_column: str, max_seq_length: int,
+                       tools: list[dict] | None = None):  # fmt: skip
     """SFT examples (input_ids, labels on the answer) of the prompts with their reference answers: what an SFT
-    warm-up trains on before GRPO, so the model first learns the answer format."""
-    if reference_column not in prompts.column_names:
+    warm-up trains on before GRPO, so the model first learns the answer format. Where the data has a `completion`
+    column (text, or messages: assistant turns with tool calls, tool results, the answer), the loss is on its
+    assistant turns instead, with the `tools` definitions rendered into the prompt, as an episode's is."""
+    completion = "completion" in prompts.column_names
+    if not completion and reference_column not in prompts.column_names:
         raise DataError(f"an SFT warm-up needs the reference answers (column {reference_column!r}; found "
                         f"{prompts.column_names}); set reference_column, or sft_warmup_steps 0")  # fmt: skip
 
     def conversations(batch):
         rows = []
-        for prompt, answer in zip(batch["prompt"], batch[reference_column]):
+        answers = batch["completion"] if completion else batch[reference_column]
+        for prompt, answer in zip(batch["prompt"], answers):
             messages = as_messages(prompt, "user", "prompt data")  # context: the loss is on the answer only
-            rows.append(json.dumps({"messages": messages + [{"role": "assistant", "content": str(answer)}],
-                                    "completion_start": len(messages)}))  # fmt: skip
+            answer = as_messages(answer if completion else str(answer), "assistant", "prompt data", "completion")
+            rows.append(json.dumps({"messages": messages + answer, "completion_start": len(messages),
+                                    **({"tools": tools} if tools else {})}))  # fmt: skip
         return tokenize_conversations({"conversation": rows}, tokenizer=tokenizer, max_seq_length=max_seq_length,
                                       overlong="truncate", assistant_only_loss=True)  # fmt: skip
 
@@ -176,13 +212,18 @@ def reference_examples(prompts: datasets.Dataset, tokenizer, reference_column: s
     )
 
 
-def reward_inputs(batch: dict[str, Any], completions: list[list[int]], repeat: int = 1) -> tuple[list, dict]:
+def reward_inputs(batch: dict[str, Any], completions: list[list[int]], repeat: int = 1,
+                  episodes=None) -> tuple[list, dict]:  # fmt: skip
     """(prompts, columns) for the reward functions from a `PromptRows` batch whose prompts each have `repeat`
     consecutive completions: every column but ours, each value repeated, and `completion_lengths` (tokens). A
-    `VisionPromptRows` batch's `images` are each prompt's resolved image paths; its pixels stay out."""
+    `VisionPromptRows` batch's `images` are each prompt's resolved image paths; its pixels stay out. Multi-turn
+    `episodes` (`tunebook.rl.episodes.Episodes`) add `messages` (each whole episode) and count only the model's
+    tokens in `completion_lengths`."""
     columns = {k: [v for v in values for _ in range(repeat)] for k, values in batch.items()
                if k not in ("prompt", "image_inputs", *PROMPT_COLUMNS)}  # fmt: skip
     columns["completion_lengths"] = [len(c) for c in completions]
+    if episodes is not None:
+        columns["completion_lengths"], columns["messages"] = episodes.model_lengths(), episodes.messages
     return [p for p in batch["prompt"] for _ in range(repeat)], columns
 
 
@@ -199,6 +240,26 @@ def make_prompt(rng: random.Random) -> dict[str, str]:
     """A digit-task prompt and its answer (the SFT default's task as prompt-only data)."""
     example = make_example(rng)
     return {"prompt": f"{example['instruction']}\n{example['input']}", "answer": example["output"]}
+
+
+def make_multiplication_prompt(rng: random.Random, tool_fraction: float = 0.7) -> dict[str, Any]:
+    """A product of two 3-digit numbers, and a warm-up completion: for `tool_fraction` of the rows a call to the
+    `calculator` tool, its result and the answer; for the others the answer alone, which a tiny model cannot compute,
+    so GRPO has the tool's use to reward (the tools default, recipes/configs/grpo/tools_default.yaml)."""
+    a, b = rng.randint(100, 999), rng.randint(100, 999)
+    answer = str(a * b)
+    completion = [{"role": "assistant", "content": answer}]
+    if rng.random() < tool_fraction:
+        call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": f"{a}*{b}"}}}
+        completion = [{"role": "assistant", "content": "", "tool_calls": [call]},
+                      {"role": "tool", "name": "calculator", "content": answer}, *completion]  # fmt: skip
+    return {"prompt": f"Multiply.\n{a}*{b}", "answer": answer, "completion": completion}
+
+
+def write_multiplication_prompts(directory: str | Path, num_train: int, num_eval: int, seed: int):
+    """Write disjoint `train.jsonl`/`eval.jsonl` of multiplication prompts (`make_multiplication_prompt`)."""
+    directory = Path(directory) / f"multiplication-{num_train}-{num_eval}-seed{seed}"
+    return _write_disjoint(directory, num_train, num_eval, seed, make_multiplication_prompt, "prompt")
 
 
 def write_synthetic_prompts(directory: str | Path, num_train: int, num_eval: int, seed: int):

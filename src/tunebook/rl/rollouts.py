@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from ..models.wrappers import unwrap
+from .episodes import Episodes
 from .generation import Generated, GenerationBackend, Sampling
 from .grpo import Rollouts, completion_log_probs, completion_seed, group_advantages, rollout_rows, stop_tokens
 from .mismatch import importance_weights
@@ -37,20 +38,32 @@ __all__ = ["PendingRollouts", "RolloutSource"]
 
 @dataclass
 class _Sampled:
-    """One micro-batch's completions as the engine gave them, with how long that took."""
+    """One micro-batch's completions as the engine gave them, with how long that took; with tools, the multi-turn
+    episodes they are (`tunebook.rl.episodes.Episodes`: their prompts, loss masks, answers, environment rewards)."""
 
     generated: Generated
     seconds: float
+    episodes: Episodes | None = None
+
+    def state(self) -> list:
+        return [[self.generated.token_ids, self.generated.log_probs], self.seconds,
+                None if self.episodes is None else asdict(self.episodes)]  # fmt: skip
+
+    @classmethod
+    def from_state(cls, state: list) -> _Sampled:
+        generated, seconds, *rest = state
+        episodes = Episodes(**rest[0]) if rest and rest[0] is not None else None
+        return cls(Generated(*generated), seconds, episodes)
 
 
 class RolloutSource:
     """Windows of prompts in, scored `Rollouts` out (see the module docstring)."""
 
     def __init__(self, config, accelerator, backend: GenerationBackend, model, reference, rewards, figures, data,
-                 pending: PendingRollouts, step: int):  # fmt: skip
+                 pending: PendingRollouts, step: int, episodes=None):  # fmt: skip
         self.config, self.accelerator, self.backend = config, accelerator, backend
         self.model, self.reference, self.rewards, self.figures, self.data = model, reference, rewards, figures, data
-        self.pending = pending
+        self.pending, self.episodes = pending, episodes  # episodes: a `tunebook.rl.episodes.EpisodeRunner` (tools)
         self.correct = config.vllm_importance_sampling_correction and not backend.samples_with_trainer
         policy = unwrap(model)
         self.sampling = Sampling(
@@ -96,7 +109,7 @@ class RolloutSource:
         if ahead is None:
             return None
         start = time.perf_counter()
-        sampled = ahead.result() if isinstance(ahead, Future) else [_Sampled(Generated(*g), s) for g, s in ahead]
+        sampled = ahead.result() if isinstance(ahead, Future) else [_Sampled.from_state(s) for s in ahead]
         self.figures.add(waiting_seconds=time.perf_counter() - start)
         if len(sampled) != len(window):
             raise RuntimeError("the completions generated ahead do not match the window they were made for")
@@ -114,6 +127,10 @@ class RolloutSource:
             start = time.perf_counter()
             prompt_ids = [p for p in batch["prompt_ids"] for _ in range(G)]  # a group's completions stay together
             seeds = [completion_seed(self.config.seed, step, int(row), g) for row in batch["row"] for g in range(G)]
+            if self.episodes is not None:  # multi-turn: the model's turns, the tools' results (no loss) between them
+                ran = self.episodes.run(self.backend, batch, G, seeds)
+                out.append(_Sampled(Generated(ran.token_ids, ran.log_probs), time.perf_counter() - start, ran))
+                continue
             images = prompt_images(batch, self.data.processor)  # a VLM's: each prompt's images, per completion
             generated = self.backend.generate(prompt_ids, seeds, self.sampling, images=images)
             out.append(_Sampled(generated, time.perf_counter() - start))
@@ -124,13 +141,16 @@ class RolloutSource:
         accelerator, G, tokenizer = self.accelerator, self.config.num_generations, self.data.tokenizer
         parts = []
         for batch, s in zip(window, sampled):
-            completions = s.generated.token_ids
-            texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-            prompts, columns = reward_inputs(batch, completions, G)
+            completions, ran = s.generated.token_ids, s.episodes
+            texts = ran.texts if ran else tokenizer.batch_decode(completions, skip_special_tokens=True)
+            prompts, columns = reward_inputs(batch, completions, G, ran)
             when = f"at step {step + 1}"  # what a failing reward's error says
             per_function = score(self.rewards, prompts, texts, columns, accelerator.device, when)
             self.figures.add_rewards(per_function)
-            parts.append((batch, s, combined(per_function, self.rewards)))
+            total = combined(per_function, self.rewards)
+            if ran:  # the environment's per-turn rewards, summed over the episode
+                total = total + torch.tensor(ran.rewards, dtype=total.dtype, device=total.device)
+            parts.append((batch, s, total))
         # scale_rewards batch: the std over the whole generation batch, every process's completions included.
         batch_std = accelerator.gather(torch.cat([part[2] for part in parts])).std()
         rollouts = []
@@ -140,13 +160,13 @@ class RolloutSource:
 
     def _rollouts(self, batch, s: _Sampled, total: torch.Tensor, batch_std) -> Rollouts:
         config, G, device = self.config, self.config.num_generations, self.accelerator.device
-        prompt_ids = [p for p in batch["prompt_ids"] for _ in range(G)]
-        completions = s.generated.token_ids
+        ran, completions = s.episodes, s.generated.token_ids
+        prompt_ids = ran.prompt_ids if ran else [p for p in batch["prompt_ids"] for _ in range(G)]
         advantages, zero_std = group_advantages(total, G, config.scale_rewards, batch_std)
-        rows = rollout_rows(prompt_ids, completions, self.data.tokenizer.pad_token_id, device)
+        rows = rollout_rows(prompt_ids, completions, self.data.tokenizer.pad_token_id, device, ran and ran.loss_mask)
         images = prompt_images(batch, self.data.processor)
         r = Rollouts(*rows, advantages, None, None, images and images.inputs(rows[0]))
-        if s.generated.log_probs is not None:  # in loss-position order: each completion's tokens, row by row
+        if s.generated.log_probs is not None:  # in loss-position order: each completion's model tokens, row by row
             flat = [x for row in s.generated.log_probs for x in row]
             r.sampler_log_probs = torch.tensor(flat, dtype=torch.float32, device=device)
         policy = unwrap(self.model)
@@ -162,6 +182,7 @@ class RolloutSource:
             completions=len(completions), reward=total.sum(), reward_sq=(total**2).sum(),
             zero_std_groups=zero_std.sum(), groups=len(completions) // G, tokens=r.completion_lengths.sum(),
             max_length=r.completion_lengths.max(), generation_seconds=s.seconds,
+            **(ran.stats() if ran else {}),  # tool calls, turns, truncated episodes
         )  # fmt: skip
         return r
 
@@ -205,7 +226,7 @@ class PendingRollouts:
         # (the next update's index, the rollouts) since the last update: turned into lists only when a checkpoint is
         # saved, not after every update (a VLM's pixel values are millions of numbers)
         self._kept: tuple[int, list[Rollouts]] | None = None
-        # async generation: the next window's completions, in flight (a Future) or as loaded ([[ids, lps], s] each)
+        # async generation: the next window's completions, in flight (a Future) or as loaded (`_Sampled.state`s)
         self.ahead: Future | list | None = None
 
     def keep(self, iteration: int, rollouts: list[Rollouts], iterations: int) -> None:
@@ -228,9 +249,7 @@ class PendingRollouts:
             state = {"iteration": iteration, "rollouts": [r.state_dict() for r in rollouts]}
         if self.ahead is not None:
             sampled = self.ahead.result() if isinstance(self.ahead, Future) else None
-            state["ahead"] = self.ahead if sampled is None else [
-                [[s.generated.token_ids, s.generated.log_probs], s.seconds] for s in sampled
-            ]  # fmt: skip
+            state["ahead"] = self.ahead if sampled is None else [s.state() for s in sampled]
         return state or None
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:

@@ -5,7 +5,8 @@ module (vLLM, or async generation's copy one step behind) the sampler-vs-trainer
 `sampling/sampling_logp_difference/mean` and `/max` (|log pi_trainer - log pi_sampler| over the sampled tokens),
 `sampling/kl` (KL(sampler || trainer), the k3 estimate over the same tokens) and
 `sampling/importance_sampling_ratio/min|mean|max` (the weights the loss used); and the time generation took, the
-time training took and the time training waited for generation (async: what the overlap did not hide).
+time training took and the time training waited for generation (async: what the overlap did not hide); with tools, TRL's
+`tools/call_frequency` and `tools/failure_frequency`, `tools/call_rate`, `episodes/turns` and `episodes/truncated`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ class GRPOStats:
     FIELDS = ("steps", "loss", "completions", "reward", "reward_sq", "zero_std_groups", "groups", "tokens",
               "max_length", "trained_tokens", "clipped", "kl", "generation_seconds", "training_seconds",
               "waiting_seconds", "sampled_tokens", "logp_difference", "max_logp_difference", "sampler_kl",
-              "is_ratio", "is_ratio_count", "max_is_ratio", "max_negative_is_ratio")  # fmt: skip
+              "is_ratio", "is_ratio_count", "max_is_ratio", "max_negative_is_ratio",
+              # multi-turn episodes with tools (`tunebook.rl.episodes.Episodes.stats`)
+              "episodes", "turns", "tool_calls", "episodes_with_calls", "tool_failures", "truncated")  # fmt: skip
     # reduced by their maximum, not summed (a minimum is kept as the maximum of its negative)
     MAXIMA = ("max_length", "max_logp_difference", "max_is_ratio", "max_negative_is_ratio")
 
@@ -107,6 +110,12 @@ class GRPOStats:
             "generation_seconds": s["generation_seconds"],
             "training_seconds": s["training_seconds"],
         })  # fmt: skip
+        if s["episodes"]:  # TRL's tools/call_frequency (calls per episode) and tools/failure_frequency (per call)
+            episodes = s["episodes"]
+            out.update({"tools/call_frequency": s["tool_calls"] / episodes,
+                        "tools/call_rate": s["episodes_with_calls"] / episodes,
+                        "tools/failure_frequency": s["tool_failures"] / max(s["tool_calls"], 1.0),
+                        "episodes/turns": s["turns"] / episodes, "episodes/truncated": s["truncated"] / episodes})  # fmt: skip
         if s["waiting_seconds"] > 0:
             out["waiting_seconds"] = s["waiting_seconds"]
         if s["sampled_tokens"] > 0:
@@ -128,7 +137,7 @@ class GRPOStats:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         sums = torch.tensor(state["sums"], dtype=torch.float64)
-        if sums.numel() != self.sums.numel():  # a checkpoint from before the sampling figures: its sums, the rest 0
-            old = len(sums) - 3 * len(self.reward_names)
+        if sums.numel() == 14 + 3 * len(self.reward_names):  # a checkpoint from before the sampling and tool figures
+            old = 14
             sums = torch.cat([sums[:old], self.sums[old : len(self.FIELDS)].cpu(), sums[old:]])
         self.sums.copy_(sums)

@@ -43,6 +43,7 @@ from ..data.vision_tokenize import (
     tokenize_image_prompt,
 )
 from ..errors import DataError
+from ..training.warmup import sft_warmup
 from .prompts import (
     PromptData,
     PromptPipeline,
@@ -60,6 +61,7 @@ __all__ = [
     "prompt_images",
     "vision_reference_examples",
     "write_synthetic_image_prompts",
+    "warm_up",
     "warmup_examples",
 ]
 
@@ -234,14 +236,35 @@ def prompt_images(batch: dict[str, Any], processor) -> PromptImages | None:
     return None if processor is None else PromptImages(batch["image_inputs"], processor)
 
 
-def warmup_examples(data: PromptData, reference_column: str, max_seq_length: int, max_image_pixels: int):
-    """(examples, collate_fn) of GRPO's SFT warm-up: the prompts with their reference answers, and for a
-    vision-language model (`data.processor`) with their images and the collator that decodes them (None: the
-    warm-up's own padding)."""
+def warmup_examples(data: PromptData, reference_column: str, max_seq_length: int, max_image_pixels: int,
+                    tools: list[dict] | None = None):  # fmt: skip
+    """(examples, collate_fn) of GRPO's SFT warm-up: the prompts with their reference answers (or completions, with
+    the `tools` definitions: `reference_examples`), and for a vision-language model (`data.processor`) with their
+    images and the collator that decodes them (None: the warm-up's own padding)."""
     if data.processor is None:
-        return reference_examples(data.train, data.tokenizer, reference_column, max_seq_length), None
+        return reference_examples(data.train, data.tokenizer, reference_column, max_seq_length, tools), None
     examples = vision_reference_examples(data.train, data.processor, reference_column, max_seq_length)
     return examples, VisionCollator(data.processor, max_image_pixels=max_image_pixels)
+
+
+def warm_up(config, model, data: PromptData, device, log, tools: list[dict] | None = None) -> None:
+    """GRPO's SFT warm-up (`sft_warmup_steps`): a brief SFT on the reference answers (or completions, tool calls
+    included, with the `tools` definitions), which teaches the answer format before GRPO rewards it."""
+    examples, collate = warmup_examples(data, config.reference_column, config.max_seq_length,
+                                        config.max_image_pixels, tools)  # fmt: skip
+    sft_warmup(
+        model,
+        examples,
+        data.tokenizer.pad_token_id,
+        steps=config.sft_warmup_steps,
+        seed=config.seed,
+        batch_size=32,
+        device=device,
+        log=log,
+        max_grad_norm=1.0,
+        collate_fn=collate,
+        learning_rate=config.sft_warmup_learning_rate,
+    )  # fmt: skip  (constant: GRPO goes on unannealed)
 
 
 def vision_reference_examples(prompts: datasets.Dataset, processor, reference_column: str, max_seq_length: int):

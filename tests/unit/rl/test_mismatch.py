@@ -86,7 +86,7 @@ def test_a_checkpoint_keeps_the_completions_generated_ahead():
     future.set_result([_Sampled(Generated([[5, 1], [7]], [[-0.5, -0.1], [-2.0]]), 1.5)])
     pending.ahead = future
     state = pending.state_dict()  # waits for the generation in flight
-    assert state == {"ahead": [[[[[5, 1], [7]], [[-0.5, -0.1], [-2.0]]], 1.5]]}
+    assert state == {"ahead": [[[[[5, 1], [7]], [[-0.5, -0.1], [-2.0]]], 1.5, None]]}
     resumed = PendingRollouts()
     resumed.load_state_dict(state)
     assert resumed.take("cpu") is None and resumed.ahead == state["ahead"]
