@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 
 import torch
 
@@ -213,8 +214,31 @@ def compile_model(config, accelerator, model, train_loader, micro_batches: int, 
     return compiled
 
 
+_eager_lock = threading.Lock()
+_eager_users: list = []  # the one set_stance context while any thread is inside `eager()`, and how many are
+
+
+@contextlib.contextmanager
 def eager():
-    """A context in which compiled blocks run their plain Python code (evaluation, generation)."""
-    if hasattr(torch.compiler, "set_stance"):
-        return torch.compiler.set_stance("force_eager")
-    return contextlib.nullcontext()
+    """A context in which compiled blocks run their plain Python code (evaluation, generation).
+
+    Counted across threads: torch's stance is process-wide, so GRPO's async generation (a thread) and an evaluation
+    on the main thread would otherwise each restore the stance the other set, and could leave the whole process
+    forced eager for good. The stance goes back when the last user leaves (meanwhile compiled training runs eagerly
+    too: async generation and torch_compile overlap less)."""
+    if not hasattr(torch.compiler, "set_stance"):
+        yield
+        return
+    with _eager_lock:
+        if not _eager_users:
+            stance = torch.compiler.set_stance("force_eager")
+            stance.__enter__()
+            _eager_users.append(stance)
+        _eager_users.append(None)
+    try:
+        yield
+    finally:
+        with _eager_lock:
+            _eager_users.pop()
+            if len(_eager_users) == 1:
+                _eager_users.pop().__exit__(None, None, None)

@@ -127,3 +127,29 @@ def test_the_trainers_own_sampling_is_not_corrected_but_its_mismatch_is_measured
     source.figures.add(steps=1, loss=0.0, trained_tokens=1)
     figures = source.figures.pop(SimpleNamespace(num_processes=1, gather=lambda t: t))
     assert figures["sampling/sampling_logp_difference/max"] < 1e-4  # generate's KV cache vs one forward, float32
+
+
+def test_overlapping_eager_sections_in_two_threads_leave_compilation_on():
+    """Async generation's thread and the main thread's evaluation both decode eagerly: however their sections
+    interleave, the process is not left forced eager (a compiled function compiles afterwards)."""
+    import threading
+
+    from tunebook import compat
+    from tunebook.training.compilation import eager
+
+    entered, release = threading.Event(), threading.Event()
+
+    def other():
+        with eager():
+            entered.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=other)
+    with eager():  # main enters first, the thread second; main leaves first, the thread last
+        thread.start()
+        entered.wait(10)
+    release.set()
+    thread.join()
+    start, _ = compat.compiled_frames()
+    torch.compile(lambda x: x * 3, backend="eager")(torch.ones(2))
+    assert compat.compiled_frames()[0] == start + 1
