@@ -104,13 +104,7 @@ def main(config: GRPOConfig) -> dict:
         model = apply_lora(model, config)  # a VLM's all-linear: its language model's layers
     log.info("Model: %s, %s", type(model).__name__, describe_parameters(model))
     rewards = load_reward_functions(config, accelerator.device)
-    log.info(
-        "Rewards: %s; %d completions per prompt, loss %s, advantages scaled by %s",
-        describe(rewards),
-        config.num_generations,
-        config.loss_type,
-        config.scale_rewards,
-    )
+    log.info("Rewards: %s", describe(rewards, config))  # and completions per prompt, loss, advantages' scale
 
     # --- optimizer, loaders
     optimizer = build_optimizer(
@@ -139,18 +133,8 @@ def main(config: GRPOConfig) -> dict:
     )
     # --- generation: the policy's own generate, or vLLM (colocated or a server), each step or one step ahead
     backend = make_backend(config, model, accelerator, data, log)
-    source = RolloutSource(
-        config,
-        accelerator,
-        backend,
-        model,
-        reference,
-        rewards,
-        figures,
-        data,
-        pending,
-        saved.state.global_step,
-        episodes,  # tools: each completion a multi-turn episode
+    source = RolloutSource(  # tools (episodes): each completion a multi-turn episode
+        config, accelerator, backend, model, reference, rewards, figures, data, pending, saved, episodes
     )
     samples = prompt_sampler(config, model, tokenizer, accelerator)  # sample_prompts, at each evaluation
     loop = start_training(
@@ -158,10 +142,10 @@ def main(config: GRPOConfig) -> dict:
     )
     model.train()
     k, device = config.gradient_accumulation_steps, accelerator.device
+    clip_range = (config.epsilon, config.epsilon_high)
     for loader in epochs(run, loop):
         for window, upcoming in source.windows(accumulation_windows(loader, k, run.timer)):
-            # Sample, score and compare within groups once (async: the next window sampled meanwhile); then
-            # num_iterations updates on these rollouts.
+            # Sample, score, compare within groups once (async: the next window meanwhile); num_iterations updates.
             first, rollouts = source.next(window, upcoming, loop.state.global_step)
             # The loss is normalised over the whole step (all micro-batches and processes), per loss_type.
             normaliser, tokens = step_normaliser(rollouts, config.loss_type, config.episode_tokens(), accelerator)
@@ -175,17 +159,9 @@ def main(config: GRPOConfig) -> dict:
                     with micro_batch(accelerator, model, last=r is rollouts[-1]):
                         log_probs, rows = completion_log_probs(model, r, config.temperature)
                         old = log_probs.detach() if r.old_log_probs is None else r.old_log_probs
-                        # vLLM's or an older copy's samples: importance weights pi_trainer / pi_sampler (mismatch)
-                        weights = source.weights(r, old, rows, first_update=iteration == 0)
+                        weights = source.weights(r, old, rows, first_update=iteration == 0)  # pi_trainer / pi_sampler
                         token_losses, token_clipped, token_kl = grpo_token_losses(
-                            log_probs,
-                            old,
-                            r.advantages[rows],
-                            config.epsilon,
-                            config.epsilon_high,
-                            config.beta,
-                            r.ref_log_probs,
-                            weights,
+                            log_probs, old, r.advantages[rows], *clip_range, config.beta, r.ref_log_probs, weights
                         )
                         numerator = loss_numerator(token_losses, rows, r.completion_lengths, config.loss_type)
                         accelerator.backward(numerator * scale)

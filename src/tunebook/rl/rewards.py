@@ -161,5 +161,10 @@ def combined(rewards: torch.Tensor, functions: list[RewardFunction]) -> torch.Te
     return torch.nan_to_num(rewards, nan=0.0) @ weights
 
 
-def describe(functions: list[RewardFunction]) -> str:
-    return ", ".join(f"{f.name} x {f.weight:g}" for f in functions)
+def describe(functions: list[RewardFunction], config=None) -> str:
+    """The reward functions with their weights; with a GRPO `config`, what the advantages are made of too."""
+    text = ", ".join(f"{f.name} x {f.weight:g}" for f in functions)
+    if config is None:
+        return text
+    return (f"{text}; {config.num_generations} completions per prompt, loss {config.loss_type}, advantages scaled by "
+            f"{config.scale_rewards}")  # fmt: skip

@@ -57,10 +57,11 @@ class _Sampled:
 
 
 class RolloutSource:
-    """Windows of prompts in, scored `Rollouts` out (see the module docstring)."""
+    """Windows of prompts in, scored `Rollouts` out (see the module docstring). `saved`: the run's checkpointed state
+    (`load_checkpoint_or_start`), or the optimizer step it starts at."""
 
     def __init__(self, config, accelerator, backend: GenerationBackend, model, reference, rewards, figures, data,
-                 pending: PendingRollouts, step: int, episodes=None):  # fmt: skip
+                 pending: PendingRollouts, saved, episodes=None):  # fmt: skip
         self.config, self.accelerator, self.backend = config, accelerator, backend
         self.model, self.reference, self.rewards, self.figures, self.data = model, reference, rewards, figures, data
         self.pending, self.episodes = pending, episodes  # episodes: a `tunebook.rl.episodes.EpisodeRunner` (tools)
@@ -71,7 +72,8 @@ class RolloutSource:
             stop_token_ids=tuple(_as_list(stop_tokens(policy, data.tokenizer))),
             pad_token_id=data.tokenizer.pad_token_id,
         )  # fmt: skip
-        # the weights the engine holds: those it started from, or none it got from us (a server)
+        # the weights the engine holds: those it started from (the run's, resumed or not), or none it got from us
+        step = saved.state.global_step if hasattr(saved, "state") else int(saved)
         self.pushed_at = step if backend.starts_from_policy else None
         self.async_ = bool(config.async_generation)
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-generation") if self.async_ else None
