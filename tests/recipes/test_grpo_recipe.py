@@ -19,7 +19,7 @@ from support import ROOT, TINY_TEST_MODEL, assert_png, launch
 from tunebook import load_recipe
 from tunebook.errors import DataError
 
-from recipe_runs import COMMON, TASKS, _records, _without_rates  # isort: skip
+from recipe_runs import COMMON, TASKS, _records, _signal_at, _without_rates  # isort: skip
 
 REWARDS = ROOT / "tests" / "recipes" / "grpo_rewards.py"
 TINY = {**COMMON, **TASKS["grpo"], "max_steps": 4}  # the guarantees' tiny run (a reward random answers earn)
@@ -234,16 +234,8 @@ def test_async_generation_trains_one_step_behind_and_resumes_byte_identically(tm
     assert records[0]["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-4)  # step 1: on-policy
     assert max(abs(r["sampling/importance_sampling_ratio/mean"] - 1) for r in records[1:]) > 1e-4  # then one behind
     assert all(r["sampling/kl"] >= 0 and "waiting_seconds" in r for r in records[1:])
-    module = load_recipe("grpo").module
-    real = module.after_step
-
-    def signal_then_after_step(run, loop, *args, **kwargs):
-        if loop.state.global_step + 1 == 3:
-            signal.raise_signal(signal.SIGTERM)
-        return real(run, loop, *args, **kwargs)
-
     with monkeypatch.context() as patch:
-        patch.setattr(module, "after_step", signal_then_after_step)
+        _signal_at(patch, "grpo", 3)  # SIGTERM right after step 3
         with pytest.raises(SystemExit):
             _run(tmp_path / "cut", tmp_path / "cache", **common)
     state = json.loads((tmp_path / "cut" / "checkpoints" / "step-3" / "process_state_0.json").read_text())
