@@ -12,8 +12,8 @@ import tunebook.training.loss as loss_module
 from tunebook.config import SFTConfig
 from tunebook.data import PackedCollator, PadCollator, attention_inputs, use_packed_attention
 from tunebook.models import apply_lora, build_causal_lm
-from tunebook.training import causal_lm_token_losses, per_example_token_loss
 from tunebook.models.linear_ce import linear_cross_entropy
+from tunebook.training import causal_lm_token_losses, per_example_token_loss
 
 TOL = 1e-5
 CHUNK_ROWS = 7  # loss positions per chunk in these tests: several chunks and a remainder

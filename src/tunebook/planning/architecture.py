@@ -72,7 +72,7 @@ def _config_from(load, name: str, shown, config, **kwargs):
     except (OSError, ValueError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ConfigError(f"could not read the config.json of {shown} ({reason}); plan offline with "
-                          "--architecture PATH/config.json")  # fmt: skip
+                          "--architecture PATH/config.json") from None  # fmt: skip
 
 
 def build_architecture(config, model_config, task: str, compute_dtype: torch.dtype | None, sharded: bool,

@@ -40,9 +40,16 @@ def recommend(config, layout: Layout, gpus: int, planner: Callable) -> tuple[lis
         steps.append((["--config_file accelerate_configs/fsdp.yaml", f"--num_processes {gpus}"], _set(), fsdp))
     offload = Layout("zero3", gpus, _mixed(layout), gpus, offload_params=True, offload_optimizer=True)
     steps.append(
-        (["--config_file accelerate_configs/deepspeed_zero3.yaml", f"--num_processes {gpus}",
-          "--offload_optimizer_device cpu", "--offload_param_device cpu"], _set(gradient_checkpointing=True),
-         offload)  # fmt: skip
+        (
+            [
+                "--config_file accelerate_configs/deepspeed_zero3.yaml",
+                f"--num_processes {gpus}",
+                "--offload_optimizer_device cpu",
+                "--offload_param_device cpu",
+            ],
+            _set(gradient_checkpointing=True),
+            offload,
+        )  # fmt: skip
     )
     if not config.load_in_4bit and config.model_name_or_path:
         steps.append((["--use_peft true", "--load_in_4bit true"],

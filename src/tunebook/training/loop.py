@@ -67,8 +67,8 @@ def start_run(config, recipe: str) -> Run:
 
     from ..config import check_output_dir
     from ..data.loaders import start_worker_server
-    from ..planning.at_start import plan_at_start
     from ..distributed import decided_by_main
+    from ..planning.at_start import plan_at_start
     from ..process import resume_collector
     from ..run.logging import log_run_start, setup_logging
     from ..run.output_lock import lock_run_output_dir
