@@ -108,8 +108,12 @@ def build_architecture(config, model_config, task: str, compute_dtype: torch.dty
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     inner.tie_weights()  # to_empty gave the tied embeddings and head a parameter each
     model.train()
-    if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if config.gradient_checkpointing:  # as `models.build` turns it on
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x renamed it
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     params = sum(p.numel() for p in model.parameters())
     trainable = [p for p in model.parameters() if p.requires_grad]
     head = _head(model)

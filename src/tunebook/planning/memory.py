@@ -97,10 +97,13 @@ def plan(recipe: str, config, layout: Layout, hardware: Hardware, architecture=N
             for p in arch.model.parameters():
                 if p.requires_grad:
                     p.grad = torch.zeros_like(p)
-        step = trace_step(arch.model, _micro_batch(arch, work), keep_grads=not layout.sharded,
+        step = trace_step(arch.model, _micro_batch(arch, work, config, on_gpu), keep_grads=not layout.sharded,
                           autocast=None if layout.sharded else mixed)  # fmt: skip
     _states(result, arch, layout, config, step, accumulate)
-    result.activations = step.activations + (_padding_masks(work, arch) if work.padded else 0)
+    masked = (
+        work.task == "causal_lm" and (config.attn_implementation or "sdpa") not in VARLEN and (work.padded or on_gpu)
+    )
+    result.activations = step.activations + (_padding_masks(work, arch) if masked else 0)
     result.logits = step.logits
     result.reference = arch.weight_bytes / (layout.shard_over if layout.sharded else 1) if work.reference else 0
     result.generation = _generation(work, arch, hardware)
@@ -129,22 +132,24 @@ def plan(recipe: str, config, layout: Layout, hardware: Hardware, architecture=N
     return result
 
 
-def _micro_batch(arch, work: Workload):
+def _micro_batch(arch, work: Workload, config, on_gpu: bool):
     """The forward of one micro-batch and its loss, as the recipe computes it (the fused linear cross-entropy of
-    `training.loss` where the head allows, else logits and cross-entropy), over fake token ids."""
+    `training.loss` where the head allows, else logits and cross-entropy), over fake token ids, with the attention
+    the run would use (`_attention`)."""
     import torch.nn.functional as F
 
     from ..models.linear_ce import linear_cross_entropy
 
     model = arch.model
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    extra = _attention(inner, work, config, on_gpu) if work.task == "causal_lm" else {}
 
     def run(meter) -> torch.Tensor:
         ids = torch.zeros(work.rows, work.length, dtype=torch.long)
         if work.task != "causal_lm":
             logits = model(input_ids=ids).logits.float()
             return logits.sum()
-        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-        hidden = inner.base_model(input_ids=ids).last_hidden_state
+        hidden = inner.base_model(input_ids=ids, **extra()).last_hidden_state
         positions = torch.arange(work.loss_positions)
         rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
         # The loss's logits: from here until the backward reaches the head's input.
@@ -157,6 +162,51 @@ def _micro_batch(arch, work: Workload):
         return F.cross_entropy(head(rows).float(), targets, reduction="sum")
 
     return run
+
+
+VARLEN = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn", "kernels-community/flash-attn3")
+PLANNED_SDPA = "tunebook_planned_sdpa"
+
+
+def _attention(inner, work: Workload, config, on_gpu: bool):
+    """Set the attention the run's rows get and return what else its forward takes (a callable: the fake tensors
+    are made inside the trace). Padded rows, and packed ones on a GPU (their block-diagonal mask, `models.attention`),
+    get SDPA with a mask: keys and values repeated to every query head (`_padding_masks` adds the mask). Packed rows
+    on a CPU get `segment_sdpa_attention`, as they do in a run there (per example, in float32). Flash varlen
+    kernels take grouped keys as they are; eager keeps its scores."""
+    from ..models.attention import EXAMPLE_SIZES, SEGMENT_SDPA, segment_sdpa_attention
+
+    attention = config.attn_implementation or "sdpa"
+    if attention == "eager" or attention in VARLEN:
+        return dict
+    from transformers import AttentionInterface
+
+    if not work.padded and not on_gpu:
+        AttentionInterface.register(SEGMENT_SDPA, segment_sdpa_attention)
+        inner.set_attn_implementation(SEGMENT_SDPA)
+
+        def packed():
+            cu = torch.arange(0, work.rows * work.length + 1, work.length, dtype=torch.int32)
+            setattr(cu, EXAMPLE_SIZES, [work.length] * work.rows)  # one example per row: the same bytes as several
+            return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
+
+        return packed
+    AttentionInterface.register(PLANNED_SDPA, _masked_sdpa)
+    inner.set_attn_implementation(PLANNED_SDPA)
+    return dict
+
+
+def _masked_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """What transformers' SDPA attention keeps for the backward when a mask is passed: keys and values repeated to
+    every query head, the kernel's output and log-sum-exp (the mask itself is `_padding_masks`': the trace runs
+    without one, as transformers' mask building reads the data)."""
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    if key.shape[1] != query.shape[1]:
+        key, value = repeat_kv(key, query.shape[1] // key.shape[1]), repeat_kv(value, query.shape[1] // value.shape[1])
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _states(result: Plan, arch, layout: Layout, config, step, accumulate: bool) -> None:
@@ -214,10 +264,14 @@ def _speed(result: Plan, arch, work: Workload, config, layout: Layout, hardware:
     result.flops_per_token = model_flops_per_token(arch.model, work.length, head_fraction=head_fraction)
     result.tokens_per_step = work.rows * work.length * config.gradient_accumulation_steps * layout.processes
     if hardware.peak_flops:
-        # Recomputing the forward under checkpointing adds its third of the work to the same model FLOPs.
-        recompute = 8 / 6 if config.gradient_checkpointing or layout.activation_checkpointing else 1.0
+        # What the hardware computes per token, in units of 2 x parameters (a forward): the forward, the backward's
+        # input gradients, its weight gradients for the trained weights only (LoRA: the adapters'), a forward again
+        # under checkpointing, and the reference's forward (DPO, GRPO with beta). Model FLOPs count 3 units.
+        trained = arch.trainable / max(arch.params, 1)
+        units = 1 + 1 + trained + (1 if config.gradient_checkpointing or layout.activation_checkpointing else 0)
+        units += 1 if work.reference_forward else 0
         result.tokens_per_second = hardware.peak_flops * layout.processes * result.mfu / result.flops_per_token
-        result.tokens_per_second /= recompute
+        result.tokens_per_second *= 3 / units
         result.seconds_per_step = result.tokens_per_step / result.tokens_per_second
         if config.max_steps and config.max_steps > 0:
             result.steps = config.max_steps

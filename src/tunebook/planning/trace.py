@@ -17,7 +17,7 @@ import torch
 
 from .. import compat
 
-__all__ = ["PeakBytes", "StepTrace", "trace_step"]
+__all__ = ["PeakBytes", "StepTrace", "measure_run", "trace_step"]
 
 
 class PeakBytes(compat.torch_dispatch_mode()):
@@ -26,18 +26,35 @@ class PeakBytes(compat.torch_dispatch_mode()):
     "logits": the loss's logits, softmax and their gradient, a chunk of them) and the rest (activations and the
     backward's temporaries)."""
 
-    def __init__(self) -> None:
+    def __init__(self, outside_dispatch: bool = False) -> None:
         super().__init__()
         self.kind = "other"  # what storages made from now on count as
         self.live = self.peak = 0
+        # Storages made without an operator (`copy.deepcopy` copies storages directly: a reference model) are seen
+        # at their first use as an operator's input; those that existed before the meter began are left out.
+        self.outside_dispatch = outside_dispatch
+        self.before: set[int] = set()
         self.sizes: dict[int, tuple[int, str]] = {}
         self.kinds = {"grads": 0, "logits": 0, "other": 0}
         self.at_peak = dict(self.kinds)
 
+    def __enter__(self):
+        if self.outside_dispatch:
+            import gc
+
+            self.before = {compat.storage_key(t) for t in gc.get_objects() if isinstance(t, torch.Tensor)}
+        return super().__enter__()
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        given = _tensors(list(args) + list((kwargs or {}).values()))
+        if self.outside_dispatch:
+            for tensor in given:
+                key = compat.storage_key(tensor)
+                if key not in self.sizes and key not in self.before:
+                    self._count(tensor)
         # An output on an input's storage (in place, a view) is no new memory, whether or not the input was counted.
-        inputs = {compat.storage_key(t) for t in _tensors(list(args) + list((kwargs or {}).values()))}
+        inputs = {compat.storage_key(t) for t in given}
         for tensor in _tensors(out):
             if compat.storage_key(tensor) not in inputs:
                 self._count(tensor)
@@ -129,3 +146,16 @@ def _after_grad(meter: PeakBytes, keep: bool):
             parameter.grad = None
 
     return hook
+
+
+def measure_run(recipe: str, config) -> PeakBytes:
+    """Run `recipe`'s `main(config)` with every tensor it makes counted: its peak is the run's measured peak of
+    allocated bytes, on a CPU, where `torch.cuda.max_memory_allocated` has no counterpart (tests and
+    benchmarks/plan_accuracy.py hold plans against it). Slower than the run alone (each operator goes through
+    Python); threads other than this one (async generation) are not counted."""
+    from ..recipe import load_recipe
+
+    meter = PeakBytes(outside_dispatch=True)
+    with meter:
+        load_recipe(recipe).main(config)
+    return meter

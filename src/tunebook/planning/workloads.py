@@ -32,6 +32,7 @@ class Workload:
     reference: bool  # a separate frozen reference model is in memory
     generation: Generation | None = None
     labels: int = 2  # a classifier's outputs
+    reference_forward: bool = False  # a reference forward per micro-batch (a separate model or adapters off)
 
 
 def workload(recipe: str, config) -> Workload:
@@ -43,8 +44,9 @@ def workload(recipe: str, config) -> Workload:
     if recipe == "reward":  # chosen and rejected rows in one forward
         return Workload("reward", 2 * batch, length, 0, True, False, labels=1)
     if recipe == "dpo":  # chosen and rejected rows in one forward; the reference is a copy unless LoRA or cached
-        reference = not (config.use_peft or config.precompute_ref_log_probs or config.loss_type in REFERENCE_FREE)
-        return Workload("causal_lm", 2 * batch, length, 2 * batch * length, True, reference)
+        forward = not (config.precompute_ref_log_probs or config.loss_type in REFERENCE_FREE)
+        return Workload("causal_lm", 2 * batch, length, 2 * batch * length, True, forward and not config.use_peft,
+                        reference_forward=forward)  # fmt: skip
     if recipe == "grpo":
         rows, tokens = batch * config.num_generations, config.max_prompt_length + config.max_new_tokens
         if config.use_vllm:
@@ -54,6 +56,7 @@ def workload(recipe: str, config) -> Workload:
         generation = Generation(rows, tokens, engine, config.vllm_gpu_memory_utilization,
                                 config.vllm_enable_sleep_mode)  # fmt: skip
         reference = config.beta > 0 and not config.use_peft
-        return Workload("causal_lm", rows, tokens, rows * config.max_new_tokens, True, reference, generation)
+        return Workload("causal_lm", rows, tokens, rows * config.max_new_tokens, True, reference, generation,
+                        reference_forward=config.beta > 0)  # fmt: skip
     packed = bool(getattr(config, "packing", recipe == "pretrain"))
     return Workload("causal_lm", batch, length, batch * length, not packed, False)
