@@ -9,7 +9,7 @@ tokens whose first third is an unlabelled prompt, packed as `tunebook.data.packi
 attention) and the same token-mean loss:
 
 - tunebook: `causal_lm_token_losses`, as the recipes call it (the loss fused into the head at the loss positions,
-  computed in chunks: `tunebook.training.linear_ce`);
+  computed in chunks: `tunebook.models.linear_ce`);
 - selected: the head at the loss positions only, then `F.cross_entropy` on those logits (Tunebook before the
   fused loss: `output_layer_at` without targets);
 - trainer: `model(**inputs, labels=labels).loss`, the full-logits loss transformers' Trainer takes in

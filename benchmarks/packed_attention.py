@@ -301,7 +301,7 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--chunk_elements", type=int, default=None, help="logits per chunk of the fused LM-head "
-                        "loss (default: tunebook.training.linear_ce.CHUNK_ELEMENTS)")  # fmt: skip
+                        "loss (default: tunebook.models.linear_ce.CHUNK_ELEMENTS)")  # fmt: skip
     parser.add_argument("--ce_backward", choices=("auto", "rows", "vocab"), default="auto", help="what the fused "
                         "loss's backward chunks over (auto: the vocabulary on CUDA when it outnumbers the rows)")  # fmt: skip
     parser.add_argument("--profile_top", type=int, default=8, help="operators listed from a profiled step (0: none)")
@@ -346,7 +346,7 @@ def main():
     if args.smoke:
         args.examples = min(args.examples, 200)
 
-    from tunebook.training import linear_ce
+    from tunebook.models import linear_ce
 
     default_chunk = linear_ce.CHUNK_ELEMENTS
     if args.chunk_elements:  # the fused loss's logits per chunk, for every step measured here

@@ -25,7 +25,7 @@ in the real models, and the tokenizer's ids simply stay below them. Data: Code A
 
 Figures: tokens/s = non-padding tokens per second from the end of step --timing_warmup to the last step (start-up,
 compilation and warm-up excluded); MFU = FLOPs per token x tokens/s / the data-sheet dense bf16 peak, the FLOPs by
-tunebook.training.flops (6 x linear multiply-accumulates + attention within each example; the LM head for the
+tunebook.planning.flops (6 x linear multiply-accumulates + attention within each example; the LM head for the
 loss-bearing tokens only, as every system needs no more; LoRA: 4 x for the frozen weights, which get no weight
 gradients; recomputation not counted); peak memory = torch.cuda.max_memory_allocated in each process; final loss =
 the mean over the last logging window. Goals (issue 17): for the Llama-3.2-1B shape, MFU >= 45% and >= 1.5x the
@@ -165,7 +165,7 @@ def data_shape(data: Path, tokenizer_dir: Path, max_length: int) -> dict:
     import numpy as np
     from transformers import AutoTokenizer
 
-    from tunebook.training.flops import attention_span
+    from tunebook.planning.flops import attention_span
 
     sys.path.insert(0, str(PEERS))
     from common import sft_features
@@ -179,11 +179,11 @@ def data_shape(data: Path, tokenizer_dir: Path, max_length: int) -> dict:
 
 
 def flops_per_token(values: dict, stats: dict, lora: bool) -> float:
-    """Training FLOPs per token by tunebook.training.flops, on a model built on the meta device (no memory)."""
+    """Training FLOPs per token by tunebook.planning.flops, on a model built on the meta device (no memory)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tunebook.training.flops import model_flops_per_token
+    from tunebook.planning.flops import model_flops_per_token
 
     values = dict(values)
     with torch.device("meta"):
@@ -325,7 +325,7 @@ DIAGNOSTICS = ("torch_compile_", "first_batch_wait", "data_wait", "time_to_first
 
 
 def peak_flops(device: str) -> float | None:
-    from tunebook.training.flops import PEAK_FLOPS
+    from tunebook.planning.flops import PEAK_FLOPS
 
     return next((flops for key, flops in PEAK_FLOPS.items() if key in device), None)
 
@@ -348,7 +348,7 @@ def table(records: list[dict]) -> str:
         "checkpointing), AdamW 3e-4 linear, each system in its own process. Tokens/s counts non-padding tokens "
         "after the warm-up steps; MFU against the data-sheet dense bf16 peak"
         + (f" ({peak / 1e12:.0f} TFLOP/s)" if peak else "")
-        + " with the FLOPs of tunebook.training.flops (LM head for loss-bearing tokens only, LoRA without frozen "
+        + " with the FLOPs of tunebook.planning.flops (LM head for loss-bearing tokens only, LoRA without frozen "
         "weight gradients); peak memory is `torch.cuda.max_memory_allocated` of each process.",
     ]
     extra = {f"peer TrainingArguments `{r['peer_training_args']}`" for r in latest.values()

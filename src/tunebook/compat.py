@@ -20,6 +20,7 @@ __all__ = [
     "compiled_frames",
     "dtensor_type",
     "exit_callback_count",
+    "fake_tensor_mode",
     "fingerprint",
     "forget_compiled_code",
     "has_recurrent_cache",
@@ -36,7 +37,9 @@ __all__ = [
     "set_last_lr",
     "set_sync_gradients",
     "shut_down_threads",
+    "storage_key",
     "suppress_compile_errors",
+    "torch_dispatch_mode",
 ]
 
 # --------------------------------------------------------------------------------------------------------------
@@ -139,6 +142,29 @@ def mark_dynamic(tensor, dim: int) -> None:
     import torch
 
     torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
+def fake_tensor_mode():
+    """A mode in which tensors have shapes, dtypes and devices but no data: a model's step runs through every
+    operator's shape rules in seconds, whatever its size (torch 2.13.0: `torch._subclasses.fake_tensor`; the
+    public `torch.export` path needs a whole traced program, the planner runs eager code)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def torch_dispatch_mode() -> type:
+    """The base class of a mode that sees every operator call below autograd, its outputs included (torch 2.13.0:
+    `torch.utils._python_dispatch.TorchDispatchMode`, documented as the `__torch_dispatch__` extension point)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+def storage_key(tensor) -> int:
+    """One number per storage a tensor's data lives in, the same for all its views and for data and fake tensors
+    alike (`data_ptr()` is 0 for every fake or meta tensor) (torch 2.13.0: `UntypedStorage._cdata`)."""
+    return tensor.untyped_storage()._cdata
 
 
 # --------------------------------------------------------------------------------------------------------------

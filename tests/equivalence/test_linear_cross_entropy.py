@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import tunebook.training.linear_ce as linear_ce
+import tunebook.models.linear_ce as linear_ce
 import tunebook.training.loss as loss_module
 from tunebook.config import SFTConfig
 from tunebook.data import PackedCollator, PadCollator, attention_inputs, use_packed_attention
 from tunebook.models import apply_lora, build_causal_lm
+from tunebook.models.linear_ce import linear_cross_entropy
 from tunebook.training import causal_lm_token_losses, per_example_token_loss
-from tunebook.training.linear_ce import linear_cross_entropy
 
 TOL = 1e-5
 CHUNK_ROWS = 7  # loss positions per chunk in these tests: several chunks and a remainder

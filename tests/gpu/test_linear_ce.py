@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import tunebook.training.linear_ce as linear_ce
-from tunebook.training.linear_ce import linear_cross_entropy
+import tunebook.models.linear_ce as linear_ce
+from tunebook.models.linear_ce import linear_cross_entropy
 
 pytestmark = [
     pytest.mark.gpu,

@@ -117,6 +117,26 @@ def test_cpython_thread_shutdown_and_exit_handlers():
     assert result.stdout == "ran\nafter\n", result.stderr
 
 
+def test_fake_tensors_dispatch_modes_and_storage_keys():
+    with compat.fake_tensor_mode():
+        fake = torch.empty(1000, 1000)  # no data behind it
+    assert fake.shape == (1000, 1000) and type(fake).__name__ == "FakeTensor"
+    seen = []
+
+    class Seen(compat.torch_dispatch_mode()):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    real = torch.ones(4)
+    with Seen():
+        doubled = real * 2
+    assert seen == ["aten.mul.Tensor"]
+    # One key per storage: views share it, other tensors do not; fake and meta tensors too (data_ptr is 0 there).
+    assert compat.storage_key(real) == compat.storage_key(real[1:]) != compat.storage_key(doubled)
+    assert compat.storage_key(fake) == compat.storage_key(fake.view(-1)) != compat.storage_key(fake + 1)
+
+
 def test_liger_instance_patch_is_importable():
     pytest.importorskip("liger_kernel")
     from liger_kernel.transformers import _apply_liger_kernel_to_instance  # noqa: F401

@@ -242,6 +242,7 @@ LAYERS = [
     {"data"},
     {"distributed"},
     {"run"},
+    {"planning"},
     {"training"},
     {"evaluation"},
     {"preference"},

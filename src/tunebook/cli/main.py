@@ -6,6 +6,7 @@
     tunebook export CHECKPOINT OUT_DIR [--merge] [--trust_remote_code]
     tunebook convert-gguf MODEL.gguf OUT_DIR
     tunebook report RUN_DIR [RUN_DIR ...] [--output FILE.png]
+    tunebook plan RECIPE [--config FILE.yaml] [--config_file ACCELERATE.yaml] [--gpu NAME] [--num_gpus N] [--json]
     tunebook chat MODEL_DIR [--prompt TEXT] [--system TEXT] [--max_new_tokens N] [--temperature T]
 
 `prepare` builds the tokenised (and packed) data caches exactly as the recipe (`recipes/sft.py` by default) with the
@@ -30,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from .arguments import pop_option
+
 __all__ = ["main", "prepare", "report"]
 
 
@@ -39,6 +42,8 @@ USAGE = """usage: tunebook train [ACCELERATE LAUNCH OPTIONS] RECIPE [--config FI
        tunebook export CHECKPOINT OUT_DIR [--merge] [--trust_remote_code]
        tunebook convert-gguf MODEL.gguf OUT_DIR
        tunebook report RUN_DIR [RUN_DIR ...] [--output FILE.png]
+       tunebook plan RECIPE [--config FILE.yaml] [--config_file ACCELERATE.yaml] [--gpu NAME | --gpu_memory 24GiB]
+                     [--num_gpus N] [--architecture CONFIG.json] [--mfu 0.4] [--json] [--key value ...]
        tunebook chat MODEL_DIR [--prompt TEXT] [--system TEXT] [--max_new_tokens N] [--temperature T]
        tunebook vllm-serve --model MODEL_DIR [--host HOST] [--port PORT] [vLLM server options]
 
@@ -53,6 +58,9 @@ commands:
             (auto_map) needs --trust_remote_code (never taken from the checkpoint's config.yaml)
   convert-gguf  write a Hugging Face model directory (float32 safetensors + tokenizer) from a GGUF file
   report    re-render runs' report.png and print their summaries side by side
+  plan      a run's peak memory per GPU (weights, gradients, optimizer, activations, logits, reference, generation)
+            and its speed, from the config alone (the model built from its config.json on fake tensors: no
+            weights); when it does not fit, the change that does, as overrides; --json for one JSON object
   chat      talk to a model a run saved (or its LoRA adapter) with its chat template, replies streamed; --prompt
             answers once and exits; in the conversation an empty line or /exit quits, /reset clears the history
   vllm-serve  start a vLLM server for GRPO's vllm_mode: server (weights reloaded from the trainer each step);
@@ -75,9 +83,9 @@ def prepare(argv: list[str]) -> dict:
     from ..config import load_config
     from ..recipe import recipe_config_class
 
-    recipe, argv = _pop_option(argv, "--recipe", "sft")
-    output, argv = _pop_option(argv, "--output", "")
-    num_shards, argv = _pop_option(argv, "--num_shards", "")
+    recipe, argv = pop_option(argv, "--recipe", "sft")
+    output, argv = pop_option(argv, "--output", "")
+    num_shards, argv = pop_option(argv, "--num_shards", "")
     config_class = recipe_config_class(recipe)
     start = time.perf_counter()
     config = load_config(config_class, argv)
@@ -132,7 +140,7 @@ def report(argv: list[str]) -> str:
     """Re-render each run's report.png (and with --output, one figure of all runs); print the comparison table."""
     from ..run.report import compare_runs, render_report
 
-    output, run_dirs = _pop_option(argv, "--output", "")
+    output, run_dirs = pop_option(argv, "--output", "")
     if not run_dirs or any(d.startswith("-") for d in run_dirs):
         print(f"tunebook: error: report takes RUN_DIR [RUN_DIR ...] [--output FILE.png], got {argv}", file=sys.stderr)
         raise SystemExit(2)
@@ -153,21 +161,6 @@ def _token_count(dataset) -> int:
     return sum(pc.sum(pc.list_value_length(dataset.data.column(c))).as_py() or 0 for c in columns)
 
 
-def _pop_option(argv: list[str], name: str, default: str) -> tuple[str, list[str]]:
-    """`--name value` or `--name=value` taken out of argv (the rest goes to the config parser)."""
-    rest, value, i = [], default, 0
-    while i < len(argv):
-        if argv[i] == name and i + 1 < len(argv):
-            value, i = argv[i + 1], i + 2
-            continue
-        if argv[i].startswith(name + "="):
-            value = argv[i].split("=", 1)[1]
-        else:
-            rest.append(argv[i])
-        i += 1
-    return value, rest
-
-
 def main(argv: list[str] | None = None) -> None:
     from ..errors import enter_command_line
 
@@ -186,6 +179,10 @@ def main(argv: list[str] | None = None) -> None:
         prepare(rest)
     elif command == "report":
         report(rest)
+    elif command == "plan":
+        from .plan import plan_command
+
+        plan_command(rest)
     elif command == "chat":
         from .chat import chat
 

@@ -51,7 +51,7 @@ class ClassifyConfig(ModelDataConfig):
     max_seq_length: int = new_default(128, "Longest tokenised example in tokens (longer ones are truncated).")
     learning_rate: float = new_default(2e-3)
     warmup_ratio: float = new_default(0.05)
-    per_device_train_batch_size: int = new_default(32)
+    per_device_train_batch_size: int | Literal["auto"] = new_default(32)
     per_device_eval_batch_size: int = new_default(64)
     num_train_epochs: float = new_default(2.0)
     synthetic_train_size: int = new_default(4000)

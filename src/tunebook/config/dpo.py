@@ -98,7 +98,7 @@ class DPOConfig(CausalLMConfig, VisionConfig, ChatModelConfig):
     max_seq_length: int = new_default(64, "Longest prompt + response in tokens.")
     learning_rate: float = new_default(2e-3)
     warmup_ratio: float = new_default(0.1)
-    per_device_train_batch_size: int = new_default(32, "Pairs per micro-batch per process.")
+    per_device_train_batch_size: int | Literal["auto"] = new_default(32, "Pairs per micro-batch per process.")
     per_device_eval_batch_size: int = new_default(64, "Pairs per evaluation batch per process.")
     max_steps: int = new_default(100)
     logging_steps: int = new_default(10)

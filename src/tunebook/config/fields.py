@@ -10,7 +10,7 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 from ..errors import ConfigError
 
@@ -128,9 +128,10 @@ def numeric_keys(cls: type) -> list[str]:
 
 
 def _numeric(hint: Any) -> type | None:
-    """int or float for a key holding one number or a list of them (or None), else None."""
+    """int or float for a key holding one number or a list of them (or None, or a word such as "auto"), else
+    None."""
     if typing.get_origin(hint) in (Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        args = [a for a in typing.get_args(hint) if a is not type(None) and typing.get_origin(a) is not Literal]
         hint = args[0] if len(args) == 1 else None
     if typing.get_origin(hint) is list:
         hint = typing.get_args(hint)[0] if typing.get_args(hint) else None
@@ -144,6 +145,8 @@ def check_bounds(key: str, value: Any, bounds: Bounds | None, source: str | None
         return
     where = f" (in {source})" if source else ""
     for position, number in enumerate(value if isinstance(value, list) else [value], 1):
+        if isinstance(number, str):  # a word the key's type allows besides numbers ("auto")
+            continue
         if isinstance(number, bool) or not isinstance(number, int | float) or number not in bounds:
             what = str(bounds)
             if not isinstance(number, int | float) or not math.isfinite(number):  # nan, inf, or not a number

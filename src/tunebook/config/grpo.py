@@ -279,7 +279,7 @@ class GRPOConfig(CausalLMConfig, VisionConfig, ChatModelConfig):
     max_seq_length: int = new_default(64, "Longest prompt + answer of the SFT warm-up in tokens.")
     learning_rate: float = new_default(3e-4)
     warmup_ratio: float = new_default(0.15)
-    per_device_train_batch_size: int = new_default(16, "Prompts per micro-batch per process.")
+    per_device_train_batch_size: int | Literal["auto"] = new_default(16, "Prompts per micro-batch per process.")
     per_device_eval_batch_size: int = new_default(64, "Prompts per evaluation batch per process.")
     max_steps: int = new_default(60)
     logging_steps: int = new_default(5)

@@ -40,7 +40,7 @@ class PretrainConfig(CausalLMConfig, ModelDataConfig):
     learning_rate: float = new_default(3e-3)
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = new_default("cosine")
     warmup_ratio: float = new_default(0.05)
-    per_device_train_batch_size: int = new_default(16)
+    per_device_train_batch_size: int | Literal["auto"] = new_default(16)
     per_device_eval_batch_size: int = new_default(16)
     num_train_epochs: float = new_default(2.0)
     synthetic_train_size: int = new_default(2000, "Documents of the synthetic corpus (when train_data is None).")

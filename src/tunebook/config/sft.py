@@ -99,7 +99,7 @@ class SFTConfig(CausalLMConfig, VisionConfig, ChatModelConfig):
     learning_rate: float = new_default(3e-3)
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = new_default("cosine")
     warmup_ratio: float = new_default(0.05)
-    per_device_train_batch_size: int = new_default(32)
+    per_device_train_batch_size: int | Literal["auto"] = new_default(32)
     per_device_eval_batch_size: int = new_default(100)
     num_train_epochs: float = new_default(2.0)
     logging_steps: int = new_default(25)

@@ -95,8 +95,14 @@ class TrainConfig:
         common=True,
     )
     # --- batching and length of training
-    per_device_train_batch_size: int = config_field(
-        "Micro-batch size per process.", 8, bounds="[1, inf)", section="training", common=True
+    per_device_train_batch_size: int | Literal["auto"] = config_field(
+        "Micro-batch size per process. auto: the largest the run's memory plan fits on this device (`tunebook "
+        "plan`), at most the recipe's default, with gradient_accumulation_steps raised to keep the default's "
+        "samples per optimizer step; the choice is logged at the start.",
+        8,
+        bounds="[1, inf)",
+        section="training",
+        common=True,
     )
     per_device_eval_batch_size: int = config_field(
         "Evaluation batch size per process.", 8, bounds="[1, inf)", section="evaluation"

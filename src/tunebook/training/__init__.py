@@ -1,11 +1,11 @@
 """The training loop: its bookkeeping (`loop`) and the step's guard (`step`), written once, and the pieces recipes
 call by name."""
 
+from ..planning.flops import model_flops_per_token
 from .accelerator import build_accelerator, has_accelerator_device, recipe_accelerator
 from .best import BestModel, infer_greater_is_better
 from .compilation import compile_model
 from .counters import LossWindow, TrainCounters
-from .flops import model_flops_per_token
 from .guard import StopSignals, exit_code, is_nonfinite, nonfinite_stop
 from .loop import (
     Checkpointed,

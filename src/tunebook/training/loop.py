@@ -68,6 +68,7 @@ def start_run(config, recipe: str) -> Run:
     from ..config import check_output_dir
     from ..data.loaders import start_worker_server
     from ..distributed import decided_by_main
+    from ..planning.at_start import plan_at_start
     from ..process import resume_collector
     from ..run.logging import log_run_start, setup_logging
     from ..run.output_lock import lock_run_output_dir
@@ -88,7 +89,10 @@ def start_run(config, recipe: str) -> Run:
     # One run per output_dir, for the run's lifetime: a second run there stops now, naming this one's PID and host.
     output_lock = lock_run_output_dir(accelerator, output_dir, recipe)
     log_run_start(log, config, accelerator)
-    return Run(config, recipe, accelerator, log, timer, output_dir, cache_dir, output_lock=output_lock)
+    # per_device_train_batch_size auto resolved here, before anything reads it; the plan logged in one line.
+    memory_plan = plan_at_start(config, recipe, accelerator, log)
+    return Run(config, recipe, accelerator, log, timer, output_dir, cache_dir, output_lock=output_lock,
+               memory_plan=memory_plan)  # fmt: skip
 
 
 def plan_steps(run: Run, model, train_loader, unit: str = "micro-batches", updates_per_window: int = 1) -> Plan:
@@ -295,6 +299,7 @@ def finish(run: Run, loop: Training, headline: tuple[str, str, str] | None = Non
     written, and the run ends with its headline (`tunebook.run.record.headline`): `headline` = (metric, name, format)
     is the recipe's main metric there, "Eval <name>: <before> before training -> <after> after".
     Returns the summary (`extra` adds recipe-specific keys to it)."""
+    from ..planning.at_start import measured_peak
     from ..run.record import finish_run, run_summary
     from .checkpoint import save_final_model
 
@@ -339,6 +344,7 @@ def finish(run: Run, loop: Training, headline: tuple[str, str, str] | None = Non
         resumed_from=saved.resumed_from,
         stopped_early=state.global_step < total_steps,  # only early stopping ends a finished run before its end
         **(loop.compiled.summary() if loop.compiled is not None else {}),
+        **({"memory": {**run.memory_plan, **measured_peak(accelerator.device)}} if run.memory_plan else {}),
         **extra,
     )  # fmt: skip
     if accelerator.is_main_process:  # summary.json, report.png, the model card, then the run's headline

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from ..data.collate import loss_positions
 from ..data.tokenize import IGNORE_INDEX
+from ..models.linear_ce import LinearLosses
 from ..models.wrappers import unwrap
-from .linear_ce import LinearLosses
 
 __all__ = [
     "causal_lm_token_losses",

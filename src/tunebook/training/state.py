@@ -55,6 +55,7 @@ class Run:
     output_dir: Path
     cache_dir: Path
     output_lock: Any = None  # tunebook.run.output_lock.OutputDirLock, released when the run ends
+    memory_plan: dict | None = None  # the planned peak (tunebook.planning.at_start), recorded beside the measured
     signals: StopSignals = field(default_factory=StopSignals)
     stop: BaseException | None = None
 

@@ -10,8 +10,8 @@ import torch
 
 from ..models.lora import parameter_counts
 from ..models.wrappers import unwrap
+from ..planning.flops import dataset_flop_shape, device_peak_flops, mfu, model_flops_per_token
 from ..run.record import peak_rss_mb
-from .flops import dataset_flop_shape, device_peak_flops, mfu, model_flops_per_token
 
 __all__ = ["Heartbeat", "Throughput", "format_duration", "peak_memory"]
 

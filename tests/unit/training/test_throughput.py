@@ -10,9 +10,9 @@ import torch
 from accelerate import Accelerator
 
 from tunebook.models import build_causal_lm
+from tunebook.planning.flops import model_flops_per_token
 from tunebook.run.record import RunTimer
 from tunebook.training import Throughput, TrainCounters
-from tunebook.training.flops import model_flops_per_token
 
 
 def _padded_batch():

@@ -6,7 +6,7 @@ import datasets
 import pytest
 
 from tunebook.models import build_causal_lm
-from tunebook.training.flops import attention_span, dataset_flop_shape, mfu, model_flops_per_token
+from tunebook.planning.flops import attention_span, dataset_flop_shape, mfu, model_flops_per_token
 
 
 def test_model_flops_per_token_matches_a_hand_count(tiny_tokenizer, tiny_model_config):

@@ -1,0 +1,226 @@
+"""A run's peak memory per device, part by part, and its speed: `plan(recipe, config, layout, hardware)`.
+
+States (weights, gradients, AdamW's two moments) are counted from the model's parameters and the engine's
+sharding; what a micro-batch's forward and backward create (activations, the loss's logits, the backward's
+temporaries, the gradients as they appear) is not estimated from a formula but traced: the real model's step runs
+on fake tensors (`trace.trace_step`), so any architecture, LoRA, gradient checkpointing and the fused loss come out
+as they run. What the trace cannot see is added from the engine: FSDP2's gathered layers, DDP's gradient buckets,
+a reference model, a generation's cache, and the CUDA context with the caching allocator's slack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .. import compat
+from .architecture import build_architecture, model_config_of
+from .flops import model_flops_per_token
+from .hardware import GiB, Hardware
+from .layout import Layout
+from .trace import trace_step
+from .workloads import Workload, workload
+
+__all__ = ["PARTS", "Plan", "plan"]
+
+PARTS = ("weights", "gradients", "optimizer", "activations", "logits", "reference", "generation", "overhead")
+
+# Outside the allocator's count, measured on H100s with torch 2.x: the CUDA context, cuBLAS' workspaces and the
+# kernels' images (~0.5 GiB); NCCL's buffers under several processes (~0.25 GiB). The caching allocator rounds and
+# keeps freed blocks: reserved runs ~5% above allocated at a training peak. Refined by the GPU rows of
+# benchmarks/RESULTS.md.
+CUDA_CONTEXT = 0.5 * GiB
+NCCL_BUFFERS = 0.25 * GiB
+ALLOCATOR_SLACK = 0.05
+DEFAULT_MFU = 0.4  # a well-fed dense bf16 step on an H100 reaches 40-50% (benchmarks/RESULTS.md, vs_peers)
+
+
+@dataclass
+class Plan:
+    """Bytes per device by part (`PARTS`), their `total` against `device_memory`, and the speed."""
+
+    recipe: str
+    hardware: str
+    engine: str
+    processes: int
+    weights: float = 0.0
+    gradients: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    logits: float = 0.0
+    reference: float = 0.0
+    generation: float = 0.0
+    overhead: float = 0.0
+    total: float = 0.0
+    allocated: float = 0.0  # total less what the allocator does not count: compare with max_memory_allocated
+    device_memory: float = 0.0
+    fits: bool = False
+    micro_batch: dict = field(default_factory=dict)
+    params: int = 0
+    trainable: int = 0
+    flops_per_token: float = 0.0
+    tokens_per_step: int = 0
+    mfu: float = DEFAULT_MFU
+    tokens_per_second: float | None = None
+    seconds_per_step: float | None = None
+    steps: int | None = None
+    seconds_total: float | None = None
+    recommendation: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan(recipe: str, config, layout: Layout, hardware: Hardware, architecture=None, mfu: float = DEFAULT_MFU,
+         model_config=None, on_gpu: bool = True) -> Plan:  # fmt: skip
+    """The plan of `recipe` run with `config` over `layout` on `hardware`. `model_config` (a transformers config)
+    saves reading it again; `on_gpu` False leaves out the CUDA-only overhead (a plan checked on a CPU)."""
+    import copy
+
+    work = workload(recipe, config)
+    model_config = copy.deepcopy(model_config or model_config_of(config, architecture))
+    mixed = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(layout.mixed_precision)
+    sharded_compute = mixed if layout.sharded else None
+    if layout.activation_checkpointing and not config.gradient_checkpointing:
+        config = copy.copy(config)
+        config.gradient_checkpointing = True  # FSDP's own checkpointing: the same recompute
+    arch = build_architecture(config, model_config, work.task, sharded_compute, layout.sharded, work.labels)
+    result = Plan(recipe, hardware.name, layout.engine, layout.processes, device_memory=hardware.memory,
+                  params=arch.params, trainable=arch.trainable, mfu=mfu)  # fmt: skip
+    result.micro_batch = {"rows": work.rows, "length": work.length,
+                          "gradient_accumulation_steps": config.gradient_accumulation_steps}  # fmt: skip
+    accumulate = config.gradient_accumulation_steps > 1
+    with compat.fake_tensor_mode():
+        if accumulate and not layout.sharded:  # the gradients of the earlier micro-batches are there already
+            for p in arch.model.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+        step = trace_step(arch.model, _micro_batch(arch, work), keep_grads=not layout.sharded,
+                          autocast=None if layout.sharded else mixed)  # fmt: skip
+    _states(result, arch, layout, config, step, accumulate)
+    result.activations = step.activations + (_padding_masks(work, arch) if work.padded else 0)
+    result.logits = step.logits
+    result.reference = arch.weight_bytes / (layout.shard_over if layout.sharded else 1) if work.reference else 0
+    result.generation = _generation(work, arch, hardware)
+    # The peak is the larger of the step's (its activations, logits and the gradients made so far) and the
+    # generation's (GRPO: the engine's cache, no activations), over what stays: weights, optimizer, reference, and
+    # the gradients where they outlive a micro-batch (accumulation, the sharded engines' shards).
+    keeps_grads = accumulate or layout.sharded
+    buckets = arch.trainable_bytes if layout.engine == "ddp" else 0  # allocated with DDP, for good
+    grads = result.gradients - buckets
+    stepping = result.activations + result.logits + (0 if keeps_grads else step.grads_at_peak)
+    base = result.weights + result.optimizer + result.reference + buckets + (grads if keeps_grads else 0)
+    generation = work.generation
+    if generation is not None and generation.engine == "vllm_colocate" and not generation.sleeps:
+        base += result.generation  # the engine keeps its share while the trainer steps
+        transient = stepping
+    else:
+        transient = max(stepping, result.generation)
+    if not keeps_grads:  # the optimizer step: every gradient at once, the step's activations gone
+        transient = max(transient, grads)
+    result.allocated = base + transient
+    result.overhead = (CUDA_CONTEXT + (NCCL_BUFFERS if layout.processes > 1 else 0) + ALLOCATOR_SLACK *
+                       result.allocated) if on_gpu else 0.0  # fmt: skip
+    result.total = result.allocated + result.overhead
+    result.fits = result.total <= hardware.memory
+    _speed(result, arch, work, config, layout, hardware)
+    return result
+
+
+def _micro_batch(arch, work: Workload):
+    """The forward of one micro-batch and its loss, as the recipe computes it (the fused linear cross-entropy of
+    `training.loss` where the head allows, else logits and cross-entropy), over fake token ids."""
+    import torch.nn.functional as F
+
+    from ..models.linear_ce import linear_cross_entropy
+
+    model = arch.model
+
+    def run(meter) -> torch.Tensor:
+        ids = torch.zeros(work.rows, work.length, dtype=torch.long)
+        if work.task != "causal_lm":
+            logits = model(input_ids=ids).logits.float()
+            return logits.sum()
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        hidden = inner.base_model(input_ids=ids).last_hidden_state
+        positions = torch.arange(work.loss_positions)
+        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
+        # The loss's logits: from here until the backward reaches the head's input.
+        meter.kind = "logits"
+        rows.register_hook(lambda grad: setattr(meter, "kind", "other"))
+        targets = torch.zeros(work.loss_positions, dtype=torch.long)
+        head = inner.get_output_embeddings()
+        if type(head) is torch.nn.Linear:
+            return linear_cross_entropy(rows, head.weight, head.bias, targets).sum()
+        return F.cross_entropy(head(rows).float(), targets, reduction="sum")
+
+    return run
+
+
+def _states(result: Plan, arch, layout: Layout, config, step, accumulate: bool) -> None:
+    """Weights, gradients and AdamW's moments per device, by engine (ZeRO paper's accounting for DeepSpeed, with
+    bf16 weights and float32 master weights, gradients and moments)."""
+    trainable, shards = arch.trainable, layout.shard_over
+    stored = 2 if config.dtype in ("bfloat16", "float16") else 4  # a trained weight's bytes as the recipe keeps it
+    frozen = arch.weight_bytes - arch.trainable * (arch.trainable_bytes / max(arch.trainable, 1))
+    compute = 2 if layout.mixed_precision in ("bf16", "fp16") else stored
+    if layout.engine in ("single", "ddp"):
+        result.weights = arch.weight_bytes
+        result.gradients = arch.trainable_bytes  # in the parameters' dtype
+        if layout.engine == "ddp":
+            result.gradients += arch.trainable_bytes  # DDP's buckets: a flat copy of the gradients to all-reduce
+        result.optimizer = 2 * arch.trainable_bytes
+    elif layout.engine == "fsdp2":
+        gathered = (2 if layout.reshard_after_forward else arch.blocks) * arch.largest_block * compute
+        sharded = (frozen + trainable * stored) / shards
+        result.weights = (0 if layout.offload_params else sharded) + min(gathered, arch.params * compute)
+        result.gradients = 0 if layout.offload_params else trainable * stored / shards
+        result.optimizer = 0 if layout.offload_optimizer else 2 * trainable * stored / shards
+    else:  # DeepSpeed: 16-bit weights, float32 gradient partition, float32 master weights and two moments
+        if layout.engine == "zero3":
+            live = min(arch.params, 2 * arch.largest_block) * 2  # the layers gathered around the one computing
+            result.weights = (0 if layout.offload_params else arch.params * 2 / shards) + live
+        else:
+            result.weights = arch.params * 2
+        result.gradients = trainable * 4 / shards
+        result.optimizer = 0 if layout.offload_optimizer else 12 * trainable / shards
+
+
+def _padding_masks(work: Workload, arch) -> int:
+    """A padded batch's attention mask as SDPA gets it (rows x length x length, boolean, and the additive one in
+    the compute dtype), which the fake trace runs without (its shape-only `all()` checks cannot run on fake data)."""
+    element = next(p for p in arch.model.parameters()).element_size()
+    return work.rows * work.length * work.length * (1 + element)
+
+
+def _generation(work: Workload, arch, hardware: Hardware) -> float:
+    """GRPO's sampling memory: transformers' key/value cache of every completion of a micro-batch at full length,
+    and its last position's float32 logits, twice (sampling's softmax); vLLM colocated takes its
+    `gpu_memory_utilization` share of the device; a vLLM server runs on other GPUs."""
+    generation = work.generation
+    if generation is None or generation.engine == "vllm_server":
+        return 0.0
+    if generation.engine == "vllm_colocate":
+        return generation.memory_share * hardware.memory
+    return generation.rows * (generation.tokens * arch.kv_bytes_per_token + 2 * arch.vocab * 4)
+
+
+def _speed(result: Plan, arch, work: Workload, config, layout: Layout, hardware: Hardware) -> None:
+    """FLOPs per token (`flops.model_flops_per_token`: 6 x linear MACs + attention), tokens per step over all
+    devices, and at the stated MFU the tokens per second and the run's duration where its steps are known."""
+    head_fraction = work.loss_positions / max(work.rows * work.length, 1) if work.task == "causal_lm" else 0.0
+    result.flops_per_token = model_flops_per_token(arch.model, work.length, head_fraction=head_fraction)
+    result.tokens_per_step = work.rows * work.length * config.gradient_accumulation_steps * layout.processes
+    if hardware.peak_flops:
+        # Recomputing the forward under checkpointing adds its third of the work to the same model FLOPs.
+        recompute = 8 / 6 if config.gradient_checkpointing or layout.activation_checkpointing else 1.0
+        result.tokens_per_second = hardware.peak_flops * layout.processes * result.mfu / result.flops_per_token
+        result.tokens_per_second /= recompute
+        result.seconds_per_step = result.tokens_per_step / result.tokens_per_second
+        if config.max_steps and config.max_steps > 0:
+            result.steps = config.max_steps
+            result.seconds_total = result.steps * result.seconds_per_step
+    if work.generation is not None:
+        result.notes.append("the time leaves out sampling, which is decode-bound: see benchmarks/RESULTS.md")

@@ -1,0 +1,59 @@
+"""What one micro-batch of each recipe runs through the model, from its config alone: rows, length, the loss
+positions, a reference model, a generation phase (GRPO)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Generation", "Workload", "workload"]
+
+REFERENCE_FREE = ("simpo", "orpo")  # DPO losses that load no reference (tunebook.preference.losses)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """GRPO's sampling: `rows` completions of up to `tokens` tokens (prompt + completion) at once, through
+    `engine` (transformers, vllm_colocate, vllm_server)."""
+
+    rows: int
+    tokens: int
+    engine: str
+    memory_share: float = 0.0  # vLLM colocated: its gpu_memory_utilization
+    sleeps: bool = False  # vLLM colocated with sleep mode: its memory is freed while the trainer steps
+
+
+@dataclass(frozen=True)
+class Workload:
+    task: str  # causal_lm, classify, reward
+    rows: int  # sequences in one micro-batch's forward
+    length: int  # their padded length, the longest a config allows
+    loss_positions: int  # positions whose logits the loss needs (causal LMs): an upper bound
+    padded: bool  # a padding mask is passed to attention (not packed rows)
+    reference: bool  # a separate frozen reference model is in memory
+    generation: Generation | None = None
+    labels: int = 2  # a classifier's outputs
+
+
+def workload(recipe: str, config) -> Workload:
+    """The micro-batch `recipe` trains on with `config`, at its largest (every row as long as the config allows)."""
+    batch, length = config.per_device_train_batch_size, config.max_seq_length
+    if recipe == "classify":
+        labels = len(config.label_names) if config.label_names else 2
+        return Workload("classify", batch, length, 0, True, False, labels=labels)
+    if recipe == "reward":  # chosen and rejected rows in one forward
+        return Workload("reward", 2 * batch, length, 0, True, False, labels=1)
+    if recipe == "dpo":  # chosen and rejected rows in one forward; the reference is a copy unless LoRA or cached
+        reference = not (config.use_peft or config.precompute_ref_log_probs or config.loss_type in REFERENCE_FREE)
+        return Workload("causal_lm", 2 * batch, length, 2 * batch * length, True, reference)
+    if recipe == "grpo":
+        rows, tokens = batch * config.num_generations, config.max_prompt_length + config.max_new_tokens
+        if config.use_vllm:
+            engine = f"vllm_{config.vllm_mode}"
+        else:
+            engine = "transformers"
+        generation = Generation(rows, tokens, engine, config.vllm_gpu_memory_utilization,
+                                config.vllm_enable_sleep_mode)  # fmt: skip
+        reference = config.beta > 0 and not config.use_peft
+        return Workload("causal_lm", rows, tokens, rows * config.max_new_tokens, True, reference, generation)
+    packed = bool(getattr(config, "packing", recipe == "pretrain"))
+    return Workload("causal_lm", batch, length, batch * length, not packed, False)
