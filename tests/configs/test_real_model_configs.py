@@ -1,16 +1,23 @@
 """The real models' configs in recipes/configs/ and the `config.json` files they are planned against.
 
 Each shipped `tests/assets/model_configs/<org>--<name>/config.json` builds, on the meta device (no memory, no
-weights), a model with the published parameter count: a wrong size, head count, vocabulary or tied head shows.
+weights), a model with the published parameter count: a wrong size, head count, vocabulary or tied head shows. Each
+config whose header names the hardware it was planned for (a `#   tunebook plan ...` line) fits that hardware by
+the planner, run on that line with its model's config.json, and the figures its header states are the plan's now.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import re
+import shlex
 from pathlib import Path
 
 import pytest
-from support import ASSETS
+import yaml
+from support import ASSETS, ROOT
 
 MODEL_CONFIGS = ASSETS / "model_configs"
 
@@ -51,3 +58,43 @@ def test_config_builds_the_published_model(model):
     assert type(built).__name__ == config.architectures[0]  # the class the recipes load the weights into
     parameters = sum(p.numel() for p in built.parameters())
     assert round(parameters / 1e9, 2) == PUBLISHED_BILLIONS[model]
+
+
+# Configs planned for named hardware: the line a reader runs, and the figures it gave, in the header.
+PLANNED = sorted(p for p in (ROOT / "recipes" / "configs").rglob("*.yaml") if "\n#   tunebook plan " in p.read_text())
+PLAN_LINE = re.compile(r"^#   tunebook (plan .*)$", re.MULTILINE)
+FIGURES = re.compile(r"^# Planned \(tunebook plan, [0-9-]+\): ([0-9.]+) GiB of ([0-9.]+) GiB per GPU", re.MULTILINE)
+
+
+def test_the_real_model_configs_are_planned():
+    assert len(PLANNED) >= 13
+    models = {yaml.safe_load(p.read_text())["model_name_or_path"] for p in PLANNED}
+    assert models == set(PUBLISHED_BILLIONS), "each shipped config.json serves a planned config, and each back"
+
+
+@pytest.mark.slow  # the planner traces a whole step of the model on fake tensors: 5-25 s per config on 2 CPU cores
+@pytest.mark.parametrize("path", PLANNED, ids=lambda p: str(p.relative_to(ROOT / "recipes" / "configs")))
+def test_config_fits_the_hardware_its_header_names(path: Path):
+    from tunebook.cli.main import main
+
+    text = path.read_text()
+    header = text.split("\n\n")[0]
+    line = PLAN_LINE.search(header)
+    figures = FIGURES.search(header)
+    assert line and figures, "the header's first paragraph holds the plan line and the plan's figures"
+    argv = shlex.split(line.group(1))
+    recipe = path.relative_to(ROOT / "recipes" / "configs").parts[0]
+    assert argv[:4] == ["plan", recipe, "--config", str(path.relative_to(ROOT))]
+    assert "--gpu" in argv and "--num_gpus" in argv, "the hardware it was planned for, named"
+    model = yaml.safe_load(text)["model_name_or_path"]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        main([*argv, "--architecture", str(asset(model)), "--json"])
+    plan = json.loads(stdout.getvalue().strip().splitlines()[-1])
+    gib = 2**30
+    assert plan["fits"], (
+        f"{plan['total'] / gib:.1f} GiB of {plan['device_memory'] / gib:.1f}: {plan['recommendation']}"
+    )
+    stated, device = float(figures.group(1)), float(figures.group(2))
+    assert stated == pytest.approx(plan["total"] / gib, rel=0.05), "the header's figures are stale: plan again"
+    assert device == pytest.approx(plan["device_memory"] / gib, abs=0.05)
