@@ -10,7 +10,7 @@ a reference model, a generation's cache, and the CUDA context with the caching a
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 
 import torch
 
@@ -19,7 +19,7 @@ from .architecture import build_architecture, model_config_of
 from .flops import model_flops_per_token
 from .hardware import GiB, Hardware
 from .layout import Layout
-from .trace import trace_step
+from .trace import StepTrace, trace_step
 from .workloads import Workload, workload
 
 __all__ = ["PARTS", "Plan", "plan"]
@@ -92,13 +92,29 @@ def plan(recipe: str, config, layout: Layout, hardware: Hardware, architecture=N
     result.micro_batch = {"rows": work.rows, "length": work.length,
                           "gradient_accumulation_steps": config.gradient_accumulation_steps}  # fmt: skip
     accumulate = config.gradient_accumulation_steps > 1
-    with compat.fake_tensor_mode():
-        if accumulate and not layout.sharded:  # the gradients of the earlier micro-batches are there already
-            for p in arch.model.parameters():
-                if p.requires_grad:
-                    p.grad = torch.zeros_like(p)
-        step = trace_step(arch.model, _micro_batch(arch, work, config, on_gpu), keep_grads=not layout.sharded,
-                          autocast=None if layout.sharded else mixed)  # fmt: skip
+
+    def traced(architecture) -> StepTrace:
+        with compat.fake_tensor_mode():
+            if accumulate and not layout.sharded:  # the gradients of the earlier micro-batches are there already
+                for p in architecture.model.parameters():
+                    if p.requires_grad:
+                        p.grad = torch.zeros_like(p)
+            return trace_step(architecture.model, _micro_batch(architecture, work, config, on_gpu),
+                              keep_grads=not layout.sharded, autocast=None if layout.sharded else mixed)  # fmt: skip
+
+    depth = _depth(model_config)
+    if depth is None:
+        step = traced(arch)
+    else:  # one and two repeating units of layers, extrapolated to all of them: the same bytes in seconds
+        holder, layers, unit = depth
+        shallow = []
+        for n in (unit, 2 * unit):
+            reduced = copy.deepcopy(model_config)
+            _set_depth(reduced, n)
+            shallow.append(traced(build_architecture(config, reduced, work.task, sharded_compute, layout.sharded,
+                                                     work.labels)))  # fmt: skip
+        one, two = (astuple(t) for t in shallow)
+        step = StepTrace(*(b + (layers / unit - 2) * (b - a) for a, b in zip(one, two)))
     _states(result, arch, layout, config, step, accumulate)
     masked = (
         work.task == "causal_lm" and (config.attn_implementation or "sdpa") not in VARLEN and (work.padded or on_gpu)
@@ -130,6 +146,26 @@ def plan(recipe: str, config, layout: Layout, hardware: Hardware, architecture=N
     result.fits = result.total <= hardware.memory
     _speed(result, arch, work, config, layout, hardware)
     return result
+
+
+def _depth(model_config) -> tuple[object, int, int] | None:
+    """(the config holding the layer count, the layers, the layers of one repeating unit), where tracing two
+    units and extrapolating saves time: every layer of a unit keeps the same bytes per layer as the next unit's
+    (sliding-window and global layers alike, with an efficient attention kernel). None: trace the whole model."""
+    holder = getattr(model_config, "text_config", None) or model_config
+    layers = getattr(holder, "num_hidden_layers", None)
+    if not isinstance(layers, int):
+        return None
+    kinds = getattr(holder, "layer_types", None) or [None] * layers
+    unit = next(p for p in range(1, layers + 1) if all(kinds[i] == kinds[i % p] for i in range(layers)))
+    return (holder, layers, unit) if layers > 3 * unit else None
+
+
+def _set_depth(model_config, layers: int) -> None:
+    holder = getattr(model_config, "text_config", None) or model_config
+    holder.num_hidden_layers = layers
+    if getattr(holder, "layer_types", None):
+        holder.layer_types = holder.layer_types[:layers]
 
 
 def _micro_batch(arch, work: Workload, config, on_gpu: bool):
