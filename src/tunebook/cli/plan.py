@@ -42,7 +42,7 @@ def plan_command(argv: list[str]) -> dict:
     except ValueError:
         raise ConfigError(f"--num_gpus takes a whole number and --mfu a fraction, got {options['--num_gpus']!r} "
                           f"and {options['--mfu']!r}") from None  # fmt: skip
-    config = load_config(recipe_config_class(recipe), argv)
+    config = load_config(recipe_config_class(recipe), argv, check_files=False)  # the data and vLLM may be elsewhere
     layout = read_layout(options["--config_file"] or None, gpus)
     device = hardware(options["--gpu"] or None, options["--gpu_memory"] or None, layout.processes)
     model_config = model_config_of(config, options["--architecture"] or None)

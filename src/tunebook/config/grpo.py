@@ -325,16 +325,22 @@ class GRPOConfig(CausalLMConfig, VisionConfig, ChatModelConfig):
     def check_files(self) -> None:
         check_data_files(self)
         check_image_dir(self)
+        check_vllm_installed(self)
+
+
+def check_vllm_installed(config: GRPOConfig) -> None:
+    """vLLM installed where asked for: a check of this machine, with the files' (`tunebook plan` plans a vLLM run
+    on a machine without it)."""
+    import importlib.util
+
+    if config.use_vllm and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(f"use_vllm: true needs vLLM, which is not installed here; install it with: {VLLM_INSTALL}")
 
 
 def check_generation_engine(config: GRPOConfig) -> None:
-    """vLLM installed where asked for, and what it cannot take yet, each in one line."""
-    import importlib.util
-
+    """What the generation engine cannot take yet, each in one line."""
     if not config.use_vllm:
         return
-    if importlib.util.find_spec("vllm") is None:
-        raise ConfigError(f"use_vllm: true needs vLLM, which is not installed here; install it with: {VLLM_INSTALL}")
     low, high = config.vllm_importance_sampling_clip_min, config.vllm_importance_sampling_clip_max
     if low is not None and high is not None and low > high:
         raise ConfigError(f"vllm_importance_sampling_clip_min {low} is above vllm_importance_sampling_clip_max {high}")

@@ -51,9 +51,10 @@ ALIASES = {
 }
 
 
-def load_config(cls: type[C], argv: list[str] | None = None) -> C:
+def load_config(cls: type[C], argv: list[str] | None = None, check_files: bool = True) -> C:
     """Build `cls` from `--config FILE` and `--key value` / `--key=value` arguments (default: `sys.argv[1:]`), and
-    check the local files it names (`check_files`).
+    check the local files it names and what this machine must have for it (`check_files`; not for a plan of a run
+    on another machine).
 
     A boolean key may be given bare (`--packing`) or negated (`--no_packing`). Reading `sys.argv` (no `argv`), this is
     a recipe's `__main__` block, its process's entry point: `enter_command_line` (one-line errors, the root logger).
@@ -67,7 +68,8 @@ def load_config(cls: type[C], argv: list[str] | None = None) -> C:
     try:
         config_file, overrides = _split_argv(argv, cls)
         config = parse_config(cls, config_file=config_file, overrides=overrides)
-        config.check_files()
+        if check_files:
+            config.check_files()
         return config
     except ConfigError as error:
         raise same_on_every_rank(error) from None

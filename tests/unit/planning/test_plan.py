@@ -80,7 +80,7 @@ def test_checkpointing_and_smaller_micro_batches_lower_the_activations():
     checkpointed = plan("sft", _config(gradient_checkpointing=True), Layout(), hardware("H100"))
     half = plan("sft", _config(per_device_train_batch_size=4), Layout(), hardware("H100"))
     assert checkpointed.activations < 0.6 * base.activations
-    assert half.activations == pytest.approx(base.activations / 2, rel=0.05)
+    assert half.activations == pytest.approx(base.activations / 2, rel=0.1)  # and a few fixed buffers
     assert checkpointed.tokens_per_second == pytest.approx(base.tokens_per_second * 6 / 8)  # the recompute
 
 
@@ -94,8 +94,14 @@ def test_the_recommendation_fits_and_keeps_the_samples_per_step():
 
     assert not planner(config, Layout()).fits
     overrides, fitted = recommend(config, Layout(), 1, planner)
-    assert fitted.fits and overrides[:1] == ["--per_device_train_batch_size 4"]
-    assert overrides[1:] == ["--gradient_accumulation_steps 4"]  # 8 x 2 = 4 x 4 samples per step
+    batch = int(overrides[0].removeprefix("--per_device_train_batch_size "))
+    assert fitted.fits and overrides == [
+        f"--per_device_train_batch_size {batch}",
+        f"--gradient_accumulation_steps {16 // batch}",
+    ]  # 8 x 2 samples per step
+    larger = [(b, k) for b, k in smaller_micro_batches(8, 2) if b > batch]  # the largest that fits: the next not
+    bigger, steps = larger[-1]
+    assert not planner(_config(per_device_train_batch_size=bigger, gradient_accumulation_steps=steps), Layout()).fits
     tiny = hardware(gpu_memory="1MiB")
     assert recommend(config, Layout(), 1, lambda c, layout: plan("sft", c, layout, tiny)) == ([], None)
 
