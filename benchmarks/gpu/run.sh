@@ -13,6 +13,7 @@
 #     bash benchmarks/gpu/run.sh lease                   # the next lease's questions, in under 10 minutes
 #     bash benchmarks/gpu/run.sh vlm                     # issue 45 point 7: Qwen2.5-VL-3B shape vs TRL (~6 min?)
 #     bash benchmarks/gpu/run.sh grpo-gen                # issue 46 point 6: GRPO generation, generate vs vLLM
+#     bash benchmarks/gpu/run.sh plan                    # issue 47 point 3: the memory plan vs max_memory_allocated
 #   (on an H100, 2026-11-26: a Llama-3.2-1B run ~60 s, a first one ~25 s more to build the model; `peers
 #   Llama-3.2-1B --seq_lens 2048` ~4.5 min; `packed` at 2048 ~2 min a shape with flex compiling; `tests -n 6` ~2.6 min.
 #   A lease is 15 minutes of device time, the machine's start included, and a machine idle for 30 s goes back bare;
@@ -168,6 +169,11 @@ vlm)  # issue 45 point 7: image-text SFT of a Qwen2.5-VL-3B shape (random weight
     "$PY" benchmarks/vlm_sft.py --shape qwen2.5-vl-3b --device cuda --bf16 --image_scale 4 --max_pixels 200704 \
         --examples 512 --batch 8 --max_steps 40 --timing_warmup 5 --max_length 1024 --lr 1e-5 --num_workers 4 \
         --work_dir /tmp/vlm --records "$OUT/vlm.jsonl" --no_write "$@" 2>&1 | tee -a "$OUT/vlm.log"
+    ;;
+plan)  # issue 47 point 3: tunebook plan against torch.cuda.max_memory_allocated, the Llama-3.2-1B shape (random
+    # weights from its config.json): SFT full, LoRA and checkpointed, DPO and GRPO with LoRA, 4 steps each (~5 min?)
+    install
+    "$PY" benchmarks/plan_gpu.py --out "$OUT" "$@" 2>&1 | tee -a "$OUT/plan.log"
     ;;
 grpo-gen)  # issue 46 point 6: GRPO generation, transformers generate vs vLLM (colocated; a server if asked), on a
     # Qwen2.5-0.5B shape (random weights, its published sizes), bf16, 8 completions of 512 tokens per prompt. vLLM is

@@ -69,13 +69,13 @@ def format_plan(result, recipe: str, argv: list[str], options: dict) -> str:
     lines = [
         f"Plan for `tunebook train {recipe}` on {result.processes} x {result.hardware} ({result.engine}), "
         f"micro-batch {batch['rows']} x {batch['length']} tokens, {batch['gradient_accumulation_steps']} "
-        f"accumulation step(s); {result.params / 1e9:.3g}B parameters, {result.trainable / 1e9:.3g}B trained",
+        f"accumulation step(s); {_count(result.params)} parameters, {_count(result.trainable)} trained",
         "",
         "memory per device:",
     ]
     for part in PARTS:
         value = getattr(result, part)
-        if value:
+        if value >= 0.005 * gib:  # shown to the hundredth of a GiB
             lines.append(f"  {part:<12} {value / gib:8.2f} GiB")
     verdict = "fits" if result.fits else "does NOT fit"
     lines.append(f"  {'peak':<12} {result.total / gib:8.2f} GiB of {result.device_memory / gib:.1f} GiB: {verdict}")
@@ -106,6 +106,13 @@ def format_plan(result, recipe: str, argv: list[str], options: dict) -> str:
 
 
 _ACCELERATE = {"--config_file", "--num_processes", "--offload_optimizer_device", "--offload_param_device"}
+
+
+def _count(number: int) -> str:
+    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if number >= size:
+            return f"{number / size:.3g}{unit}"
+    return str(number)
 
 
 def _duration(seconds: float) -> str:
