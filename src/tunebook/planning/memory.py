@@ -19,7 +19,7 @@ from .architecture import build_architecture, model_config_of
 from .flops import model_flops_per_token
 from .hardware import GiB, Hardware
 from .layout import Layout
-from .trace import StepTrace, trace_step
+from .trace import Phase, StepTrace, trace_step
 from .workloads import Workload, workload
 
 __all__ = ["PARTS", "Plan", "plan"]
@@ -113,8 +113,7 @@ def plan(recipe: str, config, layout: Layout, hardware: Hardware, architecture=N
             _set_depth(reduced, n)
             shallow.append(traced(build_architecture(config, reduced, work.task, sharded_compute, layout.sharded,
                                                      work.labels)))  # fmt: skip
-        one, two = (astuple(t) for t in shallow)
-        step = StepTrace(*(b + (layers / unit - 2) * (b - a) for a, b in zip(one, two)))
+        step = _extrapolated(*shallow, layers / unit - 2)
     _states(result, arch, layout, config, step, accumulate)
     masked = (
         work.task == "causal_lm" and (config.attn_implementation or "sdpa") not in VARLEN and (work.padded or on_gpu)
@@ -159,6 +158,18 @@ def _depth(model_config) -> tuple[object, int, int] | None:
     kinds = getattr(holder, "layer_types", None) or [None] * layers
     unit = next(p for p in range(1, layers + 1) if all(kinds[i] == kinds[i % p] for i in range(layers)))
     return (holder, layers, unit) if layers > 3 * unit else None
+
+
+def _extrapolated(one: StepTrace, two: StepTrace, more: float) -> StepTrace:
+    """Each phase of the two-unit trace, `more` units further along the line through the one- and two-unit traces:
+    phase by phase, as their peaks grow at different rates (the forward's end gains a layer's cast weights per layer
+    under autocast with checkpointing, the backward does not), and the larger may change with depth."""
+
+    def phase(a: Phase, b: Phase) -> Phase:
+        return Phase(*(y + more * (y - x) for x, y in zip(astuple(a), astuple(b))))
+
+    return StepTrace(phase(one.forward, two.forward), phase(one.backward, two.backward),
+                     two.grads + more * (two.grads - one.grads))  # fmt: skip
 
 
 def _set_depth(model_config, layers: int) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from .. import compat
 
-__all__ = ["PeakBytes", "StepTrace", "measure_run", "trace_step"]
+__all__ = ["PeakBytes", "Phase", "StepTrace", "measure_run", "trace_step"]
 
 
 class PeakBytes(compat.torch_dispatch_mode()):
@@ -98,15 +98,45 @@ def _tensors(out) -> list[torch.Tensor]:
 
 
 @dataclass(frozen=True)
-class StepTrace:
-    """One micro-batch's forward and backward: the peak of what it created, split by kind at that moment, and the
-    gradients alive at its end (the trained parameters', in their dtype)."""
+class Phase:
+    """The peak of a forward or a backward, and what was alive at it by kind."""
 
-    peak: int
-    activations: int
-    logits: int
-    grads_at_peak: int
-    grads: int
+    peak: float
+    activations: float
+    logits: float
+    grads: float
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """One micro-batch's forward and backward: each phase's peak (the forward's end holds every saved tensor and,
+    under autocast with checkpointing, every layer's cast weights; the backward's the recomputed layer and the
+    gradients), and the gradients alive at the end (the trained parameters', in their dtype). The step's peak is
+    the larger phase's."""
+
+    forward: Phase
+    backward: Phase
+    grads: float
+
+    @property
+    def top(self) -> Phase:
+        return self.forward if self.forward.peak > self.backward.peak else self.backward
+
+    @property
+    def peak(self) -> float:
+        return self.top.peak
+
+    @property
+    def activations(self) -> float:
+        return self.top.activations
+
+    @property
+    def logits(self) -> float:
+        return self.top.logits
+
+    @property
+    def grads_at_peak(self) -> float:
+        return self.top.grads
 
 
 def trace_step(model: torch.nn.Module, run: Callable[[PeakBytes], torch.Tensor], keep_grads: bool,
@@ -128,14 +158,20 @@ def trace_step(model: torch.nn.Module, run: Callable[[PeakBytes], torch.Tensor],
         with meter:
             with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
                 loss = run(meter)
+            forward = _phase(meter)
+            meter.peak, meter.at_peak = meter.live, dict(meter.kinds)  # the backward's own peak from here
             loss.backward()
             del loss
     finally:
         for hook in hooks:
             hook.remove()
     grads = sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
+    return StepTrace(forward, _phase(meter), grads)
+
+
+def _phase(meter: PeakBytes) -> Phase:
     at_peak = meter.at_peak
-    return StepTrace(meter.peak, at_peak["other"], at_peak["logits"], at_peak["grads"], grads)
+    return Phase(meter.peak, at_peak["other"], at_peak["logits"], at_peak["grads"])
 
 
 def _after_grad(meter: PeakBytes, keep: bool):
