@@ -86,7 +86,9 @@ def plan(recipe: str, config, layout: Layout, hardware: Hardware, architecture=N
     if layout.activation_checkpointing and not config.gradient_checkpointing:
         config = copy.copy(config)
         config.gradient_checkpointing = True  # FSDP's own checkpointing: the same recompute
-    arch = build_architecture(config, model_config, work.task, sharded_compute, layout.sharded, work.labels)
+    depth = _depth(model_config)
+    arch = build_architecture(config, model_config, work.task, sharded_compute, layout.sharded, work.labels,
+                              traced=depth is None)  # fmt: skip
     result = Plan(recipe, hardware.name, layout.engine, layout.processes, device_memory=hardware.memory,
                   params=arch.params, trainable=arch.trainable, mfu=mfu)  # fmt: skip
     result.micro_batch = {"rows": work.rows, "length": work.length,
@@ -102,7 +104,6 @@ def plan(recipe: str, config, layout: Layout, hardware: Hardware, architecture=N
             return trace_step(architecture.model, _micro_batch(architecture, work, config, on_gpu),
                               keep_grads=not layout.sharded, autocast=None if layout.sharded else mixed)  # fmt: skip
 
-    depth = _depth(model_config)
     if depth is None:
         step = traced(arch)
     else:  # one and two repeating units of layers, extrapolated to all of them: the same bytes in seconds
