@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import fields
@@ -28,14 +29,16 @@ def plan_at_start(config, recipe: str, accelerator, log: logging.Logger) -> dict
         return None
     layout, device = layout_of(accelerator), hardware_of(accelerator)
     if auto:
-        chosen = decided_by_main(accelerator, lambda: _choose_batch(config, recipe, layout, device, log))
+        with _no_partitioned_init(accelerator):
+            chosen = decided_by_main(accelerator, lambda: _choose_batch(config, recipe, layout, device, log))
         config.per_device_train_batch_size, config.gradient_accumulation_steps = chosen
     if not accelerator.is_main_process:
         return None
     from .memory import plan
 
     try:
-        made = plan(recipe, config, layout, device, on_gpu=accelerator.device.type == "cuda")
+        with _no_partitioned_init(accelerator):
+            made = plan(recipe, config, layout, device, on_gpu=accelerator.device.type == "cuda")
     except Exception as error:  # an architecture the planner cannot trace must not stop a run it would not plan
         log.warning("Memory plan not made (%s: %s); the run goes on", type(error).__name__, str(error)[:200])
         return None
@@ -48,6 +51,25 @@ def plan_at_start(config, recipe: str, accelerator, log: logging.Logger) -> dict
         "device_memory_gib": device.memory / GiB,
         "fits": made.fits,
     }
+
+
+@contextlib.contextmanager
+def _no_partitioned_init(accelerator):
+    """Under DeepSpeed ZeRO-3, transformers builds every model inside `zero.Init` (while accelerate's DeepSpeed
+    config is registered with it), whose partitioning is a collective: the planner's model (one process, on the
+    meta device) is built with the registration lifted, then put back."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    registered = getattr(plugin, "dschf", None)  # accelerate's HfDeepSpeedConfig, which transformers holds weakly
+    if registered is None:
+        yield
+        return
+    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        set_hf_deepspeed_config(registered)
 
 
 def measured_peak(device: torch.device) -> dict:
