@@ -21,6 +21,7 @@ __all__ = [
     "dtensor_type",
     "exit_callback_count",
     "fake_tensor_mode",
+    "is_fake",
     "fingerprint",
     "forget_compiled_code",
     "has_recurrent_cache",
@@ -151,6 +152,13 @@ def fake_tensor_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def is_fake(tensor) -> bool:
+    """Whether `tensor` is a fake tensor (shapes, no data) (torch 2.13.0: `torch._subclasses.fake_tensor.is_fake`)."""
+    from torch._subclasses.fake_tensor import is_fake as fake
+
+    return fake(tensor)
 
 
 def torch_dispatch_mode() -> type:

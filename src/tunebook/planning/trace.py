@@ -30,8 +30,9 @@ class PeakBytes(compat.torch_dispatch_mode()):
         super().__init__()
         self.kind = "other"  # what storages made from now on count as
         self.live = self.peak = 0
-        # Storages made without an operator (`copy.deepcopy` copies storages directly: a reference model) are seen
-        # at their first use as an operator's input; those that existed before the meter began are left out.
+        # Measuring a real run (`measure_run`): storages made without an operator (`copy.deepcopy` copies storages
+        # directly: a reference model) are seen at their first use as an operator's input, those that existed
+        # before the meter began are left out, and fake tensors (the run's own plan at its start) are not memory.
         self.outside_dispatch = outside_dispatch
         self.before: set[int] = set()
         self.sizes: dict[int, tuple[int, str]] = {}
@@ -41,8 +42,11 @@ class PeakBytes(compat.torch_dispatch_mode()):
     def __enter__(self):
         if self.outside_dispatch:
             import gc
+            import warnings
 
-            self.before = {compat.storage_key(t) for t in gc.get_objects() if isinstance(t, torch.Tensor)}
+            with warnings.catch_warnings():  # isinstance on every object touches deprecated torch aliases
+                warnings.simplefilter("ignore", FutureWarning)
+                self.before = {compat.storage_key(t) for t in gc.get_objects() if isinstance(t, torch.Tensor)}
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -62,7 +66,7 @@ class PeakBytes(compat.torch_dispatch_mode()):
 
     def _count(self, tensor: torch.Tensor) -> None:
         key = compat.storage_key(tensor)
-        if key in self.sizes:
+        if key in self.sizes or (self.outside_dispatch and compat.is_fake(tensor)):
             return
         storage = tensor.untyped_storage()
         size = storage.nbytes()

@@ -84,3 +84,14 @@ def test_checkpointing_lowers_the_traced_peak_and_dropped_gradients_are_not_kept
         saved = trace_step(checkpointed, _step(checkpointed, 8, 128), keep_grads=False)
     assert saved.peak < 0.8 * full.peak
     assert saved.grads == 0 and full.grads > 0
+
+
+def test_measuring_a_run_counts_copies_and_no_fake_tensors():
+    weights = torch.ones(1000)  # there before: never counted
+    with PeakBytes(outside_dispatch=True) as meter:
+        copied = copy.deepcopy(weights)  # counted when made or, copied without an operator, at its first use
+        with compat.fake_tensor_mode():
+            torch.empty(10_000_000)  # a plan's fake tensors (40 MB if they were real): no memory
+        assert meter.peak < 40_000
+        total = (copied + weights).sum()
+    assert 8000 <= meter.peak < 40_000 and total.item() == 2000
