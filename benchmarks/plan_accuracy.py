@@ -56,14 +56,14 @@ CASES = [
     ("dpo-lora", "dpo", {"per_device_train_batch_size": "8", "pad_to_multiple_of": "64", "use_peft": "true"}, "no", 1),
     ("reward", "reward", {"per_device_train_batch_size": "8", "pad_to_multiple_of": "64"}, "no", 1),
     ("classify", "classify", {"per_device_train_batch_size": "16", "pad_to_multiple_of": "128"}, "no", 1),
-    # The digit prompts are 36-42 tokens: a max_prompt_length of 42 keeps them all and plans their longest.
+    # One prompt repeated (every row as long), planned at its tokenised length (`_prompt_length`); a reference.
     (
         "grpo",
         "grpo",
-        {"per_device_train_batch_size": "4", "sft_warmup_steps": "0", "beta": "0.04", "max_prompt_length": "42"},
+        {"per_device_train_batch_size": "4", "sft_warmup_steps": "0", "beta": "0.04", "train_data": "ONE_PROMPT"},
         "no",
         1,
-    ),
+    ),  # fmt: skip
     ("sft-ddp-2", "sft", PACKED, "no", 2),
 ]
 
@@ -95,14 +95,29 @@ def run_case(name: str) -> dict:
 
     _, recipe, overrides, mixed, processes = next(case for case in CASES if case[0] == name)
     output_dir = os.environ.get("PLAN_ACCURACY_OUT") or tempfile.mkdtemp(prefix="plan-accuracy-")
-    plan = planned(recipe, overrides, mixed, processes)
+    if overrides.get("train_data") == "ONE_PROMPT":
+        prompts = Path(output_dir) / "prompts.jsonl"
+        prompts.write_text((json.dumps({"prompt": "reverse the digits 40213", "answer": "31204"}) + "\n") * 512)
+        overrides = {**overrides, "train_data": str(prompts)}
     measured = measure_run(recipe, config_of(recipe, overrides, output_dir))
+    if recipe == "grpo":  # the prompt's length as the run's tokenizer made it (its prepared data, cached)
+        overrides = {**overrides, "max_prompt_length": str(_prompt_length(config_of(recipe, overrides, output_dir)))}
+    plan = planned(recipe, overrides, mixed, processes)
     record = {"case": name, "recipe": recipe, "overrides": overrides, "mixed_precision": mixed,
               "processes": processes, **plan, "measured_bytes": measured.peak,
               "ratio": plan["planned_bytes"] / measured.peak, "measured_at_peak": measured.at_peak}  # fmt: skip
     if PartialState().is_main_process:
         print("RECORD " + json.dumps(record), flush=True)
     return record
+
+
+def _prompt_length(config) -> int:
+    import logging
+
+    from tunebook.rl.prompts import prepare_text_prompt_data
+
+    data = prepare_text_prompt_data(config, Path(config.cache_dir), logging.getLogger("plan_accuracy"))
+    return max(len(ids) for ids in data.train["prompt_ids"])
 
 
 def launch(name: str) -> dict:
