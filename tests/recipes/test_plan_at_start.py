@@ -6,12 +6,16 @@ from __future__ import annotations
 import json
 import logging
 
+import pytest
 from recipe_runs import _run
 
+from tunebook.recipe import RECIPES
 
-def test_a_run_logs_its_plan_and_records_it_beside_the_measured_peak(tmp_path, caplog):
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_run_logs_its_plan_and_records_it_beside_the_measured_peak(recipe, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="tunebook"):
-        summary = _run("sft", tmp_path / "out", tmp_path / "cache", max_steps=2, log_level="INFO")
+        summary = _run(recipe, tmp_path / "out", tmp_path / "cache", max_steps=2, log_level="INFO")
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Memory plan:")]
     assert len(lines) == 1 and "GiB peak per device" in lines[0] and "activations" in lines[0]
     memory = json.loads((tmp_path / "out" / "summary.json").read_text())["memory"]
