@@ -119,8 +119,8 @@ def plan(recipe: str, config, layout: Layout, hardware: Hardware, architecture=N
     masked = (
         work.task == "causal_lm" and (config.attn_implementation or "sdpa") not in VARLEN and (work.padded or on_gpu)
     )
-    result.activations = step.activations + (_padding_masks(work, arch) if masked else 0)
-    result.logits = step.logits
+    result.activations = step.top.activations + (_padding_masks(work, arch) if masked else 0)
+    result.logits = step.top.logits
     result.reference = arch.weight_bytes / (layout.shard_over if layout.sharded else 1) if work.reference else 0
     result.generation = _generation(work, arch, hardware)
     # The peak is the larger of the step's (its activations, logits and the gradients made so far) and the
@@ -129,7 +129,7 @@ def plan(recipe: str, config, layout: Layout, hardware: Hardware, architecture=N
     keeps_grads = accumulate or layout.sharded
     buckets = arch.trainable_bytes if layout.engine == "ddp" else 0  # allocated with DDP, for good
     grads = result.gradients - buckets
-    stepping = result.activations + result.logits + (0 if keeps_grads else step.grads_at_peak)
+    stepping = result.activations + result.logits + (0 if keeps_grads else step.top.grads)
     base = result.weights + result.optimizer + result.reference + buckets + (grads if keeps_grads else 0)
     generation = work.generation
     if generation is not None and generation.engine == "vllm_colocate" and not generation.sleeps:

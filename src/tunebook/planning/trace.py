@@ -130,18 +130,6 @@ class StepTrace:
     def peak(self) -> float:
         return self.top.peak
 
-    @property
-    def activations(self) -> float:
-        return self.top.activations
-
-    @property
-    def logits(self) -> float:
-        return self.top.logits
-
-    @property
-    def grads_at_peak(self) -> float:
-        return self.top.grads
-
 
 def trace_step(model: torch.nn.Module, run: Callable[[PeakBytes], torch.Tensor], keep_grads: bool,
                autocast: torch.dtype | None = None) -> StepTrace:  # fmt: skip
