@@ -222,3 +222,29 @@ def save_tiny_chat_model(directory: Path, steps: int = 120) -> Path:
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+def write_harness_tasks(directory: Path, rows: int = 50) -> dict[str, Path]:
+    """Two local lm-evaluation-harness tasks of `rows` documents each, readable offline (`dataset_path: json`):
+    `choice` (multiple choice, `acc`) and `reply` (generation, `exact_match` against `CHAT_REPLY` or "nope"). Their
+    questions are the ones `save_tiny_chat_model`'s model answers with `CHAT_REPLY`, and others."""
+    import json
+
+    directory.mkdir(parents=True, exist_ok=True)
+    questions = ["hi", "what is it?", "hello", "two plus two", "hi there"]
+    choice = [{"question": questions[i % 5], "choices": [CHAT_REPLY, "no", "the answer is 4"], "answer": i % 3}
+              for i in range(rows)]  # fmt: skip
+    reply = [{"question": questions[i % 5], "answer": CHAT_REPLY if i % 2 == 0 else "nope"} for i in range(rows)]
+    common = "dataset_path: json\ntest_split: test\ndoc_to_text: question\ndoc_to_target: answer\n"
+    tasks = {
+        "choice": "output_type: multiple_choice\ndoc_to_choice: choices\nmetric_list:\n  - metric: acc\n",
+        "reply": "output_type: generate_until\ngeneration_kwargs:\n  until: [\"\\n\\n\"]\n  max_gen_toks: 8\n"
+        "metric_list:\n  - metric: exact_match\n",
+    }
+    paths = {}
+    for name, data in (("choice", choice), ("reply", reply)):
+        (directory / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
+        paths[name] = directory / f"{name}.yaml"
+        paths[name].write_text(f"task: tiny_{name}\n{common}dataset_kwargs:\n  data_files:\n"
+                               f"    test: {directory / f'{name}.jsonl'}\n{tasks[name]}")  # fmt: skip
+    return paths

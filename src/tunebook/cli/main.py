@@ -8,6 +8,7 @@
     tunebook report RUN_DIR [RUN_DIR ...] [--output FILE.png]
     tunebook plan RECIPE [--config FILE.yaml] [--config_file ACCELERATE.yaml] [--gpu NAME] [--num_gpus N] [--json]
     tunebook chat MODEL_DIR [--prompt TEXT] [--system TEXT] [--max_new_tokens N] [--temperature T]
+    tunebook evaluate MODEL_DIR --tasks T [T ...] [--limit N] [--num_fewshot K] [--batch_size B] [--output FILE]
 
 `prepare` builds the tokenised (and packed) data caches exactly as the recipe (`recipes/sft.py` by default) with the
 same config would, without loading model weights or starting training, prints what it built and the data's content
@@ -20,7 +21,8 @@ checkpoint gives its adapter directory, or with `--merge` the merged model. `con
 dequantises a GGUF checkpoint into a safetensors model directory (once; the recipes then load it with
 `model_name_or_path`). `report` re-renders each run's `report.png` from its `metrics.jsonl` and prints the runs'
 summaries side by side, led by the config keys that differ; `--output` also draws all the runs into one figure.
-`chat` talks to a saved causal LM or LoRA adapter (`tunebook.cli.chat`).
+`chat` talks to a saved causal LM or LoRA adapter (`tunebook.cli.chat`); `evaluate` runs
+lm-evaluation-harness tasks on one (`tunebook.cli.evaluate`).
 
 RECIPE is a name of `tunebook.recipe.RECIPES`, the one map of recipe names, which `tunebook --help` lists.
 """
@@ -45,6 +47,8 @@ USAGE = """usage: tunebook train [ACCELERATE LAUNCH OPTIONS] RECIPE [--config FI
        tunebook plan RECIPE [--config FILE.yaml] [--config_file ACCELERATE.yaml] [--gpu NAME | --gpu_memory 24GiB]
                      [--num_gpus N] [--architecture CONFIG.json] [--mfu 0.4] [--json] [--key value ...]
        tunebook chat MODEL_DIR [--prompt TEXT] [--system TEXT] [--max_new_tokens N] [--temperature T]
+       tunebook evaluate MODEL_DIR --tasks T [T ...] [--limit N] [--num_fewshot K] [--batch_size B]
+                         [--output FILE] [--json]
        tunebook vllm-serve --model MODEL_DIR [--host HOST] [--port PORT] [vLLM server options]
 
 commands:
@@ -63,6 +67,8 @@ commands:
             weights); when it does not fit, the change that does, as overrides; --json for one JSON object
   chat      talk to a model a run saved (or its LoRA adapter) with its chat template, replies streamed; --prompt
             answers once and exits; in the conversation an empty line or /exit quits, /reset clears the history
+  evaluate  lm-evaluation-harness tasks (registry names, or local task YAMLs that work offline) on a saved
+            model, prompts in its chat template; needs pip install "tunebook[eval]"
   vllm-serve  start a vLLM server for GRPO's vllm_mode: server (weights reloaded from the trainer each step);
             needs vLLM (make vllm)
 """
@@ -187,6 +193,10 @@ def main(argv: list[str] | None = None) -> None:
         from .chat import chat
 
         chat(rest)
+    elif command == "evaluate":
+        from .evaluate import evaluate_command
+
+        evaluate_command(rest)
     elif command == "vllm-serve":
         from .vllm_serve import vllm_serve
 

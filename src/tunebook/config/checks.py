@@ -207,6 +207,24 @@ def check_sample_prompts(config: Any) -> None:  # sft, pretrain, dpo, grpo
                           "eval_data or eval_split_ratio")  # fmt: skip
 
 
+def check_eval_harness(config: Any) -> None:  # the causal-LM recipes (CausalLMConfig)
+    for position, name in enumerate(config.eval_harness_tasks, 1):
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigError(f"eval_harness_tasks: item {position} must be a task name or a task YAML path, got "
+                              f"{name!r}")  # fmt: skip
+    if config.eval_harness_at_eval and not config.eval_harness_tasks:
+        raise ConfigError("eval_harness_at_eval runs the harness tasks at each evaluation: set eval_harness_tasks")
+
+
+def check_harness_tasks(config: Any) -> None:  # the causal-LM recipes' check_files
+    """Each of eval_harness_tasks is a local task YAML (or a directory of them) or in lm-eval's registry, and lm-eval
+    is installed: checked with the files, so that `tunebook plan` of such a config needs neither."""
+    if config.eval_harness_tasks:
+        from .harness import harness_tasks
+
+        harness_tasks(config.eval_harness_tasks)
+
+
 def check_streamed_group_by_length(config: Any) -> None:  # sft
     if _streamed(config.train_data) and config.group_by_length:
         raise ConfigError("group_by_length with streaming: true: a stream's lengths are not known ahead to group "

@@ -12,6 +12,8 @@ from .checks import (
     check_label_smoothing,
     check_reference_to_precompute,
     check_rpo_alpha,
+    check_eval_harness,
+    check_harness_tasks,
     check_sample_prompts,
 )
 from .fields import config_field, new_default
@@ -119,6 +121,7 @@ class DPOConfig(CausalLMConfig, VisionConfig, ChatModelConfig):
             check_rpo_alpha,
             check_reference_to_precompute,
             check_sample_prompts,
+            check_eval_harness,
             check_vision_keys,
         ):
             check(self)
@@ -126,3 +129,4 @@ class DPOConfig(CausalLMConfig, VisionConfig, ChatModelConfig):
     def check_files(self) -> None:
         check_data_files(self)
         check_image_dir(self)
+        check_harness_tasks(self)

@@ -13,6 +13,8 @@ from .checks import (
     check_reward_functions,
     check_reward_model,
     check_reward_weights,
+    check_eval_harness,
+    check_harness_tasks,
     check_sample_prompts,
     check_some_reward,
     check_tools,
@@ -311,6 +313,7 @@ class GRPOConfig(CausalLMConfig, VisionConfig, ChatModelConfig):
             check_reward_weights,
             check_reward_model,
             check_sample_prompts,
+            check_eval_harness,
             check_vision_keys,
             check_generation_engine,
             check_tools,
@@ -326,6 +329,7 @@ class GRPOConfig(CausalLMConfig, VisionConfig, ChatModelConfig):
         check_data_files(self)
         check_image_dir(self)
         check_vllm_installed(self)
+        check_harness_tasks(self)
 
 
 def check_vllm_installed(config: GRPOConfig) -> None:

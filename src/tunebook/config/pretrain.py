@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from .checks import MODEL_DATA_CHECKS, TRAINING_CHECKS, check_sample_prompts
+from .checks import (
+    MODEL_DATA_CHECKS,
+    TRAINING_CHECKS,
+    check_data_files,
+    check_eval_harness,
+    check_harness_tasks,
+    check_sample_prompts,
+)
 from .fields import config_field, new_default
 from .shared import CausalLMConfig, ModelDataConfig
 
@@ -49,5 +56,9 @@ class PretrainConfig(CausalLMConfig, ModelDataConfig):
     )
 
     def validate(self) -> None:
-        for check in (*TRAINING_CHECKS, *MODEL_DATA_CHECKS, check_sample_prompts):
+        for check in (*TRAINING_CHECKS, *MODEL_DATA_CHECKS, check_sample_prompts, check_eval_harness):
             check(self)
+
+    def check_files(self) -> None:
+        check_data_files(self)
+        check_harness_tasks(self)

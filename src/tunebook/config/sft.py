@@ -9,6 +9,8 @@ from .checks import (
     MODEL_DATA_CHECKS,
     TRAINING_CHECKS,
     check_data_files,
+    check_eval_harness,
+    check_harness_tasks,
     check_sample_prompts,
     check_split_turns,
     check_streamed_group_by_length,
@@ -108,9 +110,10 @@ class SFTConfig(CausalLMConfig, VisionConfig, ChatModelConfig):
 
     def validate(self) -> None:
         for check in (*TRAINING_CHECKS, *MODEL_DATA_CHECKS, check_streamed_group_by_length, check_split_turns,
-                      check_sample_prompts, check_vision_keys):  # fmt: skip
+                      check_sample_prompts, check_eval_harness, check_vision_keys):  # fmt: skip
             check(self)
 
     def check_files(self) -> None:
         check_data_files(self)
         check_image_dir(self)
+        check_harness_tasks(self)

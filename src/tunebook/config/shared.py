@@ -482,3 +482,43 @@ class CausalLMConfig:
     sample_max_new_tokens: int = config_field(
         "Tokens generated at most per sample prompt.", 64, bounds="[1, 4096]", section="evaluation"
     )
+    # --- benchmark evaluation through lm-evaluation-harness (pip install "tunebook[eval]"; docs/evaluation.md)
+    eval_harness_tasks: list[str] = config_field(
+        "lm-evaluation-harness tasks run on the trained model at the end of training, with the model in memory on "
+        "every process: names from lm-eval's registry (arc_easy, hellaswag, ...: their data must be reachable) or "
+        "local task YAMLs or directories of them (dataset_path: json with local data_files works offline). Results "
+        "go to metrics.jsonl (harness/<task>/<metric>), summary.json (eval_harness), the report and the model card. "
+        "On the command line a YAML list: --eval_harness_tasks '[arc_easy, tasks/my_task.yaml]'.",
+        default_factory=list,
+        section="evaluation",
+    )
+    eval_harness_limit: int | None = config_field(
+        "Evaluate at most this many documents of each harness task (None: all of them).",
+        None,
+        bounds="[1, inf)",
+        section="evaluation",
+    )
+    eval_harness_num_fewshot: int | None = config_field(
+        "Few-shot examples in each harness prompt (None: each task's own default, 0 when it has none).",
+        None,
+        bounds="[0, inf)",
+        section="evaluation",
+    )
+    eval_harness_at_eval: bool = config_field(
+        "Also run the harness tasks at every evaluation (eval_steps or each epoch, and before training with "
+        "eval_on_start), not only at the end.",
+        False,
+        section="evaluation",
+    )
+    eval_harness_chat_template: bool | None = config_field(
+        "Render the harness prompts with the tokenizer's chat template, few-shot examples as turns (None: when the "
+        "tokenizer has a chat template; false: plain text, as lm-eval does by default).",
+        None,
+        section="evaluation",
+    )
+    eval_harness_batch_size: int | None = config_field(
+        "Harness requests per forward pass and process (None: per_device_eval_batch_size).",
+        None,
+        bounds="[1, inf)",
+        section="evaluation",
+    )

@@ -86,6 +86,7 @@ def _card(model_dir: Path, output_dir: Path, summary, config, *, lora: bool, mer
         datasets=hub_datasets or None,
         tags=["tunebook", recipe],
         pipeline_tag=pipeline_tag,
+        **_model_index(summary, output_dir.name),
     )
     ref = config.get("hub_model_id") or _local_ref(model_dir, output_dir, config)  # from the Hub, or this folder
     title = f"{config.get('hub_model_id') or output_dir.name}{' (merged)' if merged else ''}"
@@ -95,6 +96,7 @@ def _card(model_dir: Path, output_dir: Path, summary, config, *, lora: bool, mer
         "## Data\n\n" + _data_text(config, train, evaluation),
         "## Training settings\n\n" + _settings_text(summary, config, lora or merged),
         "## Results\n\n" + _results_text(summary),
+        *_harness_section(summary),
         *_samples_section(output_dir),
         "## How to load\n\n" + _load_text(model_dir, output_dir, ref, recipe, config, lora, merged),
         "## Framework versions\n\n" + _versions_text(summary),
@@ -251,6 +253,32 @@ def _results_text(summary) -> str:
     parts.append(_table(["training", ""], rows))
     parts.append("Every logged step and evaluation is in `metrics.jsonl`, the summary in `summary.json`.")
     return "\n\n".join(parts)
+
+
+def _harness_section(summary) -> list[str]:
+    """The lm-evaluation-harness figures of the final model (`eval_harness_tasks`), or nothing."""
+    harness = summary.get("eval_harness") or {}
+    if not harness.get("tasks"):
+        return []
+    rows = [(task, metric, format_cell(value), format_cell(harness.get("documents", {}).get(task)),
+             format_cell(harness.get("num_fewshot", {}).get(task)))
+            for task, metrics in harness["tasks"].items() for metric, value in metrics.items()]  # fmt: skip
+    how = "in the tokenizer's chat template" if harness.get("chat_template") else "as plain text"
+    intro = (f"lm-evaluation-harness {harness.get('lm_eval_version', '')} on the final weights, prompts {how} "
+             "(`tunebook evaluate` repeats it on the saved model; docs/evaluation.md says where such figures can "
+             "differ from the harness's defaults).")
+    return ["## Benchmarks\n\n" + intro + "\n\n" + _table(["task", "metric", "value", "documents", "few-shot"], rows)]
+
+
+def _model_index(summary, name: str) -> dict[str, Any]:
+    """The card's `model-index` (the Hub's evaluation results) from the harness figures, or nothing."""
+    harness = summary.get("eval_harness") or {}
+    results = [
+        huggingface_hub.EvalResult(task_type="text-generation", dataset_type=task, dataset_name=task,
+                                   metric_type=metric, metric_value=value, source_name="lm-evaluation-harness")
+        for task, metrics in (harness.get("tasks") or {}).items() for metric, value in metrics.items()
+    ]  # fmt: skip
+    return {"model_name": name, "eval_results": results} if results else {}
 
 
 def _samples_section(output_dir: Path) -> list[str]:

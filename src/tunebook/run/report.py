@@ -101,6 +101,9 @@ def report_figure(run_dirs: list[str | Path]):
             if series is None:  # every score the evaluations reported (exact match, accuracy, F1, ...)
                 keys = sorted({k for r in run.evals for k in r if k.startswith("eval_") and k not in _NOT_SCORES})
                 series_here = [(k, k.removeprefix("eval_"), "o-") for k in keys]
+                # lm-evaluation-harness figures (eval_harness_tasks): `harness/<task>/<metric>`, dotted
+                harness = sorted({k for r in run.evals for k in r if k.startswith("harness/")})
+                series_here += [(k, k.removeprefix("harness/"), "s:") for k in harness]
             else:
                 series_here = series
             for key, label, style in series_here:

@@ -160,6 +160,8 @@ def start_training(
     metrics = MetricsWriter(run.output_dir / "metrics.jsonl", accelerator.is_main_process, resumed_step, accelerator)
     if evaluation is not None and config.eval_on_start and saved.resumed_from is None:
         _evaluate(run, evaluation, saved, metrics, 0, "Before training", samples)
+    if _harness_tasks(config) and config.eval_harness_at_eval and config.eval_on_start and saved.resumed_from is None:
+        _run_harness(run, model, data, metrics, 0, "Before training")
     progress = progress_bar(accelerator.is_main_process, config.disable_tqdm, total=plan.total_steps,
                             initial=state.global_step, desc="Training")  # fmt: skip
     throughput = Throughput(accelerator, model, data.train, run.timer, saved.counters, config.peak_flops)
@@ -233,6 +235,8 @@ def after_step(
     new_best = False
     if loop.evaluation is not None and eval_due(config, step, plan.total_steps, epoch_done):
         new_best = _evaluate(run, loop.evaluation, saved, loop.metrics, step, f"Step {step}", loop.samples)
+    if _harness_tasks(config) and config.eval_harness_at_eval and eval_due(config, step, plan.total_steps, epoch_done):
+        _run_harness(run, loop.model, loop.data, loop.metrics, step, f"Step {step}")
     signum = run.signals.requested(run.accelerator)
     if signum:  # preemption or Ctrl-C: this step is done and evaluated; save it and leave
         if _save(run, loop, f"stopped by signal {signum}"):
@@ -271,6 +275,35 @@ def _evaluate(run: Run, evaluation, saved: Checkpointed, metrics, step: int, lab
         run.log.info("  sample %r -> %r", reply["prompt"], reply["completion"])
     metrics.write({"step": step, **results, **({"samples": replies} if replies else {})})
     return step > 0 and saved.best is not None and saved.best.update(step, results)
+
+
+def _harness_tasks(config) -> list[str]:
+    """The config's lm-evaluation-harness tasks: a key of the causal-LM recipes' configs only (`CausalLMConfig`);
+    a classifier's config has none to run."""
+    return getattr(config, "eval_harness_tasks", None) or []
+
+
+def _run_harness(run: Run, model, data, metrics, step: int, label: str) -> dict[str, Any] | None:
+    """lm-evaluation-harness on the model in memory, every process together (`tunebook.evaluation.harness`), not
+    counted as training time; its figures logged and written to metrics.jsonl (`harness/<task>/<metric>`). Returns
+    summary.json's `eval_harness` on the main process, None on the others."""
+    from ..evaluation.harness import harness_figures, harness_summary, run_harness
+    from .compilation import eager
+
+    config = run.config
+    tokenizer = data.processor.tokenizer if data.processor is not None else data.tokenizer
+    with run.timer.paused(), eager():
+        results = run_harness(model, tokenizer, config.eval_harness_tasks, run.accelerator,
+                              limit=config.eval_harness_limit, num_fewshot=config.eval_harness_num_fewshot,
+                              batch_size=config.eval_harness_batch_size or config.per_device_eval_batch_size,
+                              chat_template=config.eval_harness_chat_template,
+                              disable_tqdm=config.disable_tqdm)  # fmt: skip
+    if results is None or not run.accelerator.is_main_process:
+        return None
+    figures = harness_figures(results)
+    run.log.info("%s (lm-evaluation-harness): %s", label, figures)
+    metrics.write({"step": step, **figures})
+    return harness_summary(results, step)
 
 
 def _save(run: Run, loop: Training, reason: str) -> bool:
@@ -318,6 +351,9 @@ def finish(run: Run, loop: Training, headline: tuple[str, str, str] | None = Non
         best = saved.best
         if config.load_best_model_at_end and best is not None and best.best_step not in (None, step):
             final_eval = _load_best(run, state, best, final_eval)
+    if _harness_tasks(config):  # the weights the run keeps (the best checkpoint's with load_best_model_at_end)
+        harness = _run_harness(run, loop.model, loop.data, loop.metrics, state.global_step, "Final harness")
+        extra = {**extra, **({"eval_harness": harness} if harness is not None else {})}  # on the main process
     if total_steps > 0:
         try:
             save_final_model(accelerator, loop.model, _saved_tokenizer(loop), run.output_dir, config.merge_adapter)
