@@ -238,7 +238,7 @@ def write_harness_tasks(directory: Path, rows: int = 50) -> dict[str, Path]:
     common = "dataset_path: json\ntest_split: test\ndoc_to_text: question\ndoc_to_target: answer\n"
     tasks = {
         "choice": "output_type: multiple_choice\ndoc_to_choice: choices\nmetric_list:\n  - metric: acc\n",
-        "reply": "output_type: generate_until\ngeneration_kwargs:\n  until: [\"\\n\\n\"]\n  max_gen_toks: 8\n"
+        "reply": 'output_type: generate_until\ngeneration_kwargs:\n  until: ["\\n\\n"]\n  max_gen_toks: 8\n'
         "metric_list:\n  - metric: exact_match\n",
     }
     paths = {}

@@ -32,7 +32,12 @@ PACKAGE = Path(tunebook.__file__).parent
 # imports; the module-level graph never contains them anyway.
 _SUBCOMMAND = ("the CLI imports a subcommand's stack only when it runs: `tunebook --help`, `report` and the config "
                "check load no torch")  # fmt: skip
+# The loop runs lm-evaluation-harness (an optional dependency) for every causal-LM recipe without code of its own,
+# only when a config names tasks; the adapter belongs with what scores a model (evaluation/), one layer up.
+_HARNESS = "the loop runs the config's eval_harness_tasks (lm-eval optional: imported only when named)"
 LAZY: dict[tuple[str, str], str] = {
+    ("tunebook.training.loop", "tunebook.evaluation"): _HARNESS,
+    ("tunebook.training.loop", "tunebook.evaluation.harness"): _HARNESS,
     ("tunebook.cli.main", "tunebook.distributed"): _SUBCOMMAND,
     ("tunebook.cli.main", "tunebook.run.export"): _SUBCOMMAND,
     ("tunebook.cli.main", "tunebook.run"): _SUBCOMMAND,
@@ -254,6 +259,8 @@ UPWARDS: dict[tuple[str, str], str] = {
     ("tunebook.run.export", "tunebook.training"): "export reads a training checkpoint",
     ("tunebook.run.export", "tunebook.training.checkpoint"): "export reads a training checkpoint",
     ("tunebook.run.export", "tunebook.training.manifest"): "export verifies the checkpoint it reads",
+    ("tunebook.training.loop", "tunebook.evaluation"): _HARNESS,
+    ("tunebook.training.loop", "tunebook.evaluation.harness"): _HARNESS,
     ("tunebook.distributed", "tunebook.run"): "the preflight compares the library versions the run record reads",
     (
         "tunebook.distributed",

@@ -9,11 +9,11 @@ from .checks import (
     MODEL_DATA_CHECKS,
     TRAINING_CHECKS,
     check_data_files,
+    check_eval_harness,
+    check_harness_tasks,
     check_label_smoothing,
     check_reference_to_precompute,
     check_rpo_alpha,
-    check_eval_harness,
-    check_harness_tasks,
     check_sample_prompts,
 )
 from .fields import config_field, new_default

@@ -11,12 +11,13 @@ from __future__ import annotations
 import difflib
 import functools
 import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError, first_line
 
-__all__ = ["INSTALL_EVAL", "HarnessTasks", "harness_tasks", "require_lm_eval", "task_manager"]
+__all__ = ["INSTALL_EVAL", "HarnessTasks", "harness_tasks", "import_lm_eval", "require_lm_eval", "task_manager"]
 
 INSTALL_EVAL = 'pip install "tunebook[eval]"'
 
@@ -25,6 +26,18 @@ def require_lm_eval(key: str = "eval_harness_tasks") -> None:
     """One line naming what to install when lm-evaluation-harness is missing."""
     if importlib.util.find_spec("lm_eval") is None:
         raise ConfigError(f"{key} runs lm-evaluation-harness, which is not installed here: {INSTALL_EVAL}")
+
+
+def import_lm_eval():
+    """`import lm_eval`, leaving the environment as it was: lm-eval 0.4.13 sets HF_XET_HIGH_PERFORMANCE=1 when it is
+    imported (how hard huggingface_hub downloads), which a library must not decide for the whole process."""
+    before = os.environ.get("HF_XET_HIGH_PERFORMANCE")
+    try:
+        import lm_eval
+    finally:
+        if before is None:
+            os.environ.pop("HF_XET_HIGH_PERFORMANCE", None)
+    return lm_eval
 
 
 @dataclass(frozen=True)
@@ -54,6 +67,7 @@ def harness_tasks(names: list[str], key: str = "eval_harness_tasks") -> HarnessT
     """Resolve `names` (see the module's docstring); a name that is none of them is a `ConfigError` naming it and
     `key`, with the closest registry name when one is close."""
     require_lm_eval(key)
+    import_lm_eval()
     from lm_eval.tasks._index import TaskIndex
 
     specs, include_paths, registry_names = [], [], []

@@ -20,10 +20,11 @@ at the model's end of turn (`stop_token_ids`). Where the figures can differ from
 defaults, and why: docs/evaluation.md.
 """
 
+# lm-eval is imported after `import_lm_eval`, which keeps the environment as it was:
+# ruff: noqa: E402
 from __future__ import annotations
 
 import json
-import logging
 import random
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
@@ -32,22 +33,29 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from ..config.harness import harness_tasks, import_lm_eval
+
+import_lm_eval()  # first: lm-eval's own import would set an environment variable for the process
+
 from lm_eval import simple_evaluate
 from lm_eval.api.model import TemplateLM
-from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs, postprocess_generated_text
-from lm_eval.models.utils import resolve_max_length
+from lm_eval.models.utils import (
+    handle_stop_sequences,
+    has_bos_prefix,
+    normalize_gen_kwargs,
+    postprocess_generated_text,
+    resolve_max_length,
+)
 from lm_eval.models.utils_hf import stop_sequences_criteria
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from ..config.harness import harness_tasks
 from ..models.wrappers import unwrap
 from ..progress import progress_bar
 from ..training.loss import output_layer_at
 from .generate import stop_token_ids
 
 __all__ = ["TunebookLM", "harness_figures", "harness_summary", "run_harness"]
-
-logger = logging.getLogger("tunebook")
 
 MAX_GEN_TOKS = 256  # lm-eval's default for a task that sets no max_gen_toks (HFLM.max_gen_toks)
 
@@ -104,7 +112,7 @@ class TunebookLM(TemplateLM):
         """(log-probability of the continuation, whether greedy decoding gives it) of each (key, context ids,
         continuation ids); the input cut from the left to `max_length`, as lm-eval's hf model does."""
         rows = [(context + continuation, len(continuation)) for _, context, continuation in requests]
-        for tokens, n in rows:
+        for _, n in rows:
             if not 0 < n <= self.max_length:
                 raise ValueError(f"a continuation of {n} tokens does not fit max_length {self.max_length}")
         order = sorted(range(len(rows)), key=lambda i: (-len(rows[i][0]), rows[i][0]))  # longest first, as lm-eval
@@ -207,7 +215,9 @@ class TunebookLM(TemplateLM):
         max_gen_toks = kwargs.pop("max_gen_toks")
         kwargs.pop("max_length", None)
         if self.max_length <= max_gen_toks:
-            raise ValueError(f"max_gen_toks {max_gen_toks} leaves no room for a prompt in max_length {self.max_length}")
+            raise ValueError(
+                f"max_gen_toks {max_gen_toks} leaves no room for a prompt in max_length {self.max_length}"
+            )
         contexts = [c[-(self.max_length - max_gen_toks) :] for c in contexts]
         width = max(map(len, contexts))
         ids = torch.full((len(contexts), width), self.pad_id, dtype=torch.long)
@@ -274,7 +284,12 @@ def run_harness(model: torch.nn.Module, tokenizer, tasks: Sequence[str], acceler
             torch_random_seed=None,
         )
     if results is not None:
-        results["tunebook"] = {"chat_template": chat_template, "max_length": lm.max_length, "batch_size": batch_size}
+        results["tunebook"] = {
+            "chat_template": chat_template,
+            "max_length": lm.max_length,
+            "batch_size": batch_size,
+            "processes": lm.processes,
+        }
     return results
 
 

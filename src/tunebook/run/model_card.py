@@ -264,9 +264,11 @@ def _harness_section(summary) -> list[str]:
              format_cell(harness.get("num_fewshot", {}).get(task)))
             for task, metrics in harness["tasks"].items() for metric, value in metrics.items()]  # fmt: skip
     how = "in the tokenizer's chat template" if harness.get("chat_template") else "as plain text"
-    intro = (f"lm-evaluation-harness {harness.get('lm_eval_version', '')} on the final weights, prompts {how} "
-             "(`tunebook evaluate` repeats it on the saved model; docs/evaluation.md says where such figures can "
-             "differ from the harness's defaults).")
+    intro = (
+        f"lm-evaluation-harness {harness.get('lm_eval_version', '')} on the final weights, prompts {how} "
+        "(`tunebook evaluate` repeats it on the saved model; docs/evaluation.md says where such figures can "
+        "differ from the harness's defaults)."
+    )
     return ["## Benchmarks\n\n" + intro + "\n\n" + _table(["task", "metric", "value", "documents", "few-shot"], rows)]
 
 
@@ -275,7 +277,8 @@ def _model_index(summary, name: str) -> dict[str, Any]:
     harness = summary.get("eval_harness") or {}
     results = [
         huggingface_hub.EvalResult(task_type="text-generation", dataset_type=task, dataset_name=task,
-                                   metric_type=metric, metric_value=value, source_name="lm-evaluation-harness")
+                                   metric_type=metric, metric_value=value, source_name="lm-evaluation-harness",
+                                   source_url="https://github.com/EleutherAI/lm-evaluation-harness")
         for task, metrics in (harness.get("tasks") or {}).items() for metric, value in metrics.items()
     ]  # fmt: skip
     return {"model_name": name, "eval_results": results} if results else {}

@@ -5,6 +5,7 @@ line."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -24,7 +25,9 @@ from tunebook.evaluation.harness import harness_figures, run_harness  # noqa: E4
 def chat_model(tiny_chat_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return AutoModelForCausalLM.from_pretrained(tiny_chat_model_dir), AutoTokenizer.from_pretrained(tiny_chat_model_dir)
+    return AutoModelForCausalLM.from_pretrained(tiny_chat_model_dir), AutoTokenizer.from_pretrained(
+        tiny_chat_model_dir
+    )
 
 
 def _rendered(tokenizer, question: str) -> str:
@@ -70,6 +73,7 @@ def test_harness_figures_equal_the_direct_computation_and_leave_the_random_state
     assert model.training
     model.eval()
     assert random.getstate() == before[0] and (np.random.get_state()[1] == before[1]).all()
+    assert "HF_XET_HIGH_PERFORMANCE" not in os.environ  # what importing lm-eval sets, taken back
     assert torch.equal(torch.get_rng_state(), before[2])
     figures = harness_figures(results)
 
@@ -119,7 +123,9 @@ def test_a_task_that_is_not_one_is_one_line(tmp_path, monkeypatch):
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else find_spec(name))
-    with pytest.raises(ConfigError, match=r'lm-evaluation-harness, which is not installed here: pip install "tunebook'):
+    with pytest.raises(
+        ConfigError, match=r'lm-evaluation-harness, which is not installed here: pip install "tunebook'
+    ):
         harness_tasks(["arc_easy"])
 
 
