@@ -236,10 +236,11 @@ def write_harness_tasks(directory: Path, rows: int = 50) -> dict[str, Path]:
               for i in range(rows)]  # fmt: skip
     reply = [{"question": questions[i % 5], "answer": CHAT_REPLY if i % 2 == 0 else "nope"} for i in range(rows)]
     common = "dataset_path: json\ntest_split: test\ndoc_to_text: question\ndoc_to_target: answer\n"
+    metric = "metric_list:\n  - {{metric: {}, aggregation: mean, higher_is_better: true}}\n"
     tasks = {
-        "choice": "output_type: multiple_choice\ndoc_to_choice: choices\nmetric_list:\n  - metric: acc\n",
+        "choice": "output_type: multiple_choice\ndoc_to_choice: choices\n" + metric.format("acc"),
         "reply": 'output_type: generate_until\ngeneration_kwargs:\n  until: ["\\n\\n"]\n  max_gen_toks: 8\n'
-        "metric_list:\n  - metric: exact_match\n",
+        + metric.format("exact_match"),
     }
     paths = {}
     for name, data in (("choice", choice), ("reply", reply)):

@@ -4,13 +4,15 @@ the saved model's."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
 from recipe_runs import _records, _run
 from support import assert_png, write_harness_tasks
 
-pytest.importorskip("lm_eval")
+if importlib.util.find_spec("lm_eval") is None:  # not importorskip: lm-eval is imported as tunebook imports it
+    pytest.skip('lm-evaluation-harness is not installed: pip install "tunebook[eval]"', allow_module_level=True)
 
 
 def test_sft_run_reports_the_harness_figures_of_the_model_it_saves(tmp_path):

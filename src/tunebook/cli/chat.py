@@ -31,7 +31,7 @@ from ..evaluation.samples import generate_reply, prompt_ids
 from ..training.checkpoint import TRAINER_STATE, list_checkpoints
 from ..training.manifest import MANIFEST
 
-__all__ = ["Chat", "Streamer", "chat", "load_chat_model"]
+__all__ = ["Chat", "Streamer", "chat", "check_model_dir", "load_chat_model"]
 
 
 def chat(argv: list[str], read: Callable[[str], str] = input, out: TextIO | None = None) -> None:
@@ -142,7 +142,7 @@ def load_chat_model(model_dir: str | Path, trust_remote_code: bool = False):
     """(model, tokenizer) of a model directory or a LoRA adapter directory (with its base model), in eval mode on
     the GPU when there is one. Anything else is one line saying what the directory is and what to do instead."""
     path = Path(model_dir).expanduser()
-    _check_model_dir(path)
+    check_model_dir(path)
     tokenizer = _tokenizer(path, trust_remote_code)
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # transformers' "Loading weights" bar, in front of the conversation
@@ -159,7 +159,8 @@ def load_chat_model(model_dir: str | Path, trust_remote_code: bool = False):
     return model.to("cuda" if torch.cuda.is_available() else "cpu").eval(), tokenizer
 
 
-def _check_model_dir(path: Path) -> None:
+def check_model_dir(path: Path) -> None:
+    """One line when `path` is not a causal LM's model or adapter directory (`tunebook chat`, `tunebook evaluate`)."""
     if not path.is_dir():
         raise ConfigError(f"{path} is not a directory: give a model directory (a run's output_dir, or an export)")
     if (path / TRAINER_STATE).is_file() or (path / MANIFEST).is_file():

@@ -26,13 +26,14 @@ def evaluate_command(argv: list[str]) -> dict | None:
     JSON; returns summary.json's form of them (`harness_summary`) on the main process, None on the others."""
     args = _parser().parse_args(argv)
     from ..config.harness import harness_tasks
+    from .chat import check_model_dir, load_chat_model
 
-    harness_tasks(args.tasks, key="--tasks")  # an unknown task is one line before any model loads
+    check_model_dir(Path(args.model_dir).expanduser())  # what is not a model, and an unknown task: one line each,
+    harness_tasks(args.tasks, key="--tasks")  # before any weights load
     import torch
     from accelerate import PartialState
 
     from ..evaluation.harness import harness_summary, run_harness
-    from .chat import load_chat_model
 
     # One process, or each of `accelerate launch`'s; on a machine without a GPU they meet in a gloo group (as the
     # recipes' Accelerator does there), whatever the launch config says.

@@ -108,6 +108,10 @@ class TunebookLM(TemplateLM):
         )
 
     # --- the three requests
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        # lm-eval's tokenising bar, shown as the run's progress bars are (disable_tqdm), on the main process only
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or self.disable_tqdm or self.index != 0)
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """(log-probability of the continuation, whether greedy decoding gives it) of each (key, context ids,
         continuation ids); the input cut from the left to `max_length`, as lm-eval's hf model does."""

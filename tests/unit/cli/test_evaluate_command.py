@@ -3,6 +3,7 @@ same on two processes as on one (every request's answer, bit for bit), and one l
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -10,7 +11,8 @@ import sys
 import pytest
 from support import ROOT, free_port, write_harness_tasks
 
-pytest.importorskip("lm_eval")
+if importlib.util.find_spec("lm_eval") is None:  # not importorskip: lm-eval is imported as tunebook imports it
+    pytest.skip('lm-evaluation-harness is not installed: pip install "tunebook[eval]"', allow_module_level=True)
 
 from tunebook import cli  # noqa: E402
 from tunebook.errors import ConfigError  # noqa: E402

@@ -5,6 +5,7 @@ line."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 
@@ -14,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from support import write_harness_tasks
 
-pytest.importorskip("lm_eval")
+if importlib.util.find_spec("lm_eval") is None:  # not importorskip: lm-eval is imported as tunebook imports it
+    pytest.skip('lm-evaluation-harness is not installed: pip install "tunebook[eval]"', allow_module_level=True)
 
 from tunebook.config.harness import harness_tasks  # noqa: E402
 from tunebook.errors import ConfigError  # noqa: E402
