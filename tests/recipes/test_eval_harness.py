@@ -9,7 +9,7 @@ import json
 
 import pytest
 from recipe_runs import _records, _run
-from support import assert_png, write_harness_tasks
+from support import TINY_TEST_MODEL, assert_png, launch, write_harness_tasks
 
 if importlib.util.find_spec("lm_eval") is None:  # not importorskip: lm-eval is imported as tunebook imports it
     pytest.skip('lm-evaluation-harness is not installed: pip install "tunebook[eval]"', allow_module_level=True)
@@ -45,3 +45,36 @@ def test_sft_run_reports_the_harness_figures_of_the_model_it_saves(tmp_path):
     assert "## Benchmarks" in card and "| tiny_choice | acc |" in card
     assert "model-index:" in card and "lm-evaluation-harness" in card
     assert_png(out / "report.png")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_process_run_reports_what_one_process_finds_on_its_model(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tunebook.evaluation.harness import harness_figures, run_harness
+
+    tasks = write_harness_tasks(tmp_path / "tasks", rows=20)
+    names = [str(tasks["choice"]), str(tasks["reply"])]
+    out = tmp_path / "two"
+    args = ["--model_config", json.dumps(TINY_TEST_MODEL), "--disable_tqdm", "true", "--synthetic_train_size", "64",
+            "--synthetic_eval_size", "8", "--max_steps", "4", "--per_device_train_batch_size", "4",
+            "--generation_eval", "false", "--report_to", "none", "--dataloader_num_workers", "0",
+            "--eval_harness_tasks", json.dumps(names), "--output_dir", str(out)]  # fmt: skip
+    result = launch("recipes/sft.py", args, accelerate_config="multi_cpu.yaml")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    harness = json.loads((out / "summary.json").read_text())["eval_harness"]
+    assert harness["processes"] == 2 and harness["documents"] == {"tiny_choice": 20, "tiny_reply": 20}
+    records = [r for r in _records(out) if any(k.startswith("harness/") for k in r)]
+    assert len(records) == 1 and records[0]["step"] == 4  # written once, by the main process
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out)
+    one = harness_figures(run_harness(model, tokenizer, names, batch_size=8))
+    assert one == {k: v for k, v in records[0].items() if k != "step"}
+
+
+def test_a_run_built_in_python_with_a_task_that_is_not_one_stops_at_its_start(tmp_path):
+    from tunebook.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^eval_harness_tasks: .*missing\.yaml: no such task YAML file$"):
+        _run("sft", tmp_path / "run", tmp_path / "cache", eval_harness_tasks=[str(tmp_path / "missing.yaml")])
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # before anything trained or was written

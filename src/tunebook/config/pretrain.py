@@ -54,6 +54,11 @@ class PretrainConfig(CausalLMConfig, ModelDataConfig):
     synthetic_eval_size: int = new_default(
         100, "Held-out documents of the synthetic corpus (when train_data is None)."
     )
+    # A pretrained model reads plain text: its harness prompts too, whatever chat template its tokenizer carries.
+    eval_harness_chat_template: bool | None = new_default(
+        False,
+        "Render the harness prompts with the tokenizer's chat template (false: plain text, as pretraining reads).",
+    )
 
     def validate(self) -> None:
         for check in (*TRAINING_CHECKS, *MODEL_DATA_CHECKS, check_sample_prompts, check_eval_harness):

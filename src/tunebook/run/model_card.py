@@ -86,7 +86,7 @@ def _card(model_dir: Path, output_dir: Path, summary, config, *, lora: bool, mer
         datasets=hub_datasets or None,
         tags=["tunebook", recipe],
         pipeline_tag=pipeline_tag,
-        **_model_index(summary, output_dir.name),
+        **_model_index(summary, config.get("hub_model_id") or output_dir.name),
     )
     ref = config.get("hub_model_id") or _local_ref(model_dir, output_dir, config)  # from the Hub, or this folder
     title = f"{config.get('hub_model_id') or output_dir.name}{' (merged)' if merged else ''}"

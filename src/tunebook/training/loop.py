@@ -66,6 +66,7 @@ def start_run(config, recipe: str) -> Run:
     from accelerate.utils import set_seed
 
     from ..config import check_output_dir
+    from ..config.checks import check_harness_tasks
     from ..data.loaders import start_worker_server
     from ..distributed import decided_by_main
     from ..planning.at_start import plan_at_start
@@ -86,6 +87,8 @@ def start_run(config, recipe: str) -> Run:
     # Nothing is written before the checks pass: another run's checkpoints there stop this one (resume, overwrite or
     # another output_dir) before the lock creates the folder (`tunebook train` checked it before the launch too).
     decided_by_main(accelerator, lambda: check_output_dir(config))
+    if _harness_tasks(config):  # a config built in Python had no file checks: a task that is not one stops it now,
+        decided_by_main(accelerator, lambda: check_harness_tasks(config))  # not after training
     # One run per output_dir, for the run's lifetime: a second run there stops now, naming this one's PID and host.
     output_lock = lock_run_output_dir(accelerator, output_dir, recipe)
     log_run_start(log, config, accelerator)
