@@ -225,9 +225,10 @@ def save_tiny_chat_model(directory: Path, steps: int = 120) -> Path:
 
 
 def write_harness_tasks(directory: Path, rows: int = 50) -> dict[str, Path]:
-    """Two local lm-evaluation-harness tasks of `rows` documents each, readable offline (`dataset_path: json`):
-    `choice` (multiple choice, `acc`) and `reply` (generation, `exact_match` against `CHAT_REPLY` or "nope"). Their
-    questions are the ones `save_tiny_chat_model`'s model answers with `CHAT_REPLY`, and others."""
+    """Local lm-evaluation-harness tasks of `rows` documents each, readable offline (`dataset_path: json`): `choice`
+    (multiple choice, `acc`), `reply` (generation, `exact_match` against `CHAT_REPLY` or "nope") and `rolling` (a
+    text's log-likelihood, `word_perplexity`). Their questions are the ones `save_tiny_chat_model`'s model answers
+    with `CHAT_REPLY`, and others."""
     import json
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -235,15 +236,23 @@ def write_harness_tasks(directory: Path, rows: int = 50) -> dict[str, Path]:
     choice = [{"question": questions[i % 5], "choices": [CHAT_REPLY, "no", "the answer is 4"], "answer": i % 3}
               for i in range(rows)]  # fmt: skip
     reply = [{"question": questions[i % 5], "answer": CHAT_REPLY if i % 2 == 0 else "nope"} for i in range(rows)]
-    common = "dataset_path: json\ntest_split: test\ndoc_to_text: question\ndoc_to_target: answer\n"
+    common = "dataset_path: json\ntest_split: test\n"
+    asked = "doc_to_text: question\ndoc_to_target: answer\n"
     metric = "metric_list:\n  - {{metric: {}, aggregation: mean, higher_is_better: true}}\n"
     tasks = {
-        "choice": "output_type: multiple_choice\ndoc_to_choice: choices\n" + metric.format("acc"),
-        "reply": 'output_type: generate_until\ngeneration_kwargs:\n  until: ["\\n\\n"]\n  max_gen_toks: 8\n'
+        "choice": asked + "output_type: multiple_choice\ndoc_to_choice: choices\n" + metric.format("acc"),
+        "reply": asked
+        + 'output_type: generate_until\ngeneration_kwargs:\n  until: ["\\n\\n"]\n  max_gen_toks: 8\n'
         + metric.format("exact_match"),
     }
+    # A whole text's log-likelihood (perplexity tasks such as wikitext): lm-eval scores it in windows of max_length.
+    tasks["rolling"] = (
+        'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: answer\nmetric_list:\n'
+        "  - {metric: word_perplexity, aggregation: weighted_perplexity, higher_is_better: false}\n"
+    )
+    rolling = [{"question": "", "answer": f"{CHAT_REPLY} " * (1 + i % 4) + questions[i % 5]} for i in range(rows)]
     paths = {}
-    for name, data in (("choice", choice), ("reply", reply)):
+    for name, data in (("choice", choice), ("reply", reply), ("rolling", rolling)):
         (directory / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
         paths[name] = directory / f"{name}.yaml"
         paths[name].write_text(f"task: tiny_{name}\n{common}dataset_kwargs:\n  data_files:\n"

@@ -44,7 +44,7 @@ def evaluate_command(argv: list[str]) -> dict | None:
                           limit=args.limit, num_fewshot=args.num_fewshot, batch_size=args.batch_size,
                           chat_template=args.chat_template, disable_tqdm=not sys.stderr.isatty(),
                           log_samples=args.log_samples)  # fmt: skip
-    if results is None or not state.is_main_process:
+    if not state.is_main_process:  # the same results on every process: one prints them
         return None
     summary = harness_summary(results, step=0)
     summary["model"] = str(args.model_dir)

@@ -38,8 +38,9 @@ from ..config.harness import harness_tasks, import_lm_eval
 
 import_lm_eval()  # first: lm-eval's own import would set an environment variable for the process
 
-from lm_eval import simple_evaluate
 from lm_eval.api.model import TemplateLM
+from lm_eval.defaults import DEFAULT_OTHER_SEED
+from lm_eval.evaluator import evaluate
 from lm_eval.models.utils import (
     handle_stop_sequences,
     has_bos_prefix,
@@ -261,40 +262,42 @@ def _random_states_kept():
 def run_harness(model: torch.nn.Module, tokenizer, tasks: Sequence[str], accelerator=None, *, limit: int | None = None,
                 num_fewshot: int | None = None, batch_size: int = 8, chat_template: bool | None = None,
                 max_length: int | None = None, bootstrap_iters: int = 0, log_samples: bool = False,
-                disable_tqdm: bool = True) -> dict[str, Any] | None:  # fmt: skip
-    """lm-eval's `simple_evaluate` of `tasks` (registry names, task YAMLs, directories of them) on `model`, run by
-    every process of `accelerator` together; lm-eval's results dict on the main process of each node, None on
-    the others. `chat_template` None: the tokenizer's chat template when it has one (few-shot examples as turns).
-    `bootstrap_iters` 0: no standard errors (lm-eval's bootstrap forks a process pool; a mean's would be cheap, but
-    lm-eval computes none of them with 0)."""
+                disable_tqdm: bool = True) -> dict[str, Any]:  # fmt: skip
+    """lm-eval's evaluation of `tasks` (registry names, task YAMLs, directories of them) on `model`, run by every
+    process of `accelerator` together; lm-eval's results dict, the same on every process. `chat_template` None: the
+    tokenizer's chat template when it has one (few-shot examples as turns). `bootstrap_iters` 0: no standard errors
+    (lm-eval's bootstrap forks a process pool; a mean's would be cheap, but lm-eval computes none of them with 0).
+
+    lm-eval's `evaluate` runs the tasks as `simple_evaluate` prepares them (`_load_tasks`); `simple_evaluate` itself
+    is not called: it would also seed the process's random generators and, at every call, collect the machine's
+    environment (torch's collect_env: pip, nvidia-smi, ~2 s) and the git commit of the working directory."""
     resolved = harness_tasks(list(tasks), key="tasks")
     if chat_template is None:
         chat_template = bool(getattr(tokenizer, "chat_template", None))
     lm = TunebookLM(model, tokenizer, accelerator, batch_size=batch_size, max_length=max_length,
                     disable_tqdm=disable_tqdm)  # fmt: skip
     with _random_states_kept():
-        results = simple_evaluate(
-            model=lm,
-            tasks=list(resolved.specs),
-            task_manager=resolved.manager(),
-            num_fewshot=num_fewshot,
-            limit=limit,
-            bootstrap_iters=bootstrap_iters,
-            log_samples=log_samples,
-            apply_chat_template=chat_template,
-            fewshot_as_multiturn=chat_template,
-            random_seed=None,  # lm-eval would seed the process's generators (the few-shot sampler has its own seed)
-            numpy_random_seed=None,
-            torch_random_seed=None,
-        )
-    if results is not None:
-        results["tunebook"] = {
-            "chat_template": chat_template,
-            "max_length": lm.max_length,
-            "batch_size": batch_size,
-            "processes": lm.processes,
-        }
+        results = evaluate(lm=lm, task_dict=_load_tasks(resolved, num_fewshot), limit=limit,
+                           bootstrap_iters=bootstrap_iters, log_samples=log_samples,
+                           apply_chat_template=chat_template, fewshot_as_multiturn=chat_template)  # fmt: skip
+    results["tunebook"] = {"chat_template": chat_template, "max_length": lm.max_length, "batch_size": batch_size,
+                           "processes": lm.processes}  # fmt: skip
     return results
+
+
+def _load_tasks(resolved, num_fewshot: int | None) -> dict[str, Any]:
+    """The tasks as lm-eval 0.4.13's `simple_evaluate` prepares them: `num_fewshot` replaces a task's own count
+    unless the task fixes 0; a task with none gets 0; each few-shot sampler is seeded with lm-eval's default seed
+    (its own generator, not the process's), so the few-shot examples are the ones `lm_eval` picks."""
+    loaded = resolved.manager().load(list(resolved.specs))
+    for task in loaded["tasks"].values():
+        default = task.get_config("num_fewshot")
+        if num_fewshot is not None and default != 0:
+            task.set_config(key="num_fewshot", value=num_fewshot)
+        elif default is None:
+            task.set_config(key="num_fewshot", value=0)
+        task.set_fewshot_seed(seed=DEFAULT_OTHER_SEED)
+    return loaded
 
 
 def harness_figures(results: dict[str, Any]) -> dict[str, float]:

@@ -301,7 +301,7 @@ def _run_harness(run: Run, model, data, metrics, step: int, label: str) -> dict[
                               batch_size=config.eval_harness_batch_size or config.per_device_eval_batch_size,
                               chat_template=config.eval_harness_chat_template,
                               disable_tqdm=config.disable_tqdm)  # fmt: skip
-    if results is None or not run.accelerator.is_main_process:
+    if not run.accelerator.is_main_process:  # the same results on every process: one writes them
         return None
     figures = harness_figures(results)
     run.log.info("%s (lm-evaluation-harness): %s", label, figures)

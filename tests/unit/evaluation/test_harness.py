@@ -134,4 +134,32 @@ def test_a_task_that_is_not_one_is_one_line(tmp_path, monkeypatch):
 def test_a_directory_of_tasks_is_all_of_them(tmp_path):
     tasks = write_harness_tasks(tmp_path / "tasks", rows=3)
     resolved = harness_tasks([str(tasks["choice"].parent)])
-    assert sorted(resolved.specs) == ["tiny_choice", "tiny_reply"] and not resolved.registry
+    assert sorted(resolved.specs) == ["tiny_choice", "tiny_reply", "tiny_rolling"] and not resolved.registry
+
+
+def test_every_answer_is_lm_evals_own_hf_models(chat_model, tmp_path):
+    """lm-eval's `hf` model (batch size 1, no padding) on the same model and tasks, through `simple_evaluate`: every
+    request's answer (log-likelihoods to float32 rounding, greedy flags, generated text) and every figure equal ours.
+    max_length 16 cuts contexts from the left, windows the rolling texts and leaves 8 tokens of context to generate
+    from; plain prompts (lm-eval's default)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    model, tokenizer = chat_model
+    names = [str(p) for p in write_harness_tasks(tmp_path, rows=20).values()]
+    resolved = harness_tasks(names)
+    reference = simple_evaluate(model=HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1, max_length=16,
+                                           device="cpu"), tasks=list(resolved.specs), task_manager=resolved.manager(),
+                                bootstrap_iters=0, log_samples=True)  # fmt: skip
+    ours = run_harness(model, tokenizer, names, batch_size=7, max_length=16, chat_template=False, log_samples=True)
+    for task in ("tiny_choice", "tiny_reply", "tiny_rolling"):
+        for theirs, mine in zip(reference["samples"][task], ours["samples"][task], strict=True):
+            assert theirs["arguments"] == mine["arguments"]
+            for a, b in zip(theirs["resps"], mine["resps"], strict=True):
+                if isinstance(a[0], str):  # generated text
+                    assert a == b
+                elif isinstance(a[0], tuple):  # (log-likelihood, greedy)
+                    assert a[0][0] == pytest.approx(b[0][0], rel=1e-5, abs=1e-4) and a[0][1] == b[0][1]
+                else:  # a rolling text's log-likelihood
+                    assert a[0] == pytest.approx(b[0], rel=1e-5, abs=1e-4)
+    assert harness_figures(ours) == pytest.approx(harness_figures(reference), rel=1e-6)
