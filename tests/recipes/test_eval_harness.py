@@ -8,7 +8,7 @@ import importlib.util
 import json
 
 import pytest
-from recipe_runs import _records, _run
+from recipe_runs import _records, _run, _weights, _without_rates
 from support import TINY_TEST_MODEL, assert_png, launch, write_harness_tasks
 
 if importlib.util.find_spec("lm_eval") is None:  # not importorskip: lm-eval is imported as tunebook imports it
@@ -40,6 +40,12 @@ def test_sft_run_reports_the_harness_figures_of_the_model_it_saves(tmp_path):
     model, tokenizer = AutoModelForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out)
     again = harness_figures(run_harness(model, tokenizer, names, limit=12, batch_size=8))
     assert again == final
+
+    # Training went on exactly as without the harness: the same losses, evaluations and weights.
+    _run("sft", tmp_path / "plain", tmp_path / "cache", eval_steps=3, eval_on_start=True)
+    plain = [_without_rates(r) for r in _records(tmp_path / "plain")]
+    assert [_without_rates(r) for r in _records(out) if r not in harness] == plain
+    assert _weights(out) == _weights(tmp_path / "plain")
 
     card = (out / "README.md").read_text()
     assert "## Benchmarks" in card and "| tiny_choice | acc |" in card
