@@ -51,6 +51,7 @@ from lm_eval.models.utils import (
 from lm_eval.models.utils_hf import stop_sequences_criteria
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from ..errors import ConfigError, DataError
 from ..models.wrappers import unwrap
 from ..progress import progress_bar
 from ..training.loss import output_layer_at
@@ -117,9 +118,10 @@ class TunebookLM(TemplateLM):
         """(log-probability of the continuation, whether greedy decoding gives it) of each (key, context ids,
         continuation ids); the input cut from the left to `max_length`, as lm-eval's hf model does."""
         rows = [(context + continuation, len(continuation)) for _, context, continuation in requests]
-        for _, n in rows:
+        for (key, _, _), (_, n) in zip(requests, rows, strict=True):
             if not 0 < n <= self.max_length:
-                raise ValueError(f"a continuation of {n} tokens does not fit max_length {self.max_length}")
+                raise DataError(f"lm-eval task: the continuation {key[1] if key else ''!r} is {n} tokens, which do not "
+                                f"fit the model's max_length {self.max_length}")  # fmt: skip
         order = sorted(range(len(rows)), key=lambda i: (-len(rows[i][0]), rows[i][0]))  # longest first, as lm-eval
         return self._spread([order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)],
                             lambda batch: self._loglikelihoods([rows[i] for i in batch]), len(rows),
@@ -178,13 +180,14 @@ class TunebookLM(TemplateLM):
 
     @contextmanager
     def _evaluating(self):
-        was_training = self.inner.training
-        self.inner.eval()
+        """Eval mode (the wrapper's too: DDP's, FSDP's) without gradients, then the former mode."""
+        was_training = self.model.training
+        self.model.eval()
         try:
             with torch.no_grad():
                 yield
         finally:
-            self.inner.train(was_training)
+            self.model.train(was_training)
 
     def _loglikelihoods(self, rows: list[tuple[list[int], int]]) -> list[tuple[float, bool]]:
         """One forward pass over right-padded rows; logits only at the continuations' positions."""
@@ -220,9 +223,8 @@ class TunebookLM(TemplateLM):
         max_gen_toks = kwargs.pop("max_gen_toks")
         kwargs.pop("max_length", None)
         if self.max_length <= max_gen_toks:
-            raise ValueError(
-                f"max_gen_toks {max_gen_toks} leaves no room for a prompt in max_length {self.max_length}"
-            )
+            raise ConfigError(f"lm-eval task: max_gen_toks {max_gen_toks} leaves no room for a prompt in the model's "
+                              f"max_length {self.max_length}")  # fmt: skip
         contexts = [c[-(self.max_length - max_gen_toks) :] for c in contexts]
         width = max(map(len, contexts))
         ids = torch.full((len(contexts), width), self.pad_id, dtype=torch.long)

@@ -163,3 +163,14 @@ def test_every_answer_is_lm_evals_own_hf_models(chat_model, tmp_path):
                 else:  # a rolling text's log-likelihood
                     assert a[0] == pytest.approx(b[0], rel=1e-5, abs=1e-4)
     assert harness_figures(ours) == pytest.approx(harness_figures(reference), rel=1e-6)
+
+
+def test_what_does_not_fit_the_model_is_one_line(chat_model, tmp_path):
+    from tunebook.errors import DataError
+
+    model, tokenizer = chat_model
+    tasks = write_harness_tasks(tmp_path, rows=3)
+    with pytest.raises(DataError, match=r"^lm-eval task: the continuation .* tokens, which do not fit the model's "):
+        run_harness(model, tokenizer, [str(tasks["choice"])], max_length=2)
+    with pytest.raises(ConfigError, match=r"^lm-eval task: max_gen_toks 8 leaves no room for a prompt"):
+        run_harness(model, tokenizer, [str(tasks["reply"])], max_length=8)
