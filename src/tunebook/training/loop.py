@@ -286,10 +286,10 @@ def _harness_tasks(config) -> list[str]:
     return getattr(config, "eval_harness_tasks", None) or []
 
 
-def _run_harness(run: Run, model, data, metrics, step: int, label: str) -> dict[str, Any] | None:
+def _run_harness(run: Run, model, data, metrics, step: int, label: str) -> dict[str, Any]:
     """lm-evaluation-harness on the model in memory, every process together (`tunebook.evaluation.harness`), not
     counted as training time; its figures logged and written to metrics.jsonl (`harness/<task>/<metric>`). Returns
-    summary.json's `eval_harness` on the main process, None on the others."""
+    summary.json's `eval_harness`, the same on every process."""
     from ..evaluation.harness import harness_figures, harness_summary, run_harness
     from .compilation import eager
 
@@ -301,9 +301,7 @@ def _run_harness(run: Run, model, data, metrics, step: int, label: str) -> dict[
                               batch_size=config.eval_harness_batch_size or config.per_device_eval_batch_size,
                               chat_template=config.eval_harness_chat_template,
                               disable_tqdm=config.disable_tqdm)  # fmt: skip
-    if not run.accelerator.is_main_process:  # the same results on every process: one writes them
-        return None
-    figures = harness_figures(results)
+    figures = harness_figures(results)  # the same on every process; the main one writes them
     run.log.info("%s (lm-evaluation-harness): %s", label, figures)
     metrics.write({"step": step, **figures})
     return harness_summary(results, step)
@@ -355,8 +353,8 @@ def finish(run: Run, loop: Training, headline: tuple[str, str, str] | None = Non
         if config.load_best_model_at_end and best is not None and best.best_step not in (None, step):
             final_eval = _load_best(run, state, best, final_eval)
     if _harness_tasks(config):  # the weights the run keeps (the best checkpoint's with load_best_model_at_end)
-        harness = _run_harness(run, loop.model, loop.data, loop.metrics, state.global_step, "Final harness")
-        extra = {**extra, **({"eval_harness": harness} if harness is not None else {})}  # on the main process
+        extra = {**extra, "eval_harness": _run_harness(run, loop.model, loop.data, loop.metrics, state.global_step,
+                                                       "Final harness")}  # fmt: skip
     if total_steps > 0:
         try:
             save_final_model(accelerator, loop.model, _saved_tokenizer(loop), run.output_dir, config.merge_adapter)

@@ -44,7 +44,7 @@ def test_what_it_cannot_evaluate_is_one_line(tiny_chat_model_dir, tmp_path):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_processes_give_every_answer_one_process_gives(tiny_chat_model_dir, tmp_path):
-    tasks = [*write_harness_tasks(tmp_path / "tasks", rows=50).values()]
+    tasks = [*write_harness_tasks(tmp_path / "tasks", rows=30).values()]
     one = _evaluate(tiny_chat_model_dir, tasks, tmp_path / "one.json", "--log_samples", "--batch_size", "7")
     command = [sys.executable, "-m", "accelerate.commands.launch", "--quiet", "--config_file",
                str(ROOT / "accelerate_configs" / "multi_cpu.yaml"), "--main_process_port", str(free_port()), "-m",
