@@ -54,6 +54,9 @@ RUN_CONTROL_KEYS = frozenset(
         "per_device_eval_batch_size", "eval_data", "generation_eval", "generation_max_new_tokens",
         "generation_eval_max_samples", "metrics", "metric_average", "push_to_hub", "hub_model_id", "hub_private_repo",
         "merge_adapter", "trust_remote_code", "sample_prompts", "sample_max_new_tokens",
+        # lm-evaluation-harness: it reads the model and leaves training as it was (random states, mode)
+        "eval_harness_tasks", "eval_harness_limit", "eval_harness_num_fewshot", "eval_harness_at_eval",
+        "eval_harness_chat_template", "eval_harness_batch_size",
     }
 )  # fmt: skip
 # Keys applied to the optimizer and the schedule from the step the run resumes at.
