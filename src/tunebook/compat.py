@@ -22,6 +22,7 @@ __all__ = [
     "exit_callback_count",
     "fake_tensor_mode",
     "is_fake",
+    "lm_eval_task_entry",
     "fingerprint",
     "forget_compiled_code",
     "has_recurrent_cache",
@@ -280,3 +281,13 @@ def apply_liger_kernel_to_instance(model, **kernels) -> None:
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
     _apply_liger_kernel_to_instance(model=model, **kernels)
+
+
+def lm_eval_task_entry(path) -> Any:
+    """lm-eval's index entry for a task YAML file (its `name`), or None when the file names no task or group: what
+    `TaskManager.load` reads the path as. A YAML of no known shape raises ValueError. From `TaskIndex.entry_from_path`
+    in lm-eval's private `lm_eval.tasks._index` (lm-eval 0.4.13), which has no public counterpart: checking a config's
+    task files before a run starts, without loading their data sets."""
+    from lm_eval.tasks._index import TaskIndex
+
+    return TaskIndex.entry_from_path(path)

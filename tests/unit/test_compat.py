@@ -184,3 +184,18 @@ def test_image_token_counts_of_a_processor():
     # LLaVA: the tower's fixed 2 x 2 patches whatever the size; Qwen2-VL: one per 28 x 28 pixels as resized.
     assert compat.image_token_counts(tiny_processor(TINY_LLAVA, tokenizer), [(56, 56), (30, 200)]) == [4, 4]
     assert compat.image_token_counts(tiny_processor(TINY_QWEN2_VL, tokenizer), [(56, 56), (28, 56)]) == [4, 2]
+
+
+def test_lm_eval_task_entry_of_a_yaml(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        pytest.skip('lm-evaluation-harness is not installed: pip install "tunebook[eval]"')
+    (tmp_path / "task.yaml").write_text("task: my_task\ndataset_path: json\n")
+    (tmp_path / "group.yaml").write_text("group: my_group\ntask: [my_task]\n")
+    (tmp_path / "none.yaml").write_text("dataset_path: json\n")
+    assert compat.lm_eval_task_entry(tmp_path / "task.yaml").name == "my_task"
+    assert compat.lm_eval_task_entry(tmp_path / "group.yaml").kind.name == "GROUP"
+    assert compat.lm_eval_task_entry(tmp_path / "missing.yaml") is None
+    with pytest.raises(ValueError, match="Unknown config shape"):
+        compat.lm_eval_task_entry(tmp_path / "none.yaml")

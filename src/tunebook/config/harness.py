@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..compat import lm_eval_task_entry
 from ..errors import ConfigError, first_line
 
 __all__ = ["INSTALL_EVAL", "HarnessTasks", "harness_tasks", "import_lm_eval", "require_lm_eval", "task_manager"]
@@ -68,7 +69,6 @@ def harness_tasks(names: list[str], key: str = "eval_harness_tasks") -> HarnessT
     `key`, with the closest registry name when one is close."""
     require_lm_eval(key)
     import_lm_eval()
-    from lm_eval.tasks._index import TaskIndex
 
     specs, include_paths, registry_names = [], [], []
     for name in names:
@@ -83,7 +83,7 @@ def harness_tasks(names: list[str], key: str = "eval_harness_tasks") -> HarnessT
             if not path.is_file():
                 raise ConfigError(f"{key}: {name}: no such task YAML file")
             try:
-                entry = TaskIndex.entry_from_path(path)
+                entry = lm_eval_task_entry(path)
             except (ValueError, OSError) as error:  # lm-eval's "Unknown config shape", a YAML that does not parse
                 entry, why = None, f" ({first_line(error)})"
             else:
