@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["pop_option"]
+import argparse
+
+__all__ = ["pop_option", "whole_number"]
 
 
 def pop_option(argv: list[str], name: str, default: str) -> tuple[str, list[str]]:
@@ -18,3 +20,14 @@ def pop_option(argv: list[str], name: str, default: str) -> tuple[str, list[str]
             rest.append(argv[i])
         i += 1
     return value, rest
+
+
+def whole_number(least: int):
+    """An argparse `type` taking a whole number of at least `least` (`tunebook chat`, `tunebook evaluate`)."""
+
+    def parse(text: str) -> int:
+        if not text.isdigit() or int(text) < least:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {text!r}")
+        return int(text)
+
+    return parse

@@ -30,6 +30,7 @@ from ..errors import ConfigError, ModelError, first_line
 from ..evaluation.samples import generate_reply, prompt_ids
 from ..training.checkpoint import TRAINER_STATE, list_checkpoints
 from ..training.manifest import MANIFEST
+from .arguments import whole_number
 
 __all__ = ["Chat", "Streamer", "chat", "check_model_dir", "load_chat_model"]
 
@@ -74,17 +75,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("model_dir", help="a model or LoRA adapter directory (a run's output_dir, or an export)")
     parser.add_argument("--prompt", help="answer this one prompt, print the reply and exit")
     parser.add_argument("--system", help="a system message at the start of the conversation")
-    parser.add_argument("--max_new_tokens", type=_positive_int, default=256, help="tokens per reply at most (256)")
+    parser.add_argument("--max_new_tokens", type=whole_number(1), default=256, help="tokens per reply at most (256)")
     parser.add_argument("--temperature", type=_non_negative, default=0.0,
                         help="0 (the default): greedy; above 0: sample at this temperature")  # fmt: skip
     parser.add_argument("--trust_remote_code", action="store_true", help="allow the model's own Python code")
     return parser
-
-
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return int(text)
 
 
 def _non_negative(text: str) -> float:

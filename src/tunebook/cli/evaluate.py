@@ -18,6 +18,8 @@ import json
 import sys
 from pathlib import Path
 
+from .arguments import whole_number
+
 __all__ = ["evaluate_command", "format_results"]
 
 
@@ -77,9 +79,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("model_dir", help="a model or LoRA adapter directory (a run's output_dir, or an export)")
     parser.add_argument("--tasks", nargs="+", required=True,
                         help="lm-eval task, group or tag names, or local task YAMLs or directories of them")  # fmt: skip
-    parser.add_argument("--limit", type=_positive_int, help="at most this many documents per task")
-    parser.add_argument("--num_fewshot", type=_count, help="few-shot examples per prompt (default: the task's)")
-    parser.add_argument("--batch_size", type=_positive_int, default=8, help="requests per forward pass (8)")
+    parser.add_argument("--limit", type=whole_number(1), help="at most this many documents per task")
+    parser.add_argument(
+        "--num_fewshot", type=whole_number(0), help="few-shot examples per prompt (default: the task's)"
+    )
+    parser.add_argument("--batch_size", type=whole_number(1), default=8, help="requests per forward pass (8)")
     parser.add_argument("--chat_template", type=_yes_no, default=None,
                         help="true/false: render prompts with the chat template (default: when the tokenizer "
                              "has one)")  # fmt: skip
@@ -88,18 +92,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--log_samples", action="store_true", help="add every request and answer to the JSON")
     parser.add_argument("--trust_remote_code", action="store_true", help="allow the model's own Python code")
     return parser
-
-
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return int(text)
-
-
-def _count(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return int(text)
 
 
 def _yes_no(text: str) -> bool:
