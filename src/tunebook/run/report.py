@@ -143,7 +143,7 @@ class _Run:
         return cls(run_dir.name, train, evals, _schedule_start(config), resumed_step(summary.get("resumed_from")))
 
     def points(self, key: str) -> list[tuple[int, float]]:
-        records = self.evals if key.startswith("eval_") else self.train
+        records = self.evals if key.startswith(("eval_", "harness/")) else self.train
         points = [(r["step"], r[key]) for r in records if _finite(r.get(key))]
         if key == "learning_rate" and points and points[0][0] > 0 and self.start_lr is not None:
             points.insert(0, (0, self.start_lr))  # the warm-up's start, before the first logged step

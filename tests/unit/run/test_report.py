@@ -165,3 +165,12 @@ def test_format_table_aligns_columns_and_formats_numbers():
     assert rows == [["loss", "1.2346", "-"], ["steps", "1,000", "2"], ["mfu", "0.0001234", "true"]]
     widths = {len(line) for line in table.splitlines()[1:]}
     assert len(widths) == 1  # every row as wide as the rule: columns line up
+
+
+def test_the_eval_panel_plots_the_harness_figures_beside_the_run_s_own(tmp_path):
+    run = _run_dir(tmp_path / "harness", 1e-3, [4.0, 3.0, 2.0, 1.0])
+    with open(run / "metrics.jsonl", "a") as f:  # after the line cut short, as a resumed run appends
+        f.write('\n{"step": 0, "harness/arc_easy/acc": 0.25}\n{"step": 4, "harness/arc_easy/acc": 0.5}\n')
+    lines = {line.get_label(): line.get_data() for line in _panel(report_figure([run]), "Eval metrics").get_lines()}
+    assert set(lines) == {"accuracy", "arc_easy/acc"}
+    assert [list(v) for v in lines["arc_easy/acc"]] == [[0, 4], [0.25, 0.5]]
