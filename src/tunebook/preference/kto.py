@@ -25,6 +25,7 @@ import torch
 
 from ..data.collate import PadCollator
 from ..evaluation.batches import gathered_batches
+from ..training.compilation import eager
 from .kto_data import kl_batch
 from .losses import precompute_reference_log_probs, reference_log_probs, sequence_log_probs
 
@@ -59,8 +60,6 @@ def step_kl_and_reference(model, reference, window: list[dict], attn: str, dtype
     policy's forward without gradients (compiled blocks run eagerly: a graph without gradients would be one more
     to compile), the reference's (or the precomputed values). The reference's log-probabilities of the rows
     themselves come from the same pass, so the loss's pass runs the policy only."""
-    from ..training.compilation import eager
-
     sums = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
     references = []
     with eager():
@@ -72,9 +71,8 @@ def step_kl_and_reference(model, reference, window: list[dict], attn: str, dtype
             else:
                 reference_kl = reference_log_probs(model, reference, rows, attn, dtype, accelerator)
                 reference_rows = reference_log_probs(model, reference, batch, attn, dtype, accelerator)
-            sums += torch.stack(
-                [(policy_kl - reference_kl).double().sum(), torch.tensor(len(policy_kl), device=sums.device)]
-            )
+            sums[0] += (policy_kl - reference_kl).double().sum()
+            sums[1] += len(policy_kl)
             references.append(reference_rows)
     sums = accelerator.reduce(sums, "sum")
     return (sums[0] / sums[1].clamp(min=1)).clamp(min=0), references
