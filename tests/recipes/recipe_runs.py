@@ -21,6 +21,9 @@ TASKS = {
                  "max_seq_length": 64},
     "dpo": {"model_config": TINY_TEST_MODEL, "synthetic_train_size": 64, "synthetic_eval_size": 8,
             "sft_warmup_steps": 0},
+    # 32 pairs split into 64 rows, as many as the other recipes' examples.
+    "kto": {"model_config": TINY_TEST_MODEL, "synthetic_train_size": 32, "synthetic_eval_size": 4,
+            "sft_warmup_steps": 0},
     "reward": {"model_config": TINY_TEST_MODEL, "synthetic_train_size": 64, "synthetic_eval_size": 8},
     # A reward that random completions sometimes earn, so advantages, gradients and updates are not all zero.
     "grpo": {"model_config": TINY_TEST_MODEL, "synthetic_train_size": 64, "synthetic_eval_size": 8,

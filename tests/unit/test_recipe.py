@@ -8,7 +8,15 @@ import pytest
 from support import ROOT
 
 from tunebook import ConfigError, load_recipe
-from tunebook.config import ClassifyConfig, DPOConfig, GRPOConfig, PretrainConfig, RewardConfig, SFTConfig
+from tunebook.config import (
+    ClassifyConfig,
+    DPOConfig,
+    GRPOConfig,
+    KTOConfig,
+    PretrainConfig,
+    RewardConfig,
+    SFTConfig,
+)
 from tunebook.recipe import RECIPES, recipe_config_class
 
 
@@ -20,6 +28,7 @@ def test_each_recipe_loads_with_its_config_class(tmp_path, monkeypatch):
         "classify": ClassifyConfig,
         "pretrain": PretrainConfig,
         "dpo": DPOConfig,
+        "kto": KTOConfig,
         "reward": RewardConfig,
         "grpo": GRPOConfig,
     }

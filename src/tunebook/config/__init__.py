@@ -7,7 +7,7 @@
   tuple;
 - `shared`: the fields every recipe shares (`TrainConfig`, `ModelDataConfig`, `ChatModelConfig`) and the
   causal-LM recipes' (`CausalLMConfig`);
-- `sft`, `classify`, `pretrain`, `dpo`, `reward`, `grpo`: each recipe's config class, named as its recipe file.
+- `sft`, `classify`, `pretrain`, `dpo`, `kto`, `reward`, `grpo`: each recipe's config class, named as its recipe file.
 
 Everything a recipe, a notebook or a test needs is importable from `tunebook.config`. Nothing here imports torch:
 a command line is checked before torch loads.
@@ -21,6 +21,7 @@ from .classify import ClassifyConfig
 from .dpo import DPOConfig
 from .fields import Bounds, check_bounds, config_field, new_default, numeric_keys
 from .grpo import GRPOConfig
+from .kto import KTOConfig
 from .parsing import (
     ALIASES,
     aliases_used,
@@ -47,6 +48,7 @@ __all__ = [
     "ConfigError",
     "DPOConfig",
     "GRPOConfig",
+    "KTOConfig",
     "ModelDataConfig",
     "PretrainConfig",
     "RewardConfig",

@@ -314,10 +314,11 @@ def _speed(result: Plan, arch, work: Workload, config, layout: Layout, hardware:
     if hardware.peak_flops:
         # What the hardware computes per token, in units of 2 x parameters (a forward): the forward, the backward's
         # input gradients, its weight gradients for the trained weights only (LoRA: the adapters'), a forward again
-        # under checkpointing, and the reference's forward (DPO, GRPO with beta). Model FLOPs count 3 units.
+        # under checkpointing, the reference's forward (DPO, GRPO with beta) and any other forward without gradients
+        # (KTO's of the KL rows). Model FLOPs count 3 units.
         trained = arch.trainable / max(arch.params, 1)
         units = 1 + 1 + trained + (1 if config.gradient_checkpointing or layout.activation_checkpointing else 0)
-        units += 1 if work.reference_forward else 0
+        units += (1 if work.reference_forward else 0) + work.extra_forwards
         result.tokens_per_second = hardware.peak_flops * layout.processes * result.mfu / result.flops_per_token
         result.tokens_per_second *= 3 / units
         result.seconds_per_step = result.tokens_per_step / result.tokens_per_second

@@ -33,6 +33,9 @@ class Workload:
     generation: Generation | None = None
     labels: int = 2  # a classifier's outputs
     reference_forward: bool = False  # a reference forward per micro-batch (a separate model or adapters off)
+    # More forwards without gradients per micro-batch, each as many rows as the micro-batch (KTO: the policy's and
+    # the reference's of the KL rows), in units of the micro-batch's forward.
+    extra_forwards: int = 0
 
 
 def workload(recipe: str, config) -> Workload:
@@ -47,6 +50,10 @@ def workload(recipe: str, config) -> Workload:
         forward = not (config.precompute_ref_log_probs or config.loss_type in REFERENCE_FREE)
         return Workload("causal_lm", 2 * batch, length, 2 * batch * length, True, forward and not config.use_peft,
                         reference_forward=forward)  # fmt: skip
+    if recipe == "kto":  # its rows with gradients; then without, the KL rows (policy, reference) and the reference's
+        forward = not config.precompute_ref_log_probs
+        return Workload("causal_lm", batch, length, batch * length, True, forward and not config.use_peft,
+                        reference_forward=forward, extra_forwards=2 if forward else 1)  # fmt: skip
     if recipe == "grpo":
         rows, tokens = batch * config.num_generations, config.max_prompt_length + config.max_new_tokens
         if config.use_vllm:

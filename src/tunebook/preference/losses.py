@@ -32,6 +32,7 @@ __all__ = [
     "policy_and_reference_log_probs",
     "precompute_reference_log_probs",
     "preference_loss",
+    "reference_log_probs",
     "response_lengths",
     "sequence_log_probs",
     "weights_fingerprint",
@@ -157,11 +158,17 @@ def policy_and_reference_log_probs(
         return policy, None
     if "ref_chosen_logps" in batch:
         return policy, torch.cat([batch["ref_chosen_logps"], batch["ref_rejected_logps"]])
+    return policy, reference_log_probs(model, reference, batch, attn, dtype, accelerator)
+
+
+def reference_log_probs(model, reference, batch: dict[str, torch.Tensor], attn: str, dtype, accelerator):
+    """The reference's summed log-probabilities of each row's response, without gradients: the frozen `reference`
+    model, or with `reference` None the policy `model` with its LoRA adapters switched off."""
     with torch.no_grad(), accelerator.autocast():
         if reference is None:
             with unwrap(model).disable_adapter():
-                return policy, sequence_log_probs(model, batch, attn, dtype)
-        return policy, sequence_log_probs(reference, batch, attn, dtype)
+                return sequence_log_probs(model, batch, attn, dtype)
+        return sequence_log_probs(reference, batch, attn, dtype)
 
 
 # TRL's DPOTrainer names of the logged means of loss, chosen and rejected rewards, reward accuracy and margin.
@@ -210,11 +217,13 @@ class RewardStats:
 
 @torch.no_grad()
 def precompute_reference_log_probs(
-    reference, dataset: datasets.Dataset, collate, device, cache_dir: Path, key: str, batch_size: int, attn: str
-) -> datasets.Dataset:
+    reference, dataset: datasets.Dataset, collate, device, cache_dir: Path, key: str, batch_size: int, attn: str,
+    columns: tuple[str, str] = ("ref_chosen_logps", "ref_rejected_logps"),
+) -> datasets.Dataset:  # fmt: skip
     """`dataset` with `ref_chosen_logps`/`ref_rejected_logps` columns from `reference`, cached under `key` (a
     fingerprint of the data and the reference weights): a second run with the same data and model skips it.
-    Returns (dataset, was_cached)."""
+    `collate` makes 2B rows of B examples, the first half's log-probabilities go to `columns[0]`, the second's to
+    `columns[1]` (KTO: each row, then its KL row). Returns (dataset, was_cached)."""
     from ..data.cache import cached_dataset
 
     def build(scratch):
@@ -229,7 +238,7 @@ def precompute_reference_log_probs(
             chosen += logps[:half].tolist()
             rejected += logps[half:].tolist()
         reference.train(was_training)
-        table = datasets.Dataset.from_dict({"ref_chosen_logps": chosen, "ref_rejected_logps": rejected})
+        table = datasets.Dataset.from_dict({columns[0]: chosen, columns[1]: rejected})
         return table, {"pairs": len(dataset)}
 
     logps, _, cached = cached_dataset(cache_dir, key, build)

@@ -30,6 +30,7 @@ WRITERS = {  # each recipe's generated data, and one over-long row in its format
     "classify": (synthetic.write_synthetic_classification, {"text": "music " * 1_700_000, "label": "music"}),
     "pretrain": (synthetic.write_synthetic_text, {"text": BIG[:1_000_000]}),  # trained on whole: tokenised whole
     "dpo": (write_synthetic_preferences, {"prompt": BIG, "chosen": "1", "rejected": "2"}),
+    "kto": (write_synthetic_preferences, {"prompt": BIG, "completion": "1", "label": True}),  # pairs, and a row
     "reward": (write_synthetic_preferences, {"prompt": "Sort 21", "chosen": BIG, "rejected": "2"}),
     "grpo": (write_synthetic_prompts, {"prompt": BIG, "answer": "1"}),
 }

@@ -30,6 +30,7 @@ WRITERS = {
     "classify": synthetic.write_synthetic_classification,
     "pretrain": synthetic.write_synthetic_text,
     "dpo": write_synthetic_preferences,
+    "kto": write_synthetic_preferences,  # pairs, split into rows
     "reward": write_synthetic_preferences,
     "grpo": write_synthetic_prompts,
 }
