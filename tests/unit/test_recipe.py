@@ -8,7 +8,15 @@ import pytest
 from support import ROOT
 
 from tunebook import ConfigError, load_recipe
-from tunebook.config import ClassifyConfig, DPOConfig, GRPOConfig, PretrainConfig, RewardConfig, SFTConfig
+from tunebook.config import (
+    ClassifyConfig,
+    DistillConfig,
+    DPOConfig,
+    GRPOConfig,
+    PretrainConfig,
+    RewardConfig,
+    SFTConfig,
+)
 from tunebook.recipe import RECIPES, recipe_config_class
 
 
@@ -22,6 +30,7 @@ def test_each_recipe_loads_with_its_config_class(tmp_path, monkeypatch):
         "dpo": DPOConfig,
         "reward": RewardConfig,
         "grpo": GRPOConfig,
+        "distill": DistillConfig,
     }
     assert set(RECIPES) == set(classes)
     for name, cls in classes.items():
