@@ -36,12 +36,18 @@ from tunebook.data import (
     prepare_sft_data,
     train_and_eval_loaders,
 )
-from tunebook.distillation import build_teacher, distill_token_losses, is_on_policy_step, sampled_batch
+from tunebook.distillation import (
+    build_teacher,
+    completion_sampling,
+    distill_token_losses,
+    is_on_policy_step,
+    sampled_batch,
+)
 from tunebook.distributed import prepare_then_join
-from tunebook.evaluation import evaluate_loss, generation_exact_match, log_samples, prompt_sampler, stop_token_ids
+from tunebook.evaluation import evaluate_loss, generation_exact_match, log_samples, prompt_sampler
 from tunebook.models import apply_lora, build_causal_lm, describe_parameters, model_options
 from tunebook.preference import partition_reference
-from tunebook.rl.generation import Sampling, TransformersBackend
+from tunebook.rl.generation import TransformersBackend
 from tunebook.training import (
     LossWindow,
     accumulation_windows,
@@ -98,6 +104,15 @@ def evaluate(config: DistillConfig, model, data: SFTData, eval_loader, attn: str
     return metrics
 
 
+def teacher_exact_match(config: DistillConfig, teacher, data: SFTData, accelerator, log) -> dict:
+    """The teacher's exact match, once: what the student is measured against (`teacher_eval_exact_match`)."""
+    if not config.generation_eval or data.eval_examples is None:
+        return {}
+    scores = {"teacher_" + k: v for k, v in exact_match(config, teacher, data, accelerator)[0].items()}
+    log.info("Teacher: %s", scores)
+    return scores
+
+
 def main(config: DistillConfig) -> dict:
     run = start_run(config, "distill")  # Accelerator, logging, seed, output_dir locked
     accelerator, log = run.accelerator, run.log
@@ -106,8 +121,8 @@ def main(config: DistillConfig) -> dict:
     data = prepare_then_join(accelerator, config, prepare_sft_data, run.cache_dir, log)
     tokenizer = data.tokenizer
     example = data.train[0]
-    log.info("One training example, loss-bearing text in [[...]]:\n%s",
-             format_loss_mask(tokenizer, example["input_ids"], example["labels"]))  # fmt: skip
+    shown = format_loss_mask(tokenizer, example["input_ids"], example["labels"])
+    log.info("One training example, loss-bearing text in [[...]]:\n%s", shown)
 
     # --- models: the student; the teacher (trained on the task first when built fresh), frozen
     model = build_causal_lm(tokenizer, model_options(config))
@@ -129,20 +144,14 @@ def main(config: DistillConfig) -> dict:
     compiled = compile_model(config, accelerator, model, train_loader, plan.micro_batches, log)  # torch_compile
     schedule = build_scheduler(config.lr_scheduler_type, optimizer, plan.total_steps, config.warmup_ratio)
     lr_scheduler = accelerator.prepare(schedule)
-    teacher_scores = {}
-    if config.generation_eval and data.eval_examples is not None:  # what the student is measured against
-        teacher_scores = {"teacher_" + k: v for k, v in exact_match(config, teacher, data, accelerator)[0].items()}
-        log.info("Teacher: %s", teacher_scores)
-    log.info("GKD: beta %g, lmbda %g, temperature %g, seq_kd %s, alpha %g", config.beta, config.lmbda,
-             config.temperature, config.seq_kd, config.alpha)  # fmt: skip
+    teacher_scores = teacher_exact_match(config, teacher, data, accelerator, log)
+    gkd = (config.beta, config.lmbda, config.temperature, config.seq_kd, config.alpha)
+    log.info("GKD: beta %g, lmbda %g, temperature %g, seq_kd %s, alpha %g", *gkd)
 
     # --- sampled completions: the student's (lmbda) and the teacher's (seq_kd), through the RL generation backend
-    student_sampler, teacher_sampler = TransformersBackend(model, accelerator.device), None
-    if config.seq_kd:
-        teacher_sampler = TransformersBackend(teacher, accelerator.device)
-    stops = stop_token_ids(model, tokenizer)
-    sampling = Sampling(config.max_new_tokens, config.temperature, stop_token_ids=tuple(stops if isinstance(
-        stops, list) else [stops] if stops is not None else []), pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    student_sampler = TransformersBackend(model, accelerator.device)
+    teacher_sampler = TransformersBackend(teacher, accelerator.device) if config.seq_kd else None
+    sampling = completion_sampling(config, model, tokenizer)  # at temperature, up to max_new_tokens
 
     # --- resume (or start), then train: the loop's bookkeeping is tunebook.training.loop
     def run_evaluation() -> dict:
@@ -164,12 +173,8 @@ def main(config: DistillConfig) -> dict:
             step = loop.state.global_step
             sampler = student_sampler if is_on_policy_step(config.seed, step, config.lmbda) else teacher_sampler
             if sampler is not None:
-                window = [
-                    sampled_batch(sampler, batch, sampling, seed=config.seed, step=step, micro=i,
-                                  process=accelerator.process_index, max_length=config.max_seq_length,
-                                  pad_to_multiple_of=config.pad_to_multiple_of)
-                    for i, batch in enumerate(window)
-                ]  # fmt: skip
+                process = accelerator.process_index
+                window = [sampled_batch(sampler, b, sampling, config, step, i, process) for i, b in enumerate(window)]
                 model.train()  # sampling left it in eval mode
             # Normalise by the loss tokens of the whole step (all micro-batches and processes), not per micro-batch.
             local_tokens = sum(count_loss_tokens(b["labels"]) for b in window)

@@ -4,7 +4,7 @@ layers a chunk at a time (`losses`), and completions the student or teacher samp
 from __future__ import annotations
 
 from .losses import HeadCall, chunk_rows, distill_token_losses, generalized_jsd, token_losses
-from .sampling import batch_prompts, is_on_policy_step, sampled_batch
+from .sampling import batch_prompts, completion_sampling, is_on_policy_step, sampled_batch
 from .teacher import build_teacher, check_shared_tokenizer, teacher_dtype
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "build_teacher",
     "check_shared_tokenizer",
     "chunk_rows",
+    "completion_sampling",
     "distill_token_losses",
     "generalized_jsd",
     "is_on_policy_step",

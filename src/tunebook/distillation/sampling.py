@@ -16,10 +16,11 @@ import torch
 
 from ..data.collate import PadCollator
 from ..data.tokenize import IGNORE_INDEX
+from ..evaluation.generate import stop_token_ids
 from ..rl.generation import GenerationBackend, Sampling
 from ..rl.grpo import completion_seed
 
-__all__ = ["batch_prompts", "is_on_policy_step", "sampled_batch"]
+__all__ = ["batch_prompts", "completion_sampling", "is_on_policy_step", "sampled_batch"]
 
 
 def is_on_policy_step(seed: int, step: int, lmbda: float) -> bool:
@@ -41,16 +42,26 @@ def batch_prompts(batch: dict[str, torch.Tensor]) -> list[list[int]]:
     return prompts
 
 
-def sampled_batch(backend: GenerationBackend, batch: dict[str, torch.Tensor], sampling: Sampling, *, seed: int,
-                  step: int, micro: int, process: int, max_length: int, pad_to_multiple_of: int | None = None):  # fmt: skip
-    """`batch` with each row's completion sampled by `backend` from its prompt, padded as the data's batches are, on
-    their device. A row is cut at `max_length` tokens, as the data's are."""
+def completion_sampling(config, model, tokenizer) -> Sampling:
+    """How completions are sampled: at `temperature` (the loss's), at most `max_new_tokens`, until a stop token of
+    the model's (`stop_token_ids`: the chat template's end of turn too)."""
+    stops = stop_token_ids(model, tokenizer)
+    stops = [] if stops is None else [stops] if isinstance(stops, int) else list(stops)
+    return Sampling(config.max_new_tokens, config.temperature, stop_token_ids=tuple(stops),
+                    pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+
+
+def sampled_batch(backend: GenerationBackend, batch: dict[str, torch.Tensor], sampling: Sampling, config, step: int,
+                  micro: int, process: int) -> dict[str, torch.Tensor]:  # fmt: skip
+    """`batch` with each row's completion sampled by `backend` from its prompt, padded as the data's batches are
+    (`pad_to_multiple_of`), on their device. A row is cut at `max_seq_length` tokens, as the data's are. `step`,
+    `micro` (the micro-batch in the step) and `process` pick the seeds, with `config.seed`."""
     prompts = batch_prompts(batch)
-    seeds = [completion_seed(seed, step, process * 65_536 + micro, row) for row in range(len(prompts))]
+    seeds = [completion_seed(config.seed, step, process * 65_536 + micro, row) for row in range(len(prompts))]
     generated = backend.generate(prompts, seeds, sampling)
     rows = []
     for prompt, completion in zip(prompts, generated.token_ids):
-        completion = list(completion)[: max(0, max_length - len(prompt))]
+        completion = list(completion)[: max(0, config.max_seq_length - len(prompt))]
         rows.append({"input_ids": prompt + completion, "labels": [IGNORE_INDEX] * len(prompt) + completion})
-    device = batch["input_ids"].device
-    return {k: v.to(device) for k, v in PadCollator(sampling.pad_token_id, pad_to_multiple_of)(rows).items()}
+    collate = PadCollator(sampling.pad_token_id, config.pad_to_multiple_of)
+    return {k: v.to(batch["input_ids"].device) for k, v in collate(rows).items()}

@@ -3,6 +3,8 @@ from a backend's completions."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from tunebook.data import PadCollator
@@ -34,7 +36,8 @@ def test_sampled_completions_replace_the_datas_after_each_prompt():
     assert batch_prompts(batch) == [[5, 6, 7], [5]]
     backend = _Echo()
     sampling = Sampling(max_new_tokens=3, pad_token_id=0, stop_token_ids=(2,))
-    out = sampled_batch(backend, batch, sampling, seed=1, step=3, micro=0, process=0, max_length=5)
+    config = SimpleNamespace(seed=1, max_seq_length=5, pad_to_multiple_of=None)
+    out = sampled_batch(backend, batch, sampling, config, step=3, micro=0, process=0)
     prompts, seeds, asked = backend.asked
     assert prompts == [[5, 6, 7], [5]] and asked is sampling and len(set(seeds)) == 2
     first, second = 10 + seeds[0] % 10, 10 + seeds[1] % 10
@@ -44,8 +47,7 @@ def test_sampled_completions_replace_the_datas_after_each_prompt():
     assert out["loss_targets"].tolist() == [first, 11, second, 11, 2]
     # Another micro-batch, process or step samples with other seeds.
     for change in ({"micro": 1}, {"process": 1}, {"step": 4}):
-        sampled_batch(backend, batch, sampling, **{"seed": 1, "step": 3, "micro": 0, "process": 0, **change},
-                      max_length=5)  # fmt: skip
+        sampled_batch(backend, batch, sampling, config, **{"step": 3, "micro": 0, "process": 0, **change})
         assert not set(backend.asked[1]) & set(seeds)
 
 
