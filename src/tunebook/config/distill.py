@@ -6,9 +6,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from ..errors import ConfigError
-from .checks import check_data_files
+from .checks import MODEL_DATA_CHECKS, TRAINING_CHECKS, check_data_files, check_sample_prompts, check_split_turns
 from .fields import config_field, new_default
 from .sft import SFTConfig
+from .shared import fill_cache_dir, fill_tiny_model
 from .tiny import TINY_LLAMA, TINY_STUDENT
 
 __all__ = ["DistillConfig"]
@@ -120,7 +121,8 @@ class DistillConfig(SFTConfig):
     streams: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        super().__post_init__()  # the cache dir, and the student's tiny model (`tiny_model`) if none is named
+        fill_cache_dir(self)
+        fill_tiny_model(self)  # the student's (`tiny_model`) when no model is named
         fresh_teacher = self.teacher_model_name_or_path is None
         if fresh_teacher and self.teacher_model_config is None:
             self.teacher_model_config = dict(TINY_LLAMA)
@@ -128,8 +130,8 @@ class DistillConfig(SFTConfig):
             self.teacher_warmup_steps = 500 if fresh_teacher else 0
 
     def validate(self) -> None:
-        super().validate()
-        for check in (check_distill_data, check_teacher):
+        for check in (*TRAINING_CHECKS, *MODEL_DATA_CHECKS, check_split_turns, check_sample_prompts,
+                      check_distill_data, check_teacher):  # fmt: skip
             check(self)
 
     def check_files(self) -> None:

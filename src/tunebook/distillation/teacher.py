@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ModelError
 from ..models.build import build_causal_lm, is_partitioned, model_options, whole_weights
 from ..models.tokenizer import load_tokenizer
 from ..training.warmup import sft_warmup
@@ -23,7 +23,7 @@ def check_shared_tokenizer(config, tokenizer) -> None:
     name = config.teacher_model_name_or_path
     try:
         theirs = load_tokenizer(name, config.trust_remote_code)
-    except Exception as e:  # noqa: BLE001 -- one line naming the key, whatever the loader raised
+    except ModelError as e:
         raise ConfigError(
             f"teacher_model_name_or_path {name}: no tokenizer to check against the student's: {e}"
         ) from None

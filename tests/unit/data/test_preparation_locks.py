@@ -32,6 +32,7 @@ WRITERS = {
     "dpo": write_synthetic_preferences,
     "reward": write_synthetic_preferences,
     "grpo": write_synthetic_prompts,
+    "distill": synthetic.write_synthetic_task,  # SFT's data
 }
 
 
