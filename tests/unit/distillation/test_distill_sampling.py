@@ -19,6 +19,7 @@ def test_a_share_lmbda_of_the_steps_is_on_policy_decided_by_seed_and_step(lmbda)
     assert decisions == [is_on_policy_step(7, step, lmbda) for step in range(2000)]  # the same again (a resume)
     if 0 < lmbda < 1:
         assert decisions != [is_on_policy_step(8, step, lmbda) for step in range(2000)]
+        assert 0 < sum(decisions[:20]) < 20  # consecutive steps are not correlated (integer seeds once were)
 
 
 class _Echo(GenerationBackend):
