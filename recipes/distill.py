@@ -2,7 +2,7 @@
 
 With no arguments it runs the embedded offline default: it generates the SFT default's digit task, trains a
 tokenizer locally, builds a tiny Llama teacher and teaches it the task (`teacher_warmup_steps` of SFT), then distills
-it into a student a quarter its size and reports the exact match of the student's greedy answers on a held-out split
+it into a student of half its depth and reports the exact match of the student's greedy answers on a held-out split
 before and after, beside the teacher's.
 
     tunebook train --config_file accelerate_configs/cpu.yaml distill                       # CPU

@@ -84,6 +84,6 @@ TINY_LLAVA = {
     "image_seq_length": 4,
 }
 
-# The distillation default's student: the tiny Llama's shape at half the width and half the depth (about a quarter
-# of its parameters, which learn the digit task from a teacher of TINY_LLAMA's size; recipes/distill.py).
-TINY_STUDENT = {**TINY_LLAMA, "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2}
+# The distillation default's student: the tiny Llama at half its depth (0.59M parameters of the teacher's 1.09M). A
+# narrower one of four layers (width 96: 0.64M) learnt the digit task from the teacher about four times slower.
+TINY_STUDENT = {**TINY_LLAMA, "num_hidden_layers": 2}
