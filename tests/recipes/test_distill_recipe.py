@@ -29,7 +29,7 @@ def test_the_default_student_closes_most_of_the_gap_to_its_teacher(tmp_path):
     teacher, before = summary["teacher_eval_exact_match"], summary["eval_before_training"]["eval_exact_match"]
     after = summary["eval"]["eval_exact_match"]
     assert teacher >= 0.6 and before <= 0.05, summary
-    assert after - before >= 0.5 * (teacher - before), (before, after, teacher)
+    assert after - before >= 0.75 * (teacher - before), (before, after, teacher)  # measured: 0 -> 0.95 of 0.95
 
 
 def test_on_policy_steps_sample_from_the_student_and_the_others_from_the_teacher(tmp_path, monkeypatch):
