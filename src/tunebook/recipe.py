@@ -48,6 +48,9 @@ _PARTS = {
     "grpo": ("GRPOConfig", "rl:prepare_prompt_data",
              "Group Relative Policy Optimization (GRPO) of a causal language model with reward functions",
              "text-generation"),
+    "distill": ("DistillConfig", "data:prepare_sft_data",
+                "knowledge distillation (GKD) of a causal language model from a teacher sharing its tokenizer",
+                "text-generation"),
 }  # fmt: skip
 RECIPES = tuple(_PARTS)
 

@@ -387,5 +387,7 @@ def test_full_logits_are_never_materialised(tiny_tokenizer, tiny_model_config, m
     step()  # first use: weight gradients and allocator pools
     assert shapes[-1] == (1024,)
     assert _peak_rss_growth(step) < logits_bytes / 4
-    monkeypatch.setattr(loss_module, "_fusable", lambda *args: False)  # the selected-logits path, for scale
+    monkeypatch.setattr(
+        loss_module, "fusable_output_layer", lambda *args: False
+    )  # the selected-logits path, for scale
     assert _peak_rss_growth(step) > logits_bytes

@@ -29,6 +29,11 @@ TASKS = {
     "grpo": {"model_config": TINY_TEST_MODEL, "synthetic_train_size": 64, "synthetic_eval_size": 8,
              "sft_warmup_steps": 0, "num_generations": 2, "max_new_tokens": 4,
              "reward_functions": [str(ROOT / "tests" / "recipes" / "grpo_rewards.py") + ":text_length"]},
+    # A teacher of the student's size and no warm-up (the planner counts it as DPO's reference); lmbda 0.34: at the
+    # default seed, step 3 of 6 trains on the student's samples (and a run resumed after step 2 samples it again).
+    "distill": {"model_config": TINY_TEST_MODEL, "teacher_model_config": TINY_TEST_MODEL, "synthetic_train_size": 64,
+                "synthetic_eval_size": 8, "generation_eval": False, "teacher_warmup_steps": 0, "lmbda": 0.34,
+                "max_new_tokens": 4},
 }  # fmt: skip
 # What evaluation reports to choose the best model by (GRPO's evaluation has rewards, not a loss).
 EVAL_METRIC = {"grpo": "reward"}

@@ -37,6 +37,8 @@ CASES = {
     "dpo": {},
     # One prompt (its rows all as long), planned at its length; completions at max_new_tokens; a reference.
     "grpo": {"pad_to_multiple_of": None, "beta": 0.04},
+    # The teacher at the student's size (planned as DPO's reference is), the data's completions only.
+    "distill": {"teacher_model_config": MODEL, "lmbda": 0.0},
 }
 
 

@@ -252,6 +252,7 @@ LAYERS = [
     {"evaluation"},
     {"preference"},
     {"rl"},
+    {"distillation"},
     {"cli", "recipes", "tunebook"},
 ]
 # (importer, imported): why it reaches up a layer.

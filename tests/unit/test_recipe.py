@@ -10,6 +10,7 @@ from support import ROOT
 from tunebook import ConfigError, load_recipe
 from tunebook.config import (
     ClassifyConfig,
+    DistillConfig,
     DPOConfig,
     GRPOConfig,
     KTOConfig,
@@ -31,6 +32,7 @@ def test_each_recipe_loads_with_its_config_class(tmp_path, monkeypatch):
         "kto": KTOConfig,
         "reward": RewardConfig,
         "grpo": GRPOConfig,
+        "distill": DistillConfig,
     }
     assert set(RECIPES) == set(classes)
     for name, cls in classes.items():

@@ -7,7 +7,8 @@
   tuple;
 - `shared`: the fields every recipe shares (`TrainConfig`, `ModelDataConfig`, `ChatModelConfig`) and the
   causal-LM recipes' (`CausalLMConfig`);
-- `sft`, `classify`, `pretrain`, `dpo`, `kto`, `reward`, `grpo`: each recipe's config class, named as its recipe file.
+- `sft`, `classify`, `pretrain`, `dpo`, `kto`, `reward`, `grpo`, `distill`: each recipe's config class, named as its
+  recipe file.
 
 Everything a recipe, a notebook or a test needs is importable from `tunebook.config`. Nothing here imports torch:
 a command line is checked before torch loads.
@@ -18,6 +19,7 @@ from __future__ import annotations
 from ..errors import ConfigError  # importable from here as it always was
 from .checks import BUILTIN_REWARDS, TRACKERS, check_output_dir, report_to_names
 from .classify import ClassifyConfig
+from .distill import DistillConfig
 from .dpo import DPOConfig
 from .fields import Bounds, check_bounds, config_field, new_default, numeric_keys
 from .grpo import GRPOConfig
@@ -47,6 +49,7 @@ __all__ = [
     "ClassifyConfig",
     "ConfigError",
     "DPOConfig",
+    "DistillConfig",
     "GRPOConfig",
     "KTOConfig",
     "ModelDataConfig",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["TINY_BERT", "TINY_LLAMA", "TINY_LLAVA", "TINY_QWEN2_5_VL", "TINY_QWEN2_VL"]
+__all__ = ["TINY_BERT", "TINY_LLAMA", "TINY_LLAVA", "TINY_QWEN2_5_VL", "TINY_QWEN2_VL", "TINY_STUDENT"]
 
 # About 1M parameters with a 512-token vocabulary: learns the synthetic digit task in a CPU minute.
 TINY_LLAMA = {
@@ -83,3 +83,7 @@ TINY_LLAVA = {
     "vision_feature_select_strategy": "default",
     "image_seq_length": 4,
 }
+
+# The distillation default's student: the tiny Llama at half its depth (0.59M parameters of the teacher's 1.09M). A
+# narrower one of four layers (width 96: 0.64M) learnt the digit task from the teacher about four times slower.
+TINY_STUDENT = {**TINY_LLAMA, "num_hidden_layers": 2}

@@ -1,5 +1,5 @@
 """What one micro-batch of each recipe runs through the model, from its config alone: rows, length, the loss
-positions, a reference model, a generation phase (GRPO)."""
+positions, a reference model (DPO, GRPO; distillation's teacher), a generation phase (GRPO, distillation)."""
 
 from __future__ import annotations
 
@@ -65,5 +65,10 @@ def workload(recipe: str, config) -> Workload:
         reference = config.beta > 0 and not config.use_peft
         return Workload("causal_lm", rows, tokens, rows * config.max_new_tokens, True, reference, generation,
                         reference_forward=config.beta > 0)  # fmt: skip
+    if recipe == "distill":  # the teacher: a frozen model in memory and its forward per micro-batch, counted at the
+        # student's size (as DPO's reference); the student samples (lmbda) or the teacher (seq_kd) with transformers
+        sampled = config.lmbda > 0 or config.seq_kd
+        generation = Generation(batch, length, "transformers") if sampled else None
+        return Workload("causal_lm", batch, length, batch * length, True, True, generation, reference_forward=True)
     packed = bool(getattr(config, "packing", recipe == "pretrain"))
     return Workload("causal_lm", batch, length, batch * length, not packed, False)

@@ -22,6 +22,7 @@ from ..models.wrappers import unwrap
 
 __all__ = [
     "causal_lm_token_losses",
+    "fusable_output_layer",
     "count_loss_tokens",
     "output_layer_at",
     "per_example_token_loss",
@@ -57,7 +58,11 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 @contextmanager
 def output_layer_at(
-    model: torch.nn.Module, positions: torch.Tensor, targets: torch.Tensor | None = None, temperature: float = 1.0
+    model: torch.nn.Module,
+    positions: torch.Tensor,
+    targets: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    mode=None,
 ):
     """Inside this block, `model`'s output layer (the LM head) runs only on the hidden states at `positions`
     (flat indices into batch x length), so its logits have shape (len(positions), vocab).
@@ -70,13 +75,14 @@ def output_layer_at(
     With `targets`, the layer returns each position's float32 cross-entropy against its target instead of logits
     (`linear_ce.linear_cross_entropy`, chunked: the logits never exist whole), and the block yields the
     `LinearLosses` that computed them (its `losses` stay None if the layer never applied `F.linear` to them), of
-    the logits divided by `temperature`.
+    the logits divided by `temperature`. `mode`, an object with `LinearLosses`' `start(hidden)` and `stop()`, takes
+    its place (distillation's heads, `tunebook.distillation.losses.HeadCall`).
     """
     head = unwrap(model).get_output_embeddings()
     if head is None:
         yield None
         return
-    fused = LinearLosses(targets, temperature) if targets is not None else None
+    fused = mode if mode is not None else LinearLosses(targets, temperature) if targets is not None else None
 
     def select(module, args):
         hidden = args[0]
@@ -122,7 +128,7 @@ def causal_lm_token_losses(
     positions, targets = batch["loss_positions"], batch["loss_targets"]
     fused = None
     try:
-        fusable = _fusable(model, len(positions))
+        fusable = fusable_output_layer(model, len(positions))
         with output_layer_at(model, positions, targets if fusable else None, temperature) as fused:
             logits = model(**inputs).logits
     except (IndexError, RuntimeError, ValueError):
@@ -165,7 +171,7 @@ _LOGIT_CHANGES = (
 _CHANGES_LOGITS: set[str] = set()  # model types seen doing so at run time
 
 
-def _fusable(model: torch.nn.Module, positions: int) -> bool:
+def fusable_output_layer(model: torch.nn.Module, positions: int) -> bool:
     """Some position carries a loss, the output layer computes its logits with plain `F.linear`, and the model
     returns them unchanged (as far as known)."""
     inner = unwrap(model)

@@ -33,6 +33,7 @@ WRITERS = {  # each recipe's generated data, and one over-long row in its format
     "kto": (write_synthetic_preferences, {"prompt": BIG, "completion": "1", "label": True}),  # pairs, and a row
     "reward": (write_synthetic_preferences, {"prompt": "Sort 21", "chosen": BIG, "rejected": "2"}),
     "grpo": (write_synthetic_prompts, {"prompt": BIG, "answer": "1"}),
+    "distill": (synthetic.write_synthetic_task, {"text": BIG}),  # SFT's data
 }
 # The longest text of a pair, a prompt with its answer, or a message that can fit: tokenizer_max_chars' argument.
 LONGEST_TRAINED = {"dpo": 2 * MAX_SEQ_LENGTH, "reward": 2 * MAX_SEQ_LENGTH, "grpo": 2 * MAX_SEQ_LENGTH}

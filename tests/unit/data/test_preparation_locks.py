@@ -33,6 +33,7 @@ WRITERS = {
     "kto": write_synthetic_preferences,  # pairs, split into rows
     "reward": write_synthetic_preferences,
     "grpo": write_synthetic_prompts,
+    "distill": synthetic.write_synthetic_task,  # SFT's data
 }
 
 

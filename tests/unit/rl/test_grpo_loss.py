@@ -150,7 +150,7 @@ def test_completion_log_probs_are_the_log_softmax_of_the_tempered_logits(head, t
     """TRL's `_get_per_token_logps_and_entropies`: log_softmax(logits / T) at the completion tokens, for the policy,
     the old policy and the reference alike; fused into the output layer (with or without a bias) or not."""
     if head == "unfused":  # a head the fused loss does not take (LoRA on lm_head, quantized): logits, then the loss
-        monkeypatch.setattr("tunebook.training.loss._fusable", lambda model, positions: False)
+        monkeypatch.setattr("tunebook.training.loss.fusable_output_layer", lambda model, positions: False)
     model = _policy(head)
     generator = torch.Generator().manual_seed(1)
     prompt_ids = [torch.randint(1, 64, (n,), generator=generator).tolist() for n in (5, 3, 7)]
