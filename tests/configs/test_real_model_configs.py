@@ -31,6 +31,7 @@ PUBLISHED_BILLIONS = {
     "meta-llama/Llama-3.2-3B-Instruct": 3.21,
     "Qwen/Qwen2.5-1.5B-Instruct": 1.54,
     "meta-llama/Llama-3.2-1B": 1.24,
+    "Qwen/Qwen2.5-0.5B-Instruct": 0.49,
 }
 
 
@@ -68,7 +69,8 @@ FIGURES = re.compile(r"^# Planned \(tunebook plan, [0-9-]+\): ([0-9.]+) GiB of (
 
 def test_the_real_model_configs_are_planned():
     assert len(PLANNED) >= 13
-    models = {yaml.safe_load(p.read_text())["model_name_or_path"] for p in PLANNED}
+    models = {yaml.safe_load(p.read_text())[key] for p in PLANNED for key in ("model_name_or_path", "teacher_model_name_or_path")
+              if key in yaml.safe_load(p.read_text())}  # fmt: skip
     assert models == set(PUBLISHED_BILLIONS), "each shipped config.json serves a planned config, and each back"
 
 
@@ -86,10 +88,16 @@ def test_config_fits_the_hardware_its_header_names(path: Path):
     recipe = path.relative_to(ROOT / "recipes" / "configs").parts[0]
     assert argv[:4] == ["plan", recipe, "--config", str(path.relative_to(ROOT))]
     assert "--gpu" in argv and "--num_gpus" in argv, "the hardware it was planned for, named"
-    model = yaml.safe_load(text)["model_name_or_path"]
+    values = yaml.safe_load(text)
+    model, teacher = values["model_name_or_path"], values.get("teacher_model_name_or_path")  # distill's teacher
+    shapes = [
+        "--architecture",
+        str(asset(model)),
+        *(["--teacher_architecture", str(asset(teacher))] if teacher else []),
+    ]
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
-        main([*argv, "--architecture", str(asset(model)), "--json"])
+        main([*argv, *shapes, "--json"])
     plan = json.loads(stdout.getvalue().strip().splitlines()[-1])
     gib = 2**30
     assert plan["fits"], (

@@ -45,7 +45,8 @@ USAGE = """usage: tunebook train [ACCELERATE LAUNCH OPTIONS] RECIPE [--config FI
        tunebook convert-gguf MODEL.gguf OUT_DIR
        tunebook report RUN_DIR [RUN_DIR ...] [--output FILE.png]
        tunebook plan RECIPE [--config FILE.yaml] [--config_file ACCELERATE.yaml] [--gpu NAME | --gpu_memory 24GiB]
-                     [--num_gpus N] [--architecture CONFIG.json] [--mfu 0.4] [--json] [--key value ...]
+                     [--num_gpus N] [--architecture CONFIG.json] [--teacher_architecture CONFIG.json] [--mfu 0.4]
+                     [--json] [--key value ...]
        tunebook chat MODEL_DIR [--prompt TEXT] [--system TEXT] [--max_new_tokens N] [--temperature T]
        tunebook evaluate MODEL_DIR --tasks T [T ...] [--limit N] [--num_fewshot K] [--batch_size B]
                          [--output FILE] [--json]

@@ -1,5 +1,5 @@
 """`tunebook plan RECIPE --config FILE.yaml [--config_file ACCELERATE.yaml] [--gpu NAME | --gpu_memory 24GiB]
-[--num_gpus N] [--architecture PATH] [--mfu 0.4] [--json] [--key value ...]`: a run's memory per device and its
+[--num_gpus N] [--architecture PATH] [--teacher_architecture PATH] [--mfu 0.4] [--json] [--key value ...]`: a run's memory per device and its
 speed before it launches (`tunebook.planning`), and what to change when it does not fit.
 
 The model is built from its config.json on fake tensors: nothing is downloaded but that file (or nothing, with
@@ -13,7 +13,7 @@ import sys
 
 __all__ = ["format_plan", "plan_command"]
 
-OPTIONS = ("--config_file", "--gpu", "--gpu_memory", "--num_gpus", "--architecture", "--mfu")
+OPTIONS = ("--config_file", "--gpu", "--gpu_memory", "--num_gpus", "--architecture", "--teacher_architecture", "--mfu")
 
 
 def plan_command(argv: list[str]) -> dict:
@@ -48,7 +48,15 @@ def plan_command(argv: list[str]) -> dict:
     model_config = model_config_of(config, options["--architecture"] or None)
 
     def planner(changed, changed_layout):
-        return plan(recipe, changed, changed_layout, device, mfu=mfu, model_config=model_config)
+        return plan(
+            recipe,
+            changed,
+            changed_layout,
+            device,
+            mfu=mfu,
+            model_config=model_config,
+            teacher_architecture=options["--teacher_architecture"] or None,
+        )
 
     result = planner(config, layout)
     if not result.fits:

@@ -18,7 +18,7 @@ from ..errors import ConfigError
 from ..models.build import read_model_config, torch_dtype
 from ..models.gguf import resolve_model_name
 
-__all__ = ["Architecture", "build_architecture", "model_config_of"]
+__all__ = ["Architecture", "build_architecture", "model_config_of", "teacher_parameters"]
 
 # What 4-bit NF4 with double quantisation (QLoRA, bitsandbytes) stores per weight: 4 bits, plus one 8-bit absmax
 # per 64 weights and one float32 per 256 of those (Dettmers et al. 2023, section 2).
@@ -64,6 +64,28 @@ def model_config_of(config, architecture: str | Path | None = None):
         raise ConfigError("model_config needs a 'model_type' (e.g. llama)")
     values.setdefault("vocab_size", getattr(config, "tokenizer_vocab_size", 32000))
     return AutoConfig.for_model(model_type, **values)
+
+
+def teacher_parameters(config, architecture: str | Path | None = None) -> tuple[int | None, str]:
+    """The parameters of a distillation run's teacher (its config.json: `architecture`, else what
+    `teacher_model_name_or_path` or `teacher_model_config` names), counted on the meta device; (None, why) when its
+    config.json cannot be read here (a Hub name offline): the plan then counts the teacher at the student's size."""
+    import copy
+
+    from ..models.vision import generative_auto_class
+
+    teacher = copy.copy(config)
+    teacher.model_name_or_path, teacher.model_config = config.teacher_model_name_or_path, config.teacher_model_config
+    teacher.model_revision = None
+    try:
+        model_config = model_config_of(teacher, architecture)
+    except ConfigError as error:
+        return None, f"the teacher counted at the student's size: {error}".replace(
+            "--architecture", "--teacher_architecture"
+        )
+    with torch.device("meta"):  # shapes only: a 70B teacher in no memory
+        model = generative_auto_class(model_config).from_config(model_config)
+    return sum(p.numel() for p in model.parameters()), ""
 
 
 def _config_from(load, name: str, shown, config, **kwargs):

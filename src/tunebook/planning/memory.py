@@ -10,12 +10,12 @@ a reference model, a generation's cache, and the CUDA context with the caching a
 
 from __future__ import annotations
 
-from dataclasses import asdict, astuple, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field, replace
 
 import torch
 
 from .. import compat
-from .architecture import build_architecture, model_config_of
+from .architecture import build_architecture, model_config_of, teacher_parameters
 from .flops import model_flops_per_token
 from .hardware import GiB, Hardware
 from .layout import Layout
@@ -74,9 +74,10 @@ class Plan:
 
 
 def plan(recipe: str, config, layout: Layout, hardware: Hardware, architecture=None, mfu: float = DEFAULT_MFU,
-         model_config=None, on_gpu: bool = True) -> Plan:  # fmt: skip
+         model_config=None, on_gpu: bool = True, teacher_architecture=None) -> Plan:  # fmt: skip
     """The plan of `recipe` run with `config` over `layout` on `hardware`. `model_config` (a transformers config)
-    saves reading it again; `on_gpu` False leaves out the CUDA-only overhead (a plan checked on a CPU)."""
+    saves reading it again; `on_gpu` False leaves out the CUDA-only overhead (a plan checked on a CPU);
+    `teacher_architecture` the config.json of a distillation run's teacher (else read as the run reads it)."""
     import copy
 
     work = workload(recipe, config)
@@ -122,6 +123,10 @@ def plan(recipe: str, config, layout: Layout, hardware: Hardware, architecture=N
     result.activations = step.top.activations + (_padding_masks(work, arch) if masked else 0)
     result.logits = step.top.logits
     result.reference = arch.weight_bytes / (layout.shard_over if layout.sharded else 1) if work.reference else 0
+    if recipe == "distill":  # the teacher: its own size, in the dtype it runs in, and its forward's FLOPs
+        teacher_bytes, scale = _teacher(result, arch, config, on_gpu, teacher_architecture)
+        work = replace(work, reference_scale=scale)
+        result.reference = teacher_bytes / (layout.shard_over if layout.sharded else 1)
     result.generation = _generation(work, arch, hardware)
     # The peak is the larger of the step's (its activations, logits and the gradients made so far) and the
     # generation's (GRPO: the engine's cache, no activations), over what stays: weights, optimizer, reference, and
@@ -146,6 +151,19 @@ def plan(recipe: str, config, layout: Layout, hardware: Hardware, architecture=N
     result.fits = result.total <= hardware.memory
     _speed(result, arch, work, config, layout, hardware)
     return result
+
+
+def _teacher(result: Plan, arch, config, on_gpu: bool, architecture) -> tuple[float, float]:
+    """A distillation teacher's weight bytes, its parameters (`teacher_parameters`) in the dtype it runs in
+    (`distillation.teacher.teacher_dtype`: bfloat16 on a GPU under `auto`, else the student's), and its size over
+    the student's (its forward's FLOPs); the student's when its config.json cannot be read (said in the notes)."""
+    count, why = teacher_parameters(config, architecture)
+    if count is None:
+        result.notes.append(why)
+        return arch.weight_bytes, 1.0
+    named = {"float32": 4, "bfloat16": 2, "float16": 2}
+    per_weight = named.get(config.teacher_dtype) or (2 if on_gpu else arch.weight_bytes / max(arch.params, 1))
+    return count * per_weight, count / max(arch.params, 1)
 
 
 def _depth(model_config) -> tuple[object, int, int] | None:
@@ -318,7 +336,7 @@ def _speed(result: Plan, arch, work: Workload, config, layout: Layout, hardware:
         # (KTO's of the KL rows). Model FLOPs count 3 units.
         trained = arch.trainable / max(arch.params, 1)
         units = 1 + 1 + trained + (1 if config.gradient_checkpointing or layout.activation_checkpointing else 0)
-        units += (1 if work.reference_forward else 0) + work.extra_forwards
+        units += (work.reference_scale if work.reference_forward else 0) + work.extra_forwards
         result.tokens_per_second = hardware.peak_flops * layout.processes * result.mfu / result.flops_per_token
         result.tokens_per_second *= 3 / units
         result.seconds_per_step = result.tokens_per_step / result.tokens_per_second

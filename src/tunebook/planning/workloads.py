@@ -36,6 +36,7 @@ class Workload:
     # More forwards without gradients per micro-batch, each as many rows as the micro-batch (KTO: the policy's and
     # the reference's of the KL rows), in units of the micro-batch's forward.
     extra_forwards: int = 0
+    reference_scale: float = 1.0  # the reference's forward FLOPs over the trained model's (distillation's teacher)
 
 
 def workload(recipe: str, config) -> Workload:
@@ -65,8 +66,8 @@ def workload(recipe: str, config) -> Workload:
         reference = config.beta > 0 and not config.use_peft
         return Workload("causal_lm", rows, tokens, rows * config.max_new_tokens, True, reference, generation,
                         reference_forward=config.beta > 0)  # fmt: skip
-    if recipe == "distill":  # the teacher: a frozen model in memory and its forward per micro-batch, counted at the
-        # student's size (as DPO's reference); the student samples (lmbda) or the teacher (seq_kd) with transformers
+    if recipe == "distill":  # the teacher: a frozen model in memory and its forward per micro-batch (its size:
+        # memory.plan); the student samples (lmbda) or the teacher (seq_kd) with transformers
         sampled = config.lmbda > 0 or config.seq_kd
         generation = Generation(batch, length, "transformers") if sampled else None
         return Workload("causal_lm", batch, length, batch * length, True, True, generation, reference_forward=True)

@@ -75,6 +75,35 @@ def test_a_reference_model_and_generation_are_planned_where_the_recipe_has_them(
     assert server.generation == 0
 
 
+def test_a_distillation_teacher_is_planned_at_its_own_size_and_dtype(tmp_path: Path):
+    import json
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    teacher = {"model_type": "llama", "hidden_size": 96, "intermediate_size": 256, "num_hidden_layers": 3,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}  # fmt: skip
+    with torch.device("meta"):
+        count = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.for_model(**teacher)).parameters())
+    config = _config("distill", teacher_model_config=json.dumps(teacher), tokenizer_vocab_size=512)
+    on_cpu = plan("distill", config, Layout(), hardware("H100"), on_gpu=False)
+    assert on_cpu.reference == count * 4 and on_cpu.reference != on_cpu.weights  # float32 beside a float32 student
+    on_gpu = plan("distill", config, Layout(), hardware("H100"))
+    assert on_gpu.reference == count * 2  # teacher_dtype auto: bf16 on a GPU
+    assert plan("distill", config, Layout("zero3", 4, "bf16", 4), hardware("H100")).reference == count * 2 / 4
+    # The teacher's forward costs its own FLOPs: a larger teacher, a slower step.
+    larger = _config("distill", teacher_model_config=json.dumps({**teacher, "num_hidden_layers": 12}),
+                     tokenizer_vocab_size=512)  # fmt: skip
+    assert plan("distill", larger, Layout(), hardware("H100")).tokens_per_second < on_gpu.tokens_per_second
+    # --teacher_architecture: a config.json; none readable (a Hub name offline): the student's size, said.
+    (tmp_path / "config.json").write_text(json.dumps({**teacher, "num_hidden_layers": 6}))
+    from_file = plan("distill", config, Layout(), hardware("H100"), on_gpu=False, teacher_architecture=tmp_path)
+    assert from_file.reference > on_cpu.reference
+    unread = _config("distill", teacher_model_name_or_path=str(tmp_path / "missing"), tokenizer_vocab_size=512)
+    fallback = plan("distill", unread, Layout(), hardware("H100"), on_gpu=False)
+    assert fallback.reference == fallback.weights and "the teacher counted at the student's size" in fallback.notes[0]
+
+
 def test_checkpointing_and_smaller_micro_batches_lower_the_activations():
     base = plan("sft", _config(), Layout(), hardware("H100"))
     checkpointed = plan("sft", _config(gradient_checkpointing=True), Layout(), hardware("H100"))
