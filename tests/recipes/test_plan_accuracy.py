@@ -1,5 +1,6 @@
 """The memory plan against a measured run of every recipe on the CPU: the run's peak of allocated bytes (every
-tensor it makes, `tunebook.planning.trace.measure_run`) within 10% of `tunebook plan`'s for the same config.
+tensor it makes, `tunebook.planning.trace.measure_run`) within 10% of `tunebook plan`'s for the same config (KTO:
+the plan an upper bound, at most 20% over: `ABOVE`).
 
 The runs take the code path the plan models (the GPU's): no CPU-only fused layers, rows padded to the length the
 config allows (the plan's assumption: rows as long as allowed). benchmarks/plan_accuracy.py measures the larger
@@ -37,9 +38,14 @@ CASES = {
     "dpo": {},
     # One prompt (its rows all as long), planned at its length; completions at max_new_tokens; a reference.
     "grpo": {"pad_to_multiple_of": None, "beta": 0.04},
-    # The teacher at the student's size (planned as DPO's reference is), the data's completions only.
+    # A teacher of the student's shape (the plan counts it at its own size), the data's completions only.
     "distill": {"teacher_model_config": MODEL, "lmbda": 0.0},
+    "kto": {},
 }
+# The plan counts the loss's logits at every position; KTO's rows (one per micro-batch row, no chosen/rejected pair
+# to share a prompt's length with) have short completions, and the run computes logits only there: the plan is an
+# upper bound, 19% over on this tiny model where logits are a quarter of the step (measured 2026-11-28).
+ABOVE = {"kto": 0.20}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -64,4 +70,7 @@ def test_the_plan_is_within_ten_percent_of_a_measured_run(case, tmp_path):
         data = prepare_text_prompt_data(config, tmp_path / "cache", logging.getLogger("test"))
         config.max_prompt_length = max(len(ids) for ids in data.train["prompt_ids"])
     planned = plan(name, config, Layout(), hardware("H100"), on_gpu=False)
+    if case in ABOVE:
+        assert measured.peak <= planned.allocated <= (1 + ABOVE[case]) * measured.peak, (planned.as_dict(), measured)
+        return
     assert planned.allocated == pytest.approx(measured.peak, rel=0.10), (planned.as_dict(), measured.at_peak)
