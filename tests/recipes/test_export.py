@@ -24,6 +24,7 @@ from tunebook.training.manifest import write_manifest
 
 pytestmark = pytest.mark.slow
 RECIPES = ["sft", "classify", "pretrain", "dpo", "reward"]
+RECORDED = [*RECIPES, "kto", "distill"]  # recipes whose checkpoints always record their recipe (the later ones)
 CLASSIFIERS = ("classify", "reward")
 TEXTS = ["Reverse the digits.\n1234", "Sort the digits.\n981 hello world"]
 
@@ -46,8 +47,11 @@ def train(tmp_path_factory):
                 overrides |= {"model_config": dict(TINY_TEST_MODEL), "max_seq_length": 64}
             if recipe == "sft":
                 overrides["generation_eval"] = False
-            if recipe == "dpo":
+            if recipe in ("dpo", "kto"):
                 overrides["sft_warmup_steps"] = 0
+            if recipe == "distill":  # an untrained teacher of the student's shape
+                overrides |= {"teacher_model_config": dict(TINY_TEST_MODEL), "teacher_warmup_steps": 0,
+                              "generation_eval": False}  # fmt: skip
             loaded = load_recipe(recipe)
             loaded.main(loaded.config(**overrides))
             runs[recipe, lora] = out
@@ -75,7 +79,7 @@ def _assert_same_model(exported, output, exported_dir, output_dir):
     assert exported.config.id2label == output.config.id2label
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", RECORDED)
 def test_export_of_full_weights_equals_the_run_output(train, tmp_path, recipe):
     out = train(recipe, lora=False)
     checkpoint = out / "checkpoints/step-2"
@@ -93,7 +97,7 @@ def test_export_of_full_weights_equals_the_run_output(train, tmp_path, recipe):
         assert model.generation_config.eos_token_id == output.generation_config.eos_token_id
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", RECORDED)
 def test_export_of_lora_adapters_and_merged_equals_the_run_output(train, tmp_path, recipe):
     pytest.importorskip("peft")
     out = train(recipe, lora=True)
