@@ -3,12 +3,11 @@ layers a chunk at a time (`losses`), and completions the student or teacher samp
 
 from __future__ import annotations
 
-from .losses import HeadCall, chunk_rows, distill_token_losses, generalized_jsd, token_losses
+from .losses import chunk_rows, distill_token_losses, generalized_jsd, token_losses
 from .sampling import batch_prompts, completion_sampling, is_on_policy_step, sampled_batch
 from .teacher import build_teacher, check_shared_tokenizer, teacher_dtype
 
 __all__ = [
-    "HeadCall",
     "batch_prompts",
     "build_teacher",
     "check_shared_tokenizer",

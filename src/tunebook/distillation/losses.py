@@ -12,7 +12,7 @@ losses and normalises by the loss tokens of the whole step (`step_loss_scale`), 
 step's tokens, exact across micro-batches and processes.
 
 Neither model's (positions, vocab) logits exist at once. The teacher's forward (no gradients) stops at its output
-layer's input: `HeadCall` keeps the hidden states at the loss positions and the layer's weight, and hands the model a
+layer's input: `linear_ce.HeadCall` keeps the hidden states at the loss positions and the layer's weight, and hands the model a
 (positions, 0) placeholder instead of logits. The student's output layer, where it runs (its weight gathered under
 FSDP/ZeRO-3), computes the losses `chunk_rows` rows at a time from both models' hidden states and weights, and
 returns them in place of its logits, as the fused cross-entropy does (`tunebook.models.linear_ce`: the same chunk
@@ -31,7 +31,6 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from ..data.collate import loss_positions
@@ -39,7 +38,7 @@ from ..models import linear_ce
 from ..models.build import is_partitioned
 from ..training.loss import fusable_output_layer, output_layer_at
 
-__all__ = ["HeadCall", "chunk_rows", "distill_token_losses", "generalized_jsd", "token_losses"]
+__all__ = ["chunk_rows", "distill_token_losses", "generalized_jsd", "token_losses"]
 
 
 def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float,
@@ -77,36 +76,6 @@ def _chunk_losses(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_
     return token_losses(F.linear(hidden, weight, bias), teacher_logits, targets, beta, temperature, alpha)
 
 
-class HeadCall(TorchFunctionMode):
-    """While started (by `output_layer_at(model, positions, mode=...)`), `F.linear` applied to the very tensor
-    `hidden` (the output layer's input at the loss positions) returns `on_call(hidden, weight, bias)` instead of
-    logits; every other call runs as usual. `result` keeps what it returned."""
-
-    def __init__(self, on_call):
-        super().__init__()
-        self.on_call = on_call
-        self.hidden = self.result = None
-        self.started = False
-
-    def start(self, hidden: torch.Tensor) -> None:
-        self.hidden, self.started = hidden, True
-        self.__enter__()
-
-    def stop(self) -> None:
-        if self.started:
-            self.started = False
-            self.__exit__(None, None, None)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear and self.result is None:
-            call = dict(zip(("input", "weight", "bias"), args), **kwargs)
-            if call["input"] is self.hidden:
-                self.result = self.on_call(self.hidden, call["weight"], call.get("bias"))
-                return self.result
-        return func(*args, **kwargs)
-
-
 def _teacher_head_inputs(teacher, inputs: dict, positions: torch.Tensor):
     """The teacher's hidden states at `positions` and its output layer's (weight, bias), from a forward without
     gradients that computes no logits. Under ZeRO-3 the layer's weight is whole only during its forward: copied."""
@@ -119,7 +88,7 @@ def _teacher_head_inputs(teacher, inputs: dict, positions: torch.Tensor):
         return hidden.new_empty(hidden.shape[0], 0)  # a placeholder for the logits the model returns
 
     captured = []
-    with torch.no_grad(), output_layer_at(teacher, positions, mode=HeadCall(capture)):
+    with torch.no_grad(), output_layer_at(teacher, positions, mode=linear_ce.HeadCall(capture)):
         teacher(**inputs)
     return captured if captured else None
 
@@ -155,7 +124,7 @@ def distill_token_losses(model, teacher, inputs: dict, teacher_inputs: dict, bat
                 for i in range(0, hidden.shape[0], rows)
             ])  # fmt: skip
 
-        head = HeadCall(fused)
+        head = linear_ce.HeadCall(fused)
         with output_layer_at(model, positions, mode=head):
             out = model(**inputs).logits
         if head.result is not None and out.shape == head.result.shape:  # returned untouched (or only cast)

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CHUNK_ELEMENTS", "VOCAB_BACKWARD", "LinearLosses", "linear_cross_entropy"]
+__all__ = ["CHUNK_ELEMENTS", "VOCAB_BACKWARD", "HeadCall", "linear_cross_entropy", "linear_losses"]
 
 # Logits per chunk: 128 MiB in float32, 256 rows of a 131,072-token vocabulary. Smaller chunks cost time on CPU
 # (128 rows: about 12 s instead of 10 s in the table above), as each re-reads the whole weight for a thinner matmul.
@@ -193,20 +193,22 @@ def _chunk_logits(hidden, weight, bias, buffer) -> torch.Tensor:
     return torch.addmm(bias, hidden, weight.t(), out=out)
 
 
-class LinearLosses(TorchFunctionMode):
-    """While started, `F.linear` applied to the very tensor `hidden` returns `linear_cross_entropy` of it against
-    `targets` (kept as `losses`) instead of logits, of the logits divided by `temperature` if that is not 1; every
-    other call runs as usual.
+class HeadCall(TorchFunctionMode):
+    """While started (`start(hidden)`, by `training.loss.output_layer_at`), `F.linear` applied to the very tensor
+    `hidden` (the output layer's input at the loss positions) returns `on_call(hidden, weight, bias)` instead of
+    logits (kept as `result`); every other call runs as usual. `linear_losses` is the SFT loss's; distillation's
+    heads (`tunebook.distillation.losses`) are others.
 
-    Started around an output layer's forward: the layer, or a peft wrapper around it (`modules_to_save`,
-    `trainable_token_indices`), picks its weight as always (the trained copy, the merged token rows, the frozen
-    original with adapters off) and hands it to `F.linear`, where the loss takes it over.
+    transformers models apply the LM head to every position; in SFT the prompt tokens (a third of Code Alpaca's)
+    and the padding carry no loss, yet their logits cost a vocabulary-wide matmul, softmax and backward each. The
+    hook sits on the head inside the (DDP/FSDP-wrapped) model, so distributed wrappers see an ordinary forward,
+    and the head's weight is the gathered one.
     """
 
-    def __init__(self, targets: torch.Tensor, temperature: float = 1.0):
+    def __init__(self, on_call):
         super().__init__()
-        self.targets, self.temperature = targets, temperature
-        self.hidden = self.losses = None
+        self.on_call = on_call
+        self.hidden = self.result = None
         self.started = False
 
     def start(self, hidden: torch.Tensor) -> None:
@@ -220,13 +222,23 @@ class LinearLosses(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear and self.losses is None:
+        if func is F.linear and self.result is None:
             call = dict(zip(("input", "weight", "bias"), args), **kwargs)
             if call["input"] is self.hidden:
-                hidden, bias = self.hidden, call.get("bias")
-                if self.temperature != 1.0:  # logits / T is F.linear(hidden / T, weight, bias / T)
-                    hidden = hidden / self.temperature
-                    bias = None if bias is None else bias / self.temperature
-                self.losses = linear_cross_entropy(hidden, call["weight"], bias, self.targets)
-                return self.losses
+                self.result = self.on_call(self.hidden, call["weight"], call.get("bias"))
+                return self.result
         return func(*args, **kwargs)
+
+
+def linear_losses(targets: torch.Tensor, temperature: float = 1.0) -> HeadCall:
+    """The `HeadCall` whose output layer returns `linear_cross_entropy` of `hidden` against `targets` (its
+    `result`: each position's float32 cross-entropy) instead of logits, of the logits divided by `temperature`
+    if that is not 1."""
+
+    def losses(hidden, weight, bias):
+        if temperature != 1.0:  # logits / T is F.linear(hidden / T, weight, bias / T)
+            hidden = hidden / temperature
+            bias = None if bias is None else bias / temperature
+        return linear_cross_entropy(hidden, weight, bias, targets)
+
+    return HeadCall(losses)

@@ -41,12 +41,11 @@ class PeakBytes(compat.torch_dispatch_mode()):
 
     def __enter__(self):
         if self.outside_dispatch:
-            import gc
             import warnings
 
             with warnings.catch_warnings():  # isinstance on every object touches deprecated torch aliases
                 warnings.simplefilter("ignore", FutureWarning)
-                self.before = {compat.storage_key(t) for t in gc.get_objects() if isinstance(t, torch.Tensor)}
+                self.before = {compat.storage_key(t) for t in _live_tensors()}
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -187,3 +186,16 @@ def measure_run(recipe: str, config) -> PeakBytes:
     with meter:
         load_recipe(recipe).main(config)
     return meter
+
+
+def _live_tensors():
+    """Every tensor the garbage collector tracks. A `weakref.proxy` whose object is gone (one left by an earlier
+    run) raises ReferenceError on any attribute lookup, `isinstance`'s included: skipped."""
+    import gc
+
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor):
+                yield obj
+        except ReferenceError:
+            continue

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..data.collate import loss_positions
 from ..data.tokenize import IGNORE_INDEX
-from ..models.linear_ce import LinearLosses
+from ..models.linear_ce import linear_losses
 from ..models.wrappers import unwrap
 
 __all__ = [
@@ -74,15 +74,15 @@ def output_layer_at(
 
     With `targets`, the layer returns each position's float32 cross-entropy against its target instead of logits
     (`linear_ce.linear_cross_entropy`, chunked: the logits never exist whole), and the block yields the
-    `LinearLosses` that computed them (its `losses` stay None if the layer never applied `F.linear` to them), of
-    the logits divided by `temperature`. `mode`, an object with `LinearLosses`' `start(hidden)` and `stop()`, takes
-    its place (distillation's heads, `tunebook.distillation.losses.HeadCall`).
+    `linear_losses` that computed them (its `result` stays None if the layer never applied `F.linear` to them), of
+    the logits divided by `temperature`. `mode`, another `linear_ce.HeadCall`, takes its place (distillation's
+    heads).
     """
     head = unwrap(model).get_output_embeddings()
     if head is None:
         yield None
         return
-    fused = mode if mode is not None else LinearLosses(targets, temperature) if targets is not None else None
+    fused = mode if mode is not None else linear_losses(targets, temperature) if targets is not None else None
 
     def select(module, args):
         hidden = args[0]
@@ -132,13 +132,13 @@ def causal_lm_token_losses(
         with output_layer_at(model, positions, targets if fusable else None, temperature) as fused:
             logits = model(**inputs).logits
     except (IndexError, RuntimeError, ValueError):
-        if fused is None or fused.losses is None:  # the head never returned losses: not the fusion's doing
+        if fused is None or fused.result is None:  # the head never returned losses: not the fusion's doing
             raise
         # The model works on its logits after the head (xLSTM reads their length in evaluation) and broke on losses.
         return _unfused(model, inputs, batch, "fails on fused losses from its output layer", temperature)
-    if fused is not None and fused.losses is not None:
+    if fused is not None and fused.result is not None:
         # The head's losses came out untouched, or only cast by a wrapper (FSDP2's output_dtype).
-        if logits is fused.losses or (logits.shape == fused.losses.shape and logits.dtype != fused.losses.dtype):
+        if logits is fused.result or (logits.shape == fused.result.shape and logits.dtype != fused.result.dtype):
             return logits.float(), positions
         return _unfused(model, inputs, batch, "changes its logits after the output layer", temperature)
     if logits.dim() == 3:  # the model made its logits without calling its output layer module: pick them here

@@ -95,3 +95,17 @@ def test_measuring_a_run_counts_copies_and_no_fake_tensors():
         assert meter.peak < 40_000
         total = (copied + weights).sum()
     assert 8000 <= meter.peak < 40_000 and total.item() == 2000
+
+
+def test_a_dead_weak_proxy_in_the_process_does_not_stop_a_measurement():
+    import weakref
+
+    class Held:
+        pass
+
+    held = Held()
+    proxies = [weakref.proxy(held)]  # gc-tracked (in a list), dead once `held` goes: isinstance on it raises
+    del held
+    with PeakBytes(outside_dispatch=True) as meter:
+        torch.ones(10)
+    assert proxies and meter.peak >= 0
