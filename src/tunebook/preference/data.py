@@ -84,19 +84,7 @@ class PreferencePipeline(Pipeline):
         return setup_chat_template(tokenizer, config.chat_template, config.trust_remote_code, self.log)
 
     def tokenise(self, sources: list[DataSource], name: str) -> Tokenised:
-        config, log = self.config, self.log
-        key = fingerprint(
-            {"pairs": fingerprint_sources(sources), "tokenizer": tokenizer_fingerprint(self.tokenizer),
-             "max_seq_length": config.max_seq_length, "overlong": config.overlong_examples,
-             "version": f"pairs-margin-{PREPROCESSING_VERSION}"}
-        )  # fmt: skip
-        build = lambda scratch: _build(sources, self.tokenizer, config, self.cache_dir, scratch)  # noqa: E731
-        dataset, stats, cached = self.cached(key, build, f"{name} tokenisation")
-        log.info("%s pairs: %d (%s); %s", name, len(dataset), "cached" if cached else "tokenised", stats)
-        if stats["truncated"] or stats["dropped"]:
-            log.warning("%s pairs: %d truncated and %d dropped at max_seq_length=%d", name,
-                        stats["truncated"], stats["dropped"], config.max_seq_length)  # fmt: skip
-        return Tokenised(dataset, key, dict(stats))
+        return tokenise_cached(self, sources, name, "pairs", "pairs-margin", _build)
 
     def split(self, train: Tokenised) -> tuple[Tokenised, Tokenised]:
         return held_out_pairs(train, self.config.eval_split_ratio, self.config.seed)
@@ -105,6 +93,28 @@ class PreferencePipeline(Pipeline):
         keys = {"train": train.key, **({"eval": evaluation.key} if evaluation else {})}
         return PreferenceData(tokenizer=self.tokenizer, train=train.dataset, eval=evaluation and evaluation.dataset,
                               keys=keys, stats={**train.stats, **self.notes})  # fmt: skip
+
+
+def tokenise_cached(pipeline: Pipeline, sources: list[DataSource], name: str, unit: str, version: str, build):
+    """`sources` tokenised by `build(sources, tokenizer, config, cache_dir, scratch)` into the pipeline's cache,
+    keyed by the sources, the tokenizer and the length settings (`version` names the layout); logged in `unit`s
+    (pairs, KTO's rows), with a warning for those cut or dropped at max_seq_length."""
+    config, log = pipeline.config, pipeline.log
+    key = fingerprint(
+        {unit: fingerprint_sources(sources), "tokenizer": tokenizer_fingerprint(pipeline.tokenizer),
+         "max_seq_length": config.max_seq_length, "overlong": config.overlong_examples,
+         "version": f"{version}-{PREPROCESSING_VERSION}"}
+    )  # fmt: skip
+    dataset, stats, cached = pipeline.cached(
+        key,
+        lambda scratch: build(sources, pipeline.tokenizer, config, pipeline.cache_dir, scratch),
+        f"{name} tokenisation",
+    )
+    log.info("%s %s: %d (%s); %s", name, unit, len(dataset), "cached" if cached else "tokenised", stats)
+    if stats["truncated"] or stats["dropped"]:
+        log.warning("%s %s: %d truncated and %d dropped at max_seq_length=%d", name, unit,
+                    stats["truncated"], stats["dropped"], config.max_seq_length)  # fmt: skip
+    return Tokenised(dataset, key, dict(stats))
 
 
 def held_out_pairs(train: Tokenised, ratio: float, seed: int) -> tuple[Tokenised, Tokenised]:

@@ -26,7 +26,7 @@ from typing import Any
 import datasets
 import torch
 
-from ..data.cache import PREPROCESSING_VERSION, fingerprint, tokenizer_fingerprint
+from ..data.cache import fingerprint
 from ..data.collate import PadCollator
 from ..data.formats import as_messages
 from ..data.pipeline import Pipeline, PreparedData, Tokenised
@@ -40,6 +40,7 @@ from .data import (
     held_out_pairs,
     preference_pair,
     prompt_and_response_texts,
+    tokenise_cached,
     write_synthetic_preferences,
 )
 
@@ -89,19 +90,7 @@ class KTOPipeline(Pipeline):
         return setup_chat_template(tokenizer, config.chat_template, config.trust_remote_code, self.log)
 
     def tokenise(self, sources: list[DataSource], name: str) -> Tokenised:
-        config, log = self.config, self.log
-        key = fingerprint(
-            {"rows": fingerprint_sources(sources), "tokenizer": tokenizer_fingerprint(self.tokenizer),
-             "max_seq_length": config.max_seq_length, "overlong": config.overlong_examples,
-             "version": f"kto-rows-{PREPROCESSING_VERSION}"}
-        )  # fmt: skip
-        build = lambda scratch: _build(sources, self.tokenizer, config, self.cache_dir, scratch)  # noqa: E731
-        dataset, stats, cached = self.cached(key, build, f"{name} tokenisation")
-        log.info("%s rows: %d (%s); %s", name, len(dataset), "cached" if cached else "tokenised", stats)
-        if stats["truncated"] or stats["dropped"]:
-            log.warning("%s rows: %d truncated and %d dropped at max_seq_length=%d", name,
-                        stats["truncated"], stats["dropped"], config.max_seq_length)  # fmt: skip
-        return Tokenised(dataset, key, dict(stats))
+        return tokenise_cached(self, sources, name, "rows", "kto-rows", _build)
 
     def split(self, train: Tokenised) -> tuple[Tokenised, Tokenised]:
         return held_out_pairs(train, self.config.eval_split_ratio, self.config.seed)
