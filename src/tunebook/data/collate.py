@@ -11,7 +11,15 @@ import torch
 from ..models.attention import BLOCK_MASK_PREFIX, document_kv_blocks
 from .tokenize import IGNORE_INDEX
 
-__all__ = ["PackedCollator", "PadCollator", "PairCollator", "PromptCollator", "loss_positions", "padded_length"]
+__all__ = [
+    "PackedCollator",
+    "PadCollator",
+    "PairCollator",
+    "PromptCollator",
+    "left_padded",
+    "loss_positions",
+    "padded_length",
+]
 
 
 def padded_length(features: list[dict[str, Any]], pad_to_multiple_of: int | None) -> int:
@@ -146,6 +154,18 @@ class PairCollator:
         return batch
 
 
+def left_padded(rows: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of token rows padded on the left, so that generation continues every row at the
+    same position."""
+    longest = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), longest), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), longest), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, longest - len(row) :] = torch.as_tensor(row, dtype=torch.long)
+        attention_mask[i, longest - len(row) :] = 1
+    return input_ids, attention_mask
+
+
 class PromptCollator:
     """Left-pad the prompts (everything before the last assistant turn) and keep the reference answers' ids."""
 
@@ -153,13 +173,8 @@ class PromptCollator:
         self.pad_token_id = pad_token_id
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
-        prompts = [f["input_ids"][: f["prompt_length"]] for f in features]
-        longest = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), longest), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(prompts), longest), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            input_ids[i, longest - len(p) :] = torch.as_tensor(p)
-            attention_mask[i, longest - len(p) :] = 1
+        input_ids, attention_mask = left_padded([f["input_ids"][: f["prompt_length"]] for f in features],
+                                                self.pad_token_id)  # fmt: skip
         references = [
             [
                 t

@@ -51,6 +51,7 @@ from lm_eval.models.utils import (
 from lm_eval.models.utils_hf import stop_sequences_criteria
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from ..data.collate import left_padded
 from ..errors import ConfigError, DataError
 from ..models.wrappers import unwrap
 from ..progress import progress_bar
@@ -226,12 +227,8 @@ class TunebookLM(TemplateLM):
             raise ConfigError(f"lm-eval task: max_gen_toks {max_gen_toks} leaves no room for a prompt in the model's "
                               f"max_length {self.max_length}")  # fmt: skip
         contexts = [c[-(self.max_length - max_gen_toks) :] for c in contexts]
-        width = max(map(len, contexts))
-        ids = torch.full((len(contexts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(contexts), width), dtype=torch.long)
-        for r, context in enumerate(contexts):
-            ids[r, width - len(context) :] = torch.tensor(context)
-            mask[r, width - len(context) :] = 1
+        ids, mask = left_padded(contexts, self.pad_id)
+        width = ids.shape[1]
         if not kwargs.get("do_sample"):  # greedy: the generation config's sampling settings do not apply
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         out = self.inner.generate(

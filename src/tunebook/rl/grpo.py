@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from ..data.collate import PadCollator, loss_positions
+from ..data.collate import PadCollator, left_padded, loss_positions
 from ..data.tokenize import IGNORE_INDEX
 from ..evaluation.generate import stop_token_ids as stop_tokens  # recipes' name for the one stop-token rule
 from ..training.compilation import eager
@@ -151,12 +151,8 @@ def sample_with_log_probs(model, prompt_ids: list[list[int]], seeds: list[int], 
                           record: bool = True) -> tuple[list[list[int]], list[list[float]] | None]:  # fmt: skip
     """`sample_completions`, and (with `record`, not greedy) each completion token's log-probability under the
     sampling model's softmax(logits / temperature): what a generation backend reports next to its tokens."""
-    longest = max(len(p) for p in prompt_ids)
-    input_ids = torch.full((len(prompt_ids), longest), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for i, p in enumerate(prompt_ids):  # left-padded: every completion starts at the same position
-        input_ids[i, longest - len(p) :] = torch.as_tensor(p)
-        attention_mask[i, longest - len(p) :] = 1
+    input_ids, attention_mask = left_padded(prompt_ids, pad_token_id)  # every completion starts at one position
+    longest = input_ids.shape[1]
     was_training = model.training
     model.eval()
     sampler = None if greedy else SeededSampling(seeds, temperature, top_p, record_log_probs=record)
