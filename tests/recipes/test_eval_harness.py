@@ -11,6 +11,8 @@ import pytest
 from recipe_runs import _records, _run, _weights, _without_rates
 from support import TINY_TEST_MODEL, assert_png, launch, write_harness_tasks
 
+from tunebook.recipe import RECIPES, recipe_config_class
+
 if importlib.util.find_spec("lm_eval") is None:  # not importorskip: lm-eval is imported as tunebook imports it
     pytest.skip('lm-evaluation-harness is not installed: pip install "tunebook[eval]"', allow_module_level=True)
 
@@ -87,3 +89,29 @@ def test_a_run_built_in_python_with_a_task_that_is_not_one_stops_at_its_start(tm
     with pytest.raises(ConfigError, match=r"^eval_harness_tasks: .*missing\.yaml: no such task YAML file$"):
         _run("sft", tmp_path / "run", tmp_path / "cache", eval_harness_tasks=[str(tmp_path / "missing.yaml")])
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # before anything trained or was written
+
+
+# Every recipe that trains a causal LM gets the harness from the loop, with no code of its own (sft above, in full).
+HARNESS_RECIPES = [
+    n for n in RECIPES if n != "sft" and "eval_harness_tasks" in recipe_config_class(n).__dataclass_fields__
+]
+
+
+@pytest.mark.parametrize("name", HARNESS_RECIPES)
+def test_every_causal_lm_recipe_reports_the_harness_figures_of_the_model_it_saves(name, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tunebook.evaluation.harness import harness_figures, run_harness
+
+    assert {"pretrain", "dpo", "kto", "grpo", "distill"} <= set(HARNESS_RECIPES)
+    tasks = write_harness_tasks(tmp_path / "tasks", rows=8)
+    names = [str(tasks["choice"])]
+    summary = _run(name, tmp_path / "run", tmp_path / "cache", eval_harness_tasks=names, max_steps=2)
+    final = [r for r in _records(tmp_path / "run") if "harness/tiny_choice/acc" in r]
+    assert [r["step"] for r in final] == [2]
+    assert summary["eval_harness"]["tasks"] == {"tiny_choice": {"acc": final[0]["harness/tiny_choice/acc"]}}
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "run")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "run")
+    chat = summary["eval_harness"]["chat_template"]
+    again = harness_figures(run_harness(model, tokenizer, names, batch_size=8, chat_template=chat))
+    assert again == {k: v for k, v in final[0].items() if k != "step"}

@@ -109,7 +109,9 @@ def report_figure(run_dirs: list[str | Path]):
             for key, label, style in series_here:
                 points = run.points(key)
                 if points:
-                    marker = {"marker": "o"} if len(points) == 1 and "o" not in style else {}  # one point: no line
+                    marker = (
+                        {"marker": "o"} if len(points) == 1 and not set(style) & set("os") else {}
+                    )  # one point: no line
                     ax.plot(*zip(*points), style, label=(prefix + label).strip() or None, markersize=3, **marker,
                             **color)  # fmt: skip
                     values += [v for _, v in points]
