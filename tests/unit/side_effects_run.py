@@ -41,7 +41,7 @@ def state(trained: bool = False) -> dict:
     }
 
 
-def main(work: str, workers: int) -> None:
+def main(work: str, workers: int, harness: bool = False) -> None:
     import os
 
     os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TUNEBOOK_CACHE=work)
@@ -56,7 +56,7 @@ def main(work: str, workers: int) -> None:
 
     matplotlib.use("svg")  # not Agg, as a notebook's `%matplotlib inline` is not
     before = state()
-    from support import TINY_TEST_MODEL
+    from support import TINY_TEST_MODEL, write_harness_tasks
 
     from tunebook import load_recipe
 
@@ -66,6 +66,8 @@ def main(work: str, workers: int) -> None:
                         per_device_train_batch_size=4, disable_tqdm=True, report_to="none", eval_on_start=False,
                         generation_eval=False, dataloader_num_workers=workers, output_dir=f"{work}/out",
                         cache_dir=f"{work}/cache")  # fmt: skip
+    if harness:  # lm-evaluation-harness at the end (lm-eval imported by the run, as a user's config asks)
+        config.eval_harness_tasks = [str(write_harness_tasks(Path(work) / "tasks", rows=4)["choice"])]
     sft.main(config)
     after = state(trained=(Path(work) / "out" / "metrics.jsonl").is_file())
     # The run's own exit handlers (the libraries' for its DataLoader workers and ours that kills them, should one be
@@ -76,4 +78,4 @@ def main(work: str, workers: int) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for conftest
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3:] == ["harness"])

@@ -18,10 +18,10 @@ from support import ROOT
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_a_run_from_python_leaves_the_process_as_it_was(tmp_path, workers):
+@pytest.mark.parametrize("workers, extra", [(0, []), (2, []), (0, ["harness"])], ids=["0", "2", "harness"])
+def test_a_run_from_python_leaves_the_process_as_it_was(tmp_path, workers, extra):
     script = Path(__file__).with_name("side_effects_run.py")
-    result = subprocess.run([sys.executable, str(script), str(tmp_path), str(workers)], capture_output=True,
+    result = subprocess.run([sys.executable, str(script), str(tmp_path), str(workers), *extra], capture_output=True,
                             text=True, cwd=ROOT, timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     before, after = json.loads(result.stdout.splitlines()[-1])
