@@ -17,7 +17,7 @@ import torch
 from ..data.collate import PadCollator
 from ..data.tokenize import IGNORE_INDEX
 from ..evaluation.generate import stop_token_ids
-from ..rl.generation import GenerationBackend, Sampling
+from ..rl.generation import GenerationBackend, Sampling, stop_id_tuple
 from ..rl.grpo import completion_seed
 
 __all__ = ["batch_prompts", "completion_sampling", "is_on_policy_step", "sampled_batch"]
@@ -47,10 +47,10 @@ def batch_prompts(batch: dict[str, torch.Tensor]) -> list[list[int]]:
 def completion_sampling(config, model, tokenizer) -> Sampling:
     """How completions are sampled: at `temperature` (the loss's), at most `max_new_tokens`, until a stop token of
     the model's (`stop_token_ids`: the chat template's end of turn too)."""
-    stops = stop_token_ids(model, tokenizer)
-    stops = [] if stops is None else [stops] if isinstance(stops, int) else list(stops)
-    return Sampling(config.max_new_tokens, config.temperature, stop_token_ids=tuple(stops),
-                    pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    stops = stop_id_tuple(stop_token_ids(model, tokenizer))
+    return Sampling(
+        config.max_new_tokens, config.temperature, stop_token_ids=stops, pad_token_id=tokenizer.pad_token_id
+    )
 
 
 def sampled_batch(backend: GenerationBackend, batch: dict[str, torch.Tensor], sampling: Sampling, config, step: int,

@@ -23,7 +23,7 @@ from ..data.tokenize import render_chat
 from ..errors import ConfigError, TunebookError
 from ..user_code import load_function, user_failure
 from .environments import Environment, ToolEnvironment, load_tools
-from .generation import Generated, GenerationBackend, Sampling
+from .generation import Generated, GenerationBackend, Sampling, stop_id_tuple
 from .grpo import sample_completions
 from .tool_calls import ToolCallFormat, observation_text
 
@@ -169,8 +169,8 @@ def load_episodes(config, tokenizer, stop_token_ids) -> EpisodeRunner | None:
     """The runner of a GRPO config's episodes (`tools`, or `environment`), or None: single-turn completions."""
     if not (config.tools or config.environment):
         return None
-    stops = stop_token_ids if isinstance(stop_token_ids, list) else [stop_token_ids]
-    sampling = Sampling(config.max_new_tokens, config.temperature, config.top_p, tuple(stops), tokenizer.pad_token_id)
+    sampling = Sampling(config.max_new_tokens, config.temperature, config.top_p, stop_id_tuple(stop_token_ids),
+                        tokenizer.pad_token_id)  # fmt: skip
     environment = ToolEnvironment(load_tools(config.tools)) if config.tools else _user_environment(config.environment)
     return EpisodeRunner(environment, tokenizer, ToolCallFormat.from_template(tokenizer), sampling,
                          config.max_tool_calling_iterations, config.episode_tokens())  # fmt: skip

@@ -24,7 +24,7 @@ import torch
 from ..models.wrappers import unwrap
 from .grpo import sample_with_log_probs
 
-__all__ = ["Generated", "GenerationBackend", "Sampling", "TransformersBackend"]
+__all__ = ["Generated", "GenerationBackend", "Sampling", "TransformersBackend", "stop_id_tuple"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,11 @@ class Sampling:
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
+
+
+def stop_id_tuple(ids: int | list[int] | tuple[int, ...] | None) -> tuple[int, ...]:
+    """`evaluation.generate.stop_token_ids`'s answer (one id, several, or none) as `Sampling.stop_token_ids`."""
+    return () if ids is None else (ids,) if isinstance(ids, int) else tuple(ids)
 
 
 @dataclass

@@ -26,7 +26,7 @@ import torch
 
 from ..models.wrappers import unwrap
 from .episodes import Episodes
-from .generation import Generated, GenerationBackend, Sampling
+from .generation import Generated, GenerationBackend, Sampling, stop_id_tuple
 from .grpo import Rollouts, completion_log_probs, completion_seed, group_advantages, rollout_rows, stop_tokens
 from .mismatch import importance_weights
 from .prompts import reward_inputs
@@ -69,7 +69,7 @@ class RolloutSource:
         policy = unwrap(model)
         self.sampling = Sampling(
             max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_p=config.top_p,
-            stop_token_ids=tuple(_as_list(stop_tokens(policy, data.tokenizer))),
+            stop_token_ids=stop_id_tuple(stop_tokens(policy, data.tokenizer)),
             pad_token_id=data.tokenizer.pad_token_id,
         )  # fmt: skip
         # the weights the engine holds: those it started from (the run's, resumed or not), or none it got from us
@@ -211,10 +211,6 @@ class RolloutSource:
         if self.thread is not None:
             self.thread.shutdown(wait=True)
         self.backend.close()
-
-
-def _as_list(ids) -> list[int]:
-    return list(ids) if isinstance(ids, (list, tuple)) else [ids]
 
 
 class PendingRollouts:

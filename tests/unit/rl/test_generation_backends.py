@@ -9,7 +9,7 @@ from rl_policies import policy as _policy
 from rl_policies import rollouts as _rollouts
 from rl_policies import tolerance as _tolerance
 
-from tunebook.rl.generation import Sampling, TransformersBackend
+from tunebook.rl.generation import Sampling, TransformersBackend, stop_id_tuple
 from tunebook.rl.grpo import completion_log_probs, sample_completions
 
 
@@ -99,3 +99,10 @@ def test_async_generation_with_the_transformers_backend_refuses_a_sharded_model(
     config = SimpleNamespace(use_vllm=False, async_generation=True)
     with pytest.raises(ConfigError, match="sharded model"):
         make_backend(config, model, SimpleNamespace(device="cpu"), SimpleNamespace(processor=None), None)
+
+
+def test_stop_ids_whatever_stop_token_ids_answers_become_samplings_tuple():
+    """One id, several (a list or a tuple) or none (a tokenizer without EOS): the tuple every backend reads."""
+    assert stop_id_tuple(7) == (7,)
+    assert stop_id_tuple([7, 9]) == (7, 9) and stop_id_tuple((7, 9)) == (7, 9)
+    assert stop_id_tuple(None) == ()
